@@ -1,0 +1,74 @@
+"""The ``mpcourse`` command line: ``mpcourse compare`` and ``mpcourse recipes``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import emulation
+from .data import CorpusError, load_corpus
+from .recipes import RECIPES
+from .train import TrainConfig
+
+
+def _recipe_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown recipe(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(RECIPES)}")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpcourse", description="Mixed-precision training, checked.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
+    c.add_argument("--recipes", type=_recipe_list, default=None,
+                   help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
+    c.add_argument("--steps", type=_positive, default=TrainConfig.steps, help="optimizer steps per recipe (default %(default)s)")
+    c.add_argument("--batch-size", type=_positive, default=TrainConfig.batch_size, help="sequences per step (default %(default)s)")
+    c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
+    c.add_argument("--seed", type=int, default=0, help="seed for the model init and the batch order (default 0)")
+    c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
+    c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    sub.add_parser("recipes", help="list the registered recipes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "recipes":
+        width = max(map(len, RECIPES))
+        for name, cls in RECIPES.items():
+            print(f"{name.ljust(width)}  {cls.description}")
+        return 0
+    try:
+        corpus = load_corpus(args.data)
+    except CorpusError as e:
+        print(f"mpcourse compare: error: {e}", file=sys.stderr)
+        return 2
+    from .compare import run_compare
+
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+    recipes = args.recipes or list(RECIPES)
+    print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
+          f"unigram entropy {corpus.unigram_entropy():.3f} nats")
+    print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
+    print(f"tensor cores: {emulation.status()}")
+    t0 = time.time()
+    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress)
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

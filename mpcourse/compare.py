@@ -1,0 +1,96 @@
+"""``mpcourse compare``: train one model under every precision recipe and report side by side.
+
+For each recipe: final train and validation loss and the gap to FP32, skipped steps, the final
+loss scale, tokens per second, bytes per parameter (weights + gradients + master copy + optimizer
+state) and the activation bytes of one step. Writes ``DIR/results.json`` (one object per recipe,
+``RunResult.to_dict()``) and ``DIR/loss_curves.png``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .data import Corpus
+from .train import RunResult, TrainConfig, train
+
+
+def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
+    """Relative gap of the final validation loss to the reference's, in percent (positive: worse)."""
+    if reference is None or not math.isfinite(reference.final_val_loss):
+        return None
+    return 100.0 * (result.final_val_loss - reference.final_val_loss) / reference.final_val_loss
+
+
+def _fmt(x, spec):
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else "inf"
+    return format(x, spec)
+
+
+def format_table(results: list[RunResult]) -> str:
+    """The comparison table as monospaced text (one row per recipe)."""
+    ref = next((r for r in results if r.recipe == "fp32"), None)
+    head = ["recipe", "train", "val", "gap%", "skipped", "scale", "tok/s",
+            "B/param w+g+m+o=total", "act MB"]
+    rows = []
+    for r in results:
+        b = r.bytes_per_param
+        total = sum(b.get(k, 0) for k in ("weights", "grads", "master", "optimizer", "extra"))
+        mem = (f"{b.get('weights', 0):g}+{b.get('grads', 0):g}+{b.get('master', 0):g}+"
+               f"{b.get('optimizer', 0):g}" + (f"+{b['extra']:g}" if b.get("extra") else "") + f"={total:g}")
+        val = _fmt(r.final_val_loss, ".3f")
+        if r.diverged_at is not None:
+            val = f"nan@{r.diverged_at}"
+        rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
+                     str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
+                     mem, _fmt(r.activation_bytes / 2**20, ".1f")])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plot_curves(results: list[RunResult], path: Path) -> None:
+    """Save training-loss curves (thin) and validation points (markers) of every recipe."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in results:
+        steps = [h["step"] for h in r.history]
+        losses = [h["loss"] for h in r.history]
+        (line,) = ax.plot(steps, losses, lw=0.9, alpha=0.8, label=r.recipe)
+        val = [(h["step"], h["val_loss"]) for h in r.history if "val_loss" in h]
+        if val:
+            ax.plot(*zip(*val), "o", color=line.get_color(), ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/char); dots: validation")
+    ax.set_ylim(top=4.0)
+    ax.set_title("mpcourse compare: one model, every precision recipe")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
+                progress: bool = True, echo=print) -> list[RunResult]:
+    """Train every recipe in ``recipes`` on ``corpus``; print the table; write JSON and plot to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in recipes:
+        results.append(train(name, corpus, cfg, progress=progress))
+    echo(format_table(results))
+    payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
+               "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seed": cfg.seed,
+                          "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
+                          "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr},
+               "results": [r.to_dict() for r in results]}
+    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
+    plot_curves(results, out / "loss_curves.png")
+    return results

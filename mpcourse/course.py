@@ -1,0 +1,184 @@
+"""Course tooling: exercises generated from solutions, notebooks executed with stored outputs.
+
+One source, two notebooks. Each lesson's exercise is written once, as ``solutions/NN_name.ipynb``,
+with the parts the learner writes between nbgrader-style markers::
+
+    def round_to_bf16(x):
+        \"\"\"docstring and formula stay in the exercise\"\"\"
+        ### BEGIN SOLUTION
+        ...the reference code...
+        ### END SOLUTION
+
+``exercises/NN_name.ipynb`` is *generated* from it: each marked block becomes
+``raise NotImplementedError(...)`` under a ``# YOUR CODE HERE`` line, at the same indentation, and
+everything else (markdown, docstrings, check cells and the *stored outputs*, i.e. the PASS verdicts a
+correct solution prints) is kept. So nbval grades a completed exercise against the same outputs as
+the solution, and a shipped exercise fails its checks. Cells tagged ``check`` call graders from
+``mpcourse.grading``.
+
+Commands (contributors)::
+
+    python -m mpcourse.course execute notebooks/00_number_formats.ipynb solutions/00_number_formats.ipynb
+    python -m mpcourse.course exercises          # regenerate every exercises/*.ipynb from solutions/
+    python -m mpcourse.course check              # fail if exercises/ drifted from solutions/
+    python -m mpcourse.course from-script lesson.py notebooks/NN_name.ipynb   # jupytext percent -> executed notebook
+
+``tests/test_course.py`` runs ``check`` in CI, so the two cannot drift.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+_BLOCK = re.compile(r"^([ \t]*)" + re.escape(BEGIN) + r"[ \t]*\n.*?^[ \t]*" + re.escape(END) + r"[ \t]*$\n?",
+                    re.MULTILINE | re.DOTALL)
+
+
+class CourseError(ValueError):
+    """A malformed solution notebook (unbalanced markers) or a drifted exercise."""
+
+
+def strip_solutions(source: str) -> str:
+    """Replace every ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` block by a stub at its indentation.
+
+    Raises:
+        CourseError: a BEGIN without its END (or the reverse).
+    """
+    out = _BLOCK.sub(lambda m: f"{m.group(1)}# YOUR CODE HERE\n{m.group(1)}{STUB}\n", source)
+    if BEGIN in out or END in out:
+        raise CourseError("unbalanced solution markers: every '### BEGIN SOLUTION' needs a "
+                          "matching '### END SOLUTION' in the same cell")
+    return out.rstrip("\n") if not source.endswith("\n") else out
+
+
+def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The exercise notebook for a solution notebook (outputs kept; see the module docstring).
+
+    Raises:
+        CourseError: the solution has no marked block, or no cell tagged ``check``.
+    """
+    nb = copy.deepcopy(solution)
+    marked = checks = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if BEGIN in cell.source:
+            cell.source = strip_solutions(cell.source)
+            marked += 1
+        checks += "check" in cell.metadata.get("tags", [])
+    if not marked:
+        raise CourseError("a solution notebook needs at least one '### BEGIN SOLUTION' block")
+    if not checks:
+        raise CourseError("a solution notebook needs at least one code cell tagged 'check'")
+    nb.metadata["mpcourse"] = {"generated_from": "solutions (python -m mpcourse.course exercises)"}
+    return nb
+
+
+def exercise_pairs(root: Path = ROOT):
+    """(solution path, exercise path) for every solution notebook."""
+    for sol in sorted((root / "solutions").glob("*.ipynb")):
+        yield sol, root / "exercises" / sol.name
+
+
+def write_exercises(root: Path = ROOT) -> list[Path]:
+    written = []
+    for sol, ex in exercise_pairs(root):
+        nb = make_exercise(nbformat.read(sol, as_version=4))
+        nbformat.write(nb, ex)
+        written.append(ex)
+    return written
+
+
+def check_drift(root: Path = ROOT) -> list[str]:
+    """Problems found: exercises missing, stale or extra relative to ``solutions/``. Empty list: in sync."""
+    problems = []
+    for sol, ex in exercise_pairs(root):
+        if not ex.exists():
+            problems.append(f"{ex.relative_to(root)} is missing")
+            continue
+        want = make_exercise(nbformat.read(sol, as_version=4))
+        have = nbformat.read(ex, as_version=4)
+        if nbformat.writes(want) != nbformat.writes(have):
+            problems.append(f"{ex.relative_to(root)} differs from what {sol.relative_to(root)} generates")
+    solutions = {p.name for p in (root / "solutions").glob("*.ipynb")}
+    for ex in sorted((root / "exercises").glob("*.ipynb")):
+        if ex.name not in solutions:
+            problems.append(f"{ex.relative_to(root)} has no solution notebook")
+    return problems
+
+
+def _normalise(nb: nbformat.NotebookNode) -> None:
+    """Drop machine- and run-specific metadata so re-executing gives a stable file."""
+    nb.metadata.pop("widgets", None)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        cell.metadata.pop("collapsed", None)
+        cell.pop("id", None)
+    nbformat.validator.normalize(nb)
+
+
+def execute(path: Path, timeout: int = 600) -> None:
+    """Run a notebook top to bottom in its folder (fixed seeds are the notebook's job) and store its outputs."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    _normalise(nb)
+    nbformat.write(nb, path)
+
+
+def from_script(script: Path, out: Path) -> None:
+    """Convert a jupytext percent-format script to a notebook and execute it (authoring helper)."""
+    import jupytext
+
+    nb = jupytext.read(script)
+    nb.metadata.pop("jupytext", None)
+    nbformat.write(nb, out)
+    execute(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mpcourse.course", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("execute", help="execute notebooks in place, storing outputs")
+    e.add_argument("paths", nargs="+", type=Path)
+    sub.add_parser("exercises", help="regenerate exercises/ from solutions/")
+    sub.add_parser("check", help="exit 1 if exercises/ drifted from solutions/")
+    s = sub.add_parser("from-script", help="jupytext percent script -> executed notebook")
+    s.add_argument("script", type=Path)
+    s.add_argument("out", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "execute":
+        for path in args.paths:
+            execute(path)
+            print(f"executed {path}")
+    elif args.cmd == "exercises":
+        for path in write_exercises():
+            print(f"wrote {path.relative_to(ROOT)}")
+    elif args.cmd == "check":
+        problems = check_drift()
+        for line in problems:
+            print(line)
+        if problems:
+            print("run: python -m mpcourse.course exercises")
+            return 1
+        print("exercises/ is in sync with solutions/")
+    elif args.cmd == "from-script":
+        from_script(args.script, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

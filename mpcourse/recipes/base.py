@@ -1,0 +1,157 @@
+"""The precision-recipe interface and its registry.
+
+A *recipe* decides, for one training run, how each of the four parts of a step is done in which
+precision:
+
+    model      ``prepare_model``    what dtype the parameters live in (FP32, FP16, BF16, FP8 layers)
+    forward    ``forward_context``  a region the forward pass runs in (autocast, FP8 autocast, none)
+    backward   ``backward``         how the loss is turned into gradients (scaled or not)
+    step       ``step``             how gradients update the weights (master copy, loss-scaler
+                                    skip/update, stochastic rounding, Kahan compensation)
+
+The training loop (``mpcourse.train``) calls only these methods, so a new recipe is one small
+class: subclass ``Recipe``, override what differs, decorate it with ``@register``. Every recipe
+gets the same FP32-initialised model, the same batches and the same optimizer hyper-parameters;
+only precision differs. ``mpcourse recipes`` lists the registry.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+RECIPES: dict[str, type["Recipe"]] = {}
+
+
+def register(cls: type["Recipe"]) -> type["Recipe"]:
+    """Class decorator: add a recipe to ``RECIPES`` under ``cls.name`` (registration order is table order)."""
+    if not cls.name or cls.name in RECIPES:
+        raise ValueError(f"recipe name {cls.name!r} is empty or already registered")
+    RECIPES[cls.name] = cls
+    return cls
+
+
+def get_recipe(name: str) -> type["Recipe"]:
+    """The recipe class registered as ``name``; ``KeyError`` listing the known names otherwise."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise KeyError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)} "
+                       "(run `mpcourse recipes`)") from None
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer hyper-parameters shared by every recipe (AdamW, as nanoGPT).
+
+    Attributes:
+        lr: learning rate (default 3e-3, constant after ``warmup_steps``).
+        betas: Adam betas (default (0.9, 0.99)).
+        eps: Adam epsilon (default 1e-8; note: 0 in FP16, the point of lesson 02).
+        weight_decay: decoupled weight decay (default 0.0).
+        grad_clip: max global gradient norm after unscaling (default 1.0; 0 disables).
+        warmup_steps: linear learning-rate warm-up (default 20).
+    """
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: ``skipped`` (inf/NaN gradients) and the loss scale in force (None: no scaling)."""
+
+    skipped: bool = False
+    loss_scale: float | None = None
+
+
+class Recipe:
+    """Base recipe: plain FP32 training with AdamW. Subclasses override what differs.
+
+    Args:
+        model: an FP32 model (``mpcourse.model.GPT``), freshly initialised; the recipe may cast or
+            convert it in ``prepare_model``.
+        optim: optimizer hyper-parameters.
+
+    Attributes:
+        model: the model as trained (after ``prepare_model``).
+        optimizer: the ``torch.optim`` optimizer that steps (over master params where a recipe keeps them).
+    """
+
+    name: str = ""
+    description: str = ""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig | None = None):
+        self.optim = optim or OptimConfig()
+        self.model = self.prepare_model(model)
+        self.optimizer = self.make_optimizer(list(self.model.parameters()))
+
+    # -- the four decisions ---------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        o = self.optim
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    def forward_context(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> StepResult:
+        self.clip_grads(self.optimizer)
+        self.optimizer.step()
+        return StepResult()
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def clip_grads(self, optimizer: torch.optim.Optimizer) -> float | None:
+        """Clip the global norm of ``optimizer``'s (unscaled) gradients to ``optim.grad_clip``."""
+        if not self.optim.grad_clip:
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held, by kind: ``weights`` (model parameters), ``grads`` (every gradient tensor
+        alive, model and master), ``master`` (optimizer parameters that are not model parameters:
+        the FP32 master copy), ``optimizer`` (optimizer state tensors, e.g. Adam's two moments; scalar step counters not counted) and
+        ``extra`` (recipe-specific buffers such as Kahan compensation or FP8 scaling state).
+        Call after ``step()`` and before ``zero_grad()``."""
+        model_params = {id(p): p for p in self.model.parameters()}
+        opt_params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        nbytes = lambda t: t.numel() * t.element_size()
+        out = dict(weights=sum(nbytes(p) for p in model_params.values()),
+                   master=sum(nbytes(p) for i, p in opt_params.items() if i not in model_params),
+                   grads=sum(nbytes(p.grad) for p in {**model_params, **opt_params}.values()
+                             if p.grad is not None),
+                   optimizer=sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0),  # not step counters
+                   extra=self.extra_bytes())
+        return out
+
+    def extra_bytes(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: model and optimizer state (subclasses add scaler, master, FP8 state)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

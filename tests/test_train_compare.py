@@ -1,0 +1,110 @@
+"""The training loop, the recipe registry and `mpcourse compare` end to end (small runs)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mpcourse.compare import format_table, gap_percent
+from mpcourse.data import load_corpus
+from mpcourse.model import GPTConfig
+from mpcourse.recipes import RECIPES, get_recipe
+from mpcourse.train import TrainConfig, train
+
+SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def small(steps=6, **kw):
+    return TrainConfig(steps=steps, batch_size=4, eval_interval=3, eval_batches=2, model=SMALL, **kw)
+
+
+def test_registry_has_the_anchor_recipes_in_order():
+    assert list(RECIPES)[:4] == ["fp32", "torch-amp-bf16", "torch-amp-fp16", "fp16-pure"]
+    assert all(cls.description for cls in RECIPES.values())
+    with pytest.raises(KeyError, match="known recipes"):
+        get_recipe("fp7")
+
+
+def test_same_seed_same_bits_and_other_seed_differs(corpus):
+    a = train("fp32", corpus, small(), progress=False)
+    b = train("fp32", corpus, small(), progress=False)
+    c = train("fp32", corpus, small(seed=1), progress=False)
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+    assert a.final_val_loss == b.final_val_loss
+    assert [h["loss"] for h in a.history] != [h["loss"] for h in c.history]
+
+
+def test_fp32_bytes_per_param_is_4_4_0_8(corpus):
+    r = train("fp32", corpus, small(2), progress=False)
+    assert r.bytes_per_param == {"weights": 4, "master": 0, "grads": 4, "optimizer": 8, "extra": 0}
+    assert r.activation_bytes > 0 and r.tokens_per_s > 0
+
+
+def test_fp16_pure_breaks_visibly(corpus):
+    r = train("fp16-pure", corpus, small(), progress=False)
+    # AdamW in FP16: eps 1e-8 is 0 and small g**2 underflows, so m / (sqrt(v) + eps) = 0/0 = NaN.
+    assert r.bytes_per_param["weights"] == 2 and r.bytes_per_param["optimizer"] == 4
+    assert r.diverged_at is not None and math.isnan(r.final_val_loss)
+    assert r.steps_run == r.diverged_at + 1
+
+
+def test_torch_amp_fp16_reports_scale_and_skips(corpus):
+    r = train("torch-amp-fp16", corpus, small(), progress=False)
+    scales = [h["loss_scale"] for h in r.history]
+    assert scales[0] == 65536.0
+    # GradScaler halves the scale exactly on skipped steps; the record must agree with it.
+    for h, nxt in zip(r.history, r.history[1:]):
+        assert h["skipped"] == (nxt["loss_scale"] < h["loss_scale"])
+    assert r.skipped_steps == sum(h["skipped"] for h in r.history)
+
+
+def test_autocast_anchor_keeps_fp32_weights(corpus):
+    r = train("torch-amp-bf16", corpus, small(3), progress=False)
+    assert r.bytes_per_param["weights"] == 4 and math.isfinite(r.final_val_loss)
+
+
+def test_table_and_gap(corpus):
+    a = train("fp32", corpus, small(2), progress=False)
+    b = train("fp16-pure", corpus, small(2), progress=False)
+    assert gap_percent(a, a) == 0.0
+    text = format_table([a, b])
+    assert "fp32" in text.splitlines()[2] and "nan@" in text.splitlines()[3]
+
+
+def test_cli_compare_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "compare", "--recipes", "fp32,torch-amp-bf16",
+                           "--steps", "2", "--batch-size", "2", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch-amp-bf16" in proc.stdout and "gap%" in proc.stdout
+    data = json.loads((out / "results.json").read_text())
+    keys = {"final_train_loss", "final_val_loss", "skipped_steps", "final_loss_scale", "tokens_per_s",
+            "bytes_per_param", "activation_bytes", "history"}
+    assert [r["recipe"] for r in data["results"]] == ["fp32", "torch-amp-bf16"]
+    assert all(keys <= set(r) for r in data["results"])
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--data", "/no/such/file.txt"], "no such file"),
+    (["--recipes", "fp32,nope"], "unknown recipe"),
+    (["--steps", "0"], "positive integer"),
+])
+def test_cli_errors_name_the_fix(args, msg):
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "compare", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and msg in proc.stderr
+
+
+def test_cli_lists_recipes():
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "recipes"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert all(name in proc.stdout for name in RECIPES)
