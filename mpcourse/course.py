@@ -120,11 +120,11 @@ def _normalise(nb: nbformat.NotebookNode) -> None:
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nb.metadata["language_info"] = {"name": "python"}
-    for cell in nb.cells:
+    nb.nbformat_minor = max(nb.nbformat_minor, 5)
+    for i, cell in enumerate(nb.cells):
         cell.metadata.pop("execution", None)
         cell.metadata.pop("collapsed", None)
-        cell.pop("id", None)
-    nbformat.validator.normalize(nb)
+        cell["id"] = f"cell-{i:03d}"                    # stable ids: re-executing changes no line
 
 
 def execute(path: Path, timeout: int = 600) -> None:
