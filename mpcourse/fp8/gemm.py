@@ -1,0 +1,129 @@
+"""One FP8 GEMM through ``torch._scaled_mm``, with the rules that function imposes checked up front.
+
+``torch._scaled_mm(A, B, scale_a, scale_b, out_dtype)`` computes ``(A * scale_a) @ (B * scale_b)``
+with FP8 operands, FP32 accumulation and one rounding to ``out_dtype``; the scales are the
+*dequantization* (inverse) scales, float32 tensors of one element (per-tensor scaling).
+Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/float8_ops.py``):
+
+* CUDA: compute capability 8.9+ (Ada, Hopper, Blackwell: FP8 tensor cores); A row-major,
+  B column-major; ``A.size(1)``, ``B.size(0)``, ``B.size(1)`` divisible by 16; not both operands E5M2.
+* CPU (measured on torch 2.13): any shape, any layout, also E5M2 x E5M2, out_dtype float32, bfloat16,
+  float16 (or FP8). It upcasts both operands to FP32, multiplies by the scales and runs the FP32 GEMM,
+  so its result equals ``(float32(A) * scale_a) @ (float32(B) * scale_b)`` rounded to out_dtype, bit for bit.
+
+Policies here:
+* The layout rule and "at least one E4M3 operand" are enforced on every device, so code that runs on
+  the CPU also runs on a GPU.
+* The divisible-by-16 rule applies on CUDA only. There a shape that breaks it raises ValueError unless
+  ``pad_inner_dim=True`` (torchao's ``Float8LinearConfig.pad_inner_dim``), which zero-pads the operands
+  to multiples of 16 and slices the result back: the padding adds zero products, so the result is
+  unchanged. ``pad_inner_dim=True`` pads on the CPU too (the tests use that to check the padded path).
+* A CUDA GPU below 8.9, a ROCm GPU or another device type raises RuntimeError naming the fix.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tensor import Float8Tensor
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ALIGN = 16  # cuBLASLt FP8 GEMMs need these dimensions in multiples of 16
+
+
+def fp8_gemm_support_error(device_type: str, capability: tuple[int, int] | None = None,
+                           is_hip: bool = False) -> str | None:
+    """Why FP8 GEMMs cannot run on this device, or None if they can (pure function, testable anywhere)."""
+    if device_type == "cpu":
+        return None
+    if device_type == "cuda" and is_hip:
+        return ("FP8 linear layers here target NVIDIA's float8_e4m3fn/float8_e5m2 GEMMs; this ROCm GPU uses "
+                "the *fnuz FP8 variants. Train in BF16 instead, or run on the CPU.")
+    if device_type == "cuda":
+        if capability is not None and tuple(capability) >= (8, 9):
+            return None
+        return (f"FP8 GEMMs need tensor cores of compute capability 8.9 or newer (Ada, Hopper, Blackwell: "
+                f"L4, L40, RTX 40xx, H100, H200, B200); this GPU has {capability}. Use a BF16 recipe on this "
+                "GPU, or run the FP8 recipe on the CPU, where torch._scaled_mm is computed in FP32.")
+    return f"no FP8 GEMM path for device type {device_type!r}: use 'cpu' or a CUDA GPU of compute capability 8.9+"
+
+
+def check_fp8_gemm_supported(device: torch.device) -> None:
+    """Raise RuntimeError (with the fix) if FP8 GEMMs cannot run on ``device``."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    error = fp8_gemm_support_error(device.type, capability, is_hip=torch.version.hip is not None)
+    if error is not None:
+        raise RuntimeError(error)
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.is_contiguous()
+
+
+def is_column_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.t().is_contiguous()
+
+
+def _pad_to(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D FP8 tensor to (rows, cols), keeping its layout (row- or column-major)."""
+    if data.shape == (rows, cols):
+        return data
+    if is_row_major(data):
+        out = torch.zeros(rows, cols, dtype=data.dtype, device=data.device)
+        out[: data.shape[0], : data.shape[1]].copy_(data)
+        return out
+    out = torch.zeros(cols, rows, dtype=data.dtype, device=data.device)  # storage of the column-major result
+    out[: data.shape[1], : data.shape[0]].copy_(data.t())
+    return out.t()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_inner_dim: bool = False,
+             use_fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
+
+    Args:
+      a: (M, K) Float8Tensor, row-major (``a.data.is_contiguous()``).
+      b: (K, N) Float8Tensor, column-major (``b.data.t().is_contiguous()``), e.g. ``w8.t()`` of a row-major
+         (N, K) weight. At least one of a, b must be E4M3.
+      out_dtype: torch.float32, torch.bfloat16 or torch.float16.
+      pad_inner_dim: zero-pad dimensions to multiples of 16 (needed on CUDA for shapes that are not).
+      use_fast_accum: cuBLAS fast accumulation (torchao uses it for the forward GEMM); ignored on CPU.
+    Returns ``(dequant(a) @ dequant(b))`` with FP32 accumulation, rounded once to out_dtype.
+    Raises ValueError for bad operands or shapes, RuntimeError for a device without FP8 GEMMs.
+    """
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if a.fp8_format == "e5m2" and b.fp8_format == "e5m2":
+        raise ValueError("torch._scaled_mm refuses E5M2 x E5M2 on GPUs: at least one operand must be E4M3 "
+                         "(use Format.HYBRID or Format.E4M3)")
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_gemm needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if not is_row_major(a.data):
+        raise ValueError("the first _scaled_mm operand must be row-major: pass a.data.contiguous()")
+    if not is_column_major(b.data):
+        raise ValueError("the second _scaled_mm operand must be column-major: pass x.t().contiguous().t() "
+                         "or the .t() view of a row-major tensor")
+    if a.data.device != b.data.device:
+        raise ValueError(f"operands on different devices: {a.data.device} and {b.data.device}")
+    device = a.data.device
+    check_fp8_gemm_supported(device)
+
+    (M, K), N = a.shape, b.shape[1]
+    a_data, b_data = a.data, b.data
+    misaligned = any(n % ALIGN for n in (K, N))
+    if misaligned and device.type == "cuda" and not pad_inner_dim:
+        raise ValueError(f"torch._scaled_mm on CUDA needs K and N divisible by 16, got (M, K, N) = {(M, K, N)}. "
+                         "Pad the batch/sequence/feature sizes to multiples of 16, or pass pad_inner_dim=True "
+                         "(Float8Linear(..., pad_inner_dim=True)) to zero-pad inside the GEMM.")
+    if pad_inner_dim and (misaligned or M % ALIGN):
+        # Zero rows/columns contribute zero products: the sliced result is unchanged.
+        a_data = _pad_to(a_data, _round_up(M), _round_up(K))  # (M', K') row-major
+        b_data = _pad_to(b_data, _round_up(K), _round_up(N))  # (K', N') column-major
+    out = torch._scaled_mm(a_data, b_data, scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
+                           use_fast_accum=use_fast_accum)  # (M', N') out_dtype
+    if out.shape != (M, N):
+        out = out[:M, :N].contiguous()  # drop the padding
+    return out

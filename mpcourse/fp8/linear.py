@@ -1,0 +1,211 @@
+"""An FP8 linear layer: its three GEMMs run in FP8 through ``torch._scaled_mm``.
+
+For y = x @ W^T + b with x (M, K), W (N, K), the layer quantizes three tensors, each with its own
+per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/float8_linear.py``):
+
+    forward GEMM         y  = x  @ W^T     x: E4M3, W: E4M3                 -> (M, N) out dtype
+    input-gradient GEMM  dx = dy @ W       dy: E5M2 under HYBRID (E4M3 under Format.E4M3)
+    weight-gradient GEMM dW = dy^T @ x     reuses the FP8 x and dy          -> (N, K) weight dtype
+
+Scales come from the recipe: ``DelayedScaling`` keeps a ``DelayedScalingState`` (scale, amax_history)
+per role ("input", "weight", "grad_output") and uses scales from earlier steps (see ``recipe.py`` and,
+for when they update, ``autocast.py``); ``CurrentScaling`` computes each scale from the tensor itself.
+The bias is added after the GEMM in the output dtype (TE fuses it into the GEMM epilogue, a single
+rounding; here a BF16 output is rounded twice), and its gradient is summed in FP32.
+
+The output dtype is ``torch.autocast``'s dtype inside an autocast region, else the input's dtype
+(float32, bfloat16 or float16). The input gradient has the input's dtype, the weight gradient the
+weight's dtype. The delayed-scaling states are saved in the module's extra state
+(``state_dict()['..._extra_state']``, as TE does), in FP32 whatever ``model.to(dtype)`` does to the
+parameters, so a checkpoint resumes bit for bit.
+
+``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
+for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``).
+Not supported: activation checkpointing (the recomputed forward would record amaxes twice).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .autocast import get_fp8_recipe, is_fp8_enabled, schedule_update
+from .gemm import fp8_gemm
+from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
+from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_current
+
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x @ W^T (+ b) with FP8 forward, input-gradient and weight-gradient GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, out_dtype, record):
+        # x: (M, K) fp32/bf16/fp16; weight: (N, K); bias: (N,) or None
+        x8 = layer._quantize("input", x, record)  # (M, K) E4M3, row-major
+        w8 = layer._quantize("weight", weight, record)  # (N, K) E4M3, row-major
+        # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
+        # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
+        y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
+        ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
+        ctx.layer = layer
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # grad_y: (M, N) out dtype
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        layer, (x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.dtypes
+        pad = layer.pad_inner_dim
+        g8 = layer._quantize("grad_output", grad_y.contiguous(), True)  # (M, N) E5M2 under HYBRID, row-major
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # Input-gradient GEMM dx = dy @ W. A = dy (M, N) row-major: as it is.
+            # B = W (N, K) must be column-major: copy the transpose, then view it back as (N, K).
+            w_col = Float8Tensor(w_data.t().contiguous().t(), w_scale_inv)  # (N, K) column-major
+            dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad)  # (M, K) x dtype
+        if ctx.needs_input_grad[1]:
+            # Weight-gradient GEMM dW = dy^T @ x. A = dy^T (N, M) must be row-major: copy the transpose.
+            # B = x (M, K) must be column-major: copy the transpose, then view it back as (M, K).
+            g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)  # (N, M) row-major
+            x_col = Float8Tensor(x_data.t().contiguous().t(), x_scale_inv)  # (M, K) column-major
+            dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad)  # (N, K) weight dtype
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = grad_y.float().sum(0).to(b_dtype)  # (N,) summed in fp32
+        return dx, dw, db, None, None, None
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 (E4M3 / E5M2 with per-tensor scales) via ``torch._scaled_mm``.
+
+    Args (besides nn.Linear's in_features, out_features, bias, device, dtype):
+      recipe: ``DelayedScaling`` (default ``DelayedScaling()``: HYBRID, history 1024, "max", margin 0,
+              TE's default) or ``CurrentScaling``.
+      pad_inner_dim: zero-pad GEMM dimensions to multiples of 16 (needed on CUDA when in_features,
+              out_features or the number of tokens is not a multiple of 16; exact). Without it such
+              shapes raise ValueError on CUDA. CPUs take any shape.
+    Input (..., in_features) float32/bfloat16/float16 -> output (..., out_features) (see module doc).
+    ``fp8_state``: {"input", "weight", "grad_output"} -> DelayedScalingState (empty for CurrentScaling).
+    Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 recipe=None, pad_inner_dim: bool = False):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        recipe = DelayedScaling() if recipe is None else recipe
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {recipe!r}")
+        self.recipe = recipe
+        self.pad_inner_dim = pad_inner_dim
+        self._reset_fp8_state()
+
+    def _reset_fp8_state(self) -> None:
+        self.fp8_state = {}
+        if isinstance(self.recipe, DelayedScaling):
+            self.fp8_state = {role: DelayedScalingState(self.recipe.amax_history_len, self.weight.device)
+                              for role in ROLES}
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
+        with torch.device("meta"):  # build without allocating or initialising a second weight
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                      recipe=recipe, pad_inner_dim=pad_inner_dim)
+        new.weight, new.bias = linear.weight, linear.bias
+        new._reset_fp8_state()  # now on the weight's device
+        new.train(linear.training)
+        return new
+
+    def _quantize(self, role: str, x: torch.Tensor, record: bool) -> Float8Tensor:
+        """Quantize one role's tensor with this layer's recipe; delayed scaling records the amax if ``record``."""
+        fmt = fp8_format_for(self.recipe, role)
+        if isinstance(self.recipe, CurrentScaling):
+            return quantize_current(x, fmt, power_2_scale=self.recipe.use_power_2_scales,
+                                    amax_epsilon=self.recipe.amax_epsilon)
+        state = self.fp8_state[role]
+        x8 = quantize(x, fmt, state.scale)  # the scale from earlier steps
+        if record:
+            state.record(compute_amax(x))
+            schedule_update(state, fp8_max(fmt), self.recipe)
+        return x8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in HIGH_PRECISION:
+            raise TypeError(f"Float8Linear takes float32/bfloat16/float16 inputs, got {x.dtype}")
+        if not is_fp8_enabled():  # inside fp8_autocast(enabled=False): plain high-precision linear
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        region_recipe = get_fp8_recipe()
+        if region_recipe is not None and region_recipe != self.recipe:
+            raise ValueError(f"fp8_autocast's recipe {region_recipe} differs from this layer's {self.recipe}: "
+                             "pass the recipe given to convert_to_float8_training (or fp8_recipe=None)")
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x2d = x.reshape(-1, self.in_features)  # (M, K), M = all leading dims
+        with torch.autocast(device, enabled=False):
+            y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    # -- checkpointing: scales and amax histories live in the extra state, in FP32 ----------------------
+    def get_extra_state(self) -> dict:
+        return {"recipe": repr(self.recipe), **{role: s.state_dict() for role, s in self.fp8_state.items()}}
+
+    def set_extra_state(self, state: dict) -> None:
+        for role, s in self.fp8_state.items():
+            if role not in state:
+                raise ValueError(f"checkpoint has no delayed-scaling state for {role!r} (it was saved with "
+                                 f"{state.get('recipe')}): convert the model with the checkpoint's recipe")
+            s.load_state_dict(state[role])
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for s in self.fp8_state.values():  # follow the weight's device, stay FP32
+            s.to(self.weight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def convert_to_float8_training(module: nn.Module, *,
+                               module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+                               recipe=None, pad_inner_dim: bool = False) -> nn.Module:
+    """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
+
+    Args:
+      module: the model; changed in place (a bare ``nn.Linear`` is returned converted instead).
+      module_filter_fn: ``fn(linear, fqn) -> bool``; only linears for which it returns True are swapped
+              (fqn is the dotted name, e.g. "blocks.0.mlp.fc"; "" for the root). Keep the output head
+              out, e.g. ``lambda m, fqn: fqn != "lm_head"``.
+      recipe: ``DelayedScaling`` (default) or ``CurrentScaling``, shared by all swapped layers.
+      pad_inner_dim: passed to every ``Float8Linear``.
+    Returns the converted module. A linear shared by several parents is swapped once, for all of them;
+    its weight and bias Parameters are kept, so an existing optimizer still updates them.
+    """
+    def wanted(m: nn.Module, fqn: str) -> bool:
+        return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
+                and (module_filter_fn is None or module_filter_fn(m, fqn)))
+
+    if wanted(module, ""):
+        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
+    swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent._modules.items()):  # not named_children(): it hides aliases
+            fqn = f"{prefix}.{name}" if prefix else name
+            if id(child) in swapped:
+                setattr(parent, name, swapped[id(child)])
+            elif wanted(child, fqn):
+                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
+                setattr(parent, name, swapped[id(child)])
+            else:
+                visit(child, fqn)
+
+    visit(module, "")
+    return module

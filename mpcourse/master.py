@@ -1,0 +1,240 @@
+"""FP32 master weights for FP16/BF16 models (`MasterWeights`), and `cast_model` (Apex O2 style casting).
+
+Source: Micikevicius et al. 2018, "Mixed Precision Training" (ICLR 2018), section 3.1: the optimizer updates an
+FP32 copy of the weights, because an update |lr * g| below |w| * 2**-11 is lost when added to an FP16 weight, and
+small values (Adam's eps = 1e-8) are 0 in FP16. Apex amp O2 (apex/amp/_process_optimizer.py) is the same design:
+FP16 model, FP32 master params inside the optimizer, batchnorm optionally kept in FP32 ("keep_batchnorm_fp32").
+
+Where each dtype lives::
+
+    model.param            fp16/bf16  forward and backward run on these          (N,) 2 bytes each
+    model.param.grad       fp16/bf16  written by backward (scaled by S with a loss scaler)
+    master param           fp32       what the optimizer steps: master.optimizer   (N,) 4 bytes each
+    master param .grad     fp32       copied up from model.param.grad (exact), unscaled here by the scaler
+    optimizer state        fp32       Adam's exp_avg / exp_avg_sq live next to the master params
+    kept-FP32 model params fp32       (norms left in FP32 by cast_model) are their own master: no copy
+
+One iteration (the "dance"; `master.step(scaler)` does the middle three lines)::
+
+    scaler.scale(loss).backward()          # fp16 grads of S * loss on the model
+    master.copy_grads_to_master()          # fp16 -> fp32 copy (exact: every fp16 value is an fp32 value)
+    scaler.step(master.optimizer)          # unscale in fp32, check inf/NaN, step in fp32 (or skip)
+    master.copy_master_to_model()          # fp32 -> fp16, round to nearest even (skipped step: no change)
+    scaler.update()
+    master.zero_grad()                     # clears model and master grads; the caller does it every iteration
+
+To clip: `master.copy_grads_to_master(); scaler.unscale_(master.optimizer);
+torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm); master.step(scaler)` (grads are not copied twice).
+Checkpoints: `master.state_dict()` holds the FP32 master copy and the optimizer state; `load_state_dict` rebuilds the
+master from the checkpoint (never from the FP16 model, which has lost the low bits) and writes the rounded values
+into the model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + (
+    (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())  # BatchNorm*/InstanceNorm* derive from _NormBase
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _run_in_fp32(module):
+    """Hooks: floating inputs -> fp32, forward in fp32, floating outputs -> the first floating input's dtype."""
+    if getattr(module, "_mpcourse_fp32_io", False):
+        return
+    module._mpcourse_fp32_io = True
+
+    def pre_hook(mod, args, kwargs):
+        dtypes = [a.dtype for a in list(args) + list(kwargs.values())
+                  if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        mod._mpcourse_in_dtype = dtypes[0] if dtypes else None
+        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+
+    def post_hook(mod, args, output):
+        return output if mod._mpcourse_in_dtype is None else _cast_floats(output, mod._mpcourse_in_dtype)
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    module.register_forward_hook(post_hook)
+
+
+def cast_model(model: nn.Module, dtype=torch.float16, keep_fp32=None, cast_inputs=True) -> nn.Module:
+    """Cast `model` in place to `dtype` (fp16/bf16), keeping chosen modules in FP32 (Apex O2 semantics).
+
+    keep_fp32: None (cast everything), a module class or tuple of classes (e.g. `NORM_TYPES`, or
+        `(nn.LayerNorm,)`, Apex's keep_batchnorm_fp32), or a predicate `module -> bool`. A kept module and its
+        whole subtree are made FP32; its floating inputs are cast to FP32 and its outputs back to the input
+        dtype (the norm computes its statistics in FP32, the next layer gets `dtype`).
+    cast_inputs: as Apex O2, cast the model's floating inputs to `dtype` (integer token ids are untouched).
+    Parameters keep their identity (`p.data` is replaced), so do this before building optimizers.
+    Returns the model. Raises ValueError for a dtype that is not fp16/bf16.
+    """
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"cast_model casts to torch.float16 or torch.bfloat16, got {dtype}")
+    if keep_fp32 is None:
+        keep = lambda m: False  # noqa: E731
+    elif isinstance(keep_fp32, (type, tuple)):
+        keep = lambda m: isinstance(m, keep_fp32)  # noqa: E731
+    else:
+        keep = keep_fp32
+
+    def visit(module):
+        if keep(module):
+            module.float()          # the subtree stays (or becomes) fp32
+            _run_in_fp32(module)
+            return
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                setattr(module, name, b.to(dtype))
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    if cast_inputs and not getattr(model, "_mpcourse_cast_inputs", False):
+        model._mpcourse_cast_inputs = True
+        model.register_forward_pre_hook(
+            lambda mod, args, kwargs: (_cast_floats(args, dtype), _cast_floats(kwargs, dtype)), with_kwargs=True)
+    return model
+
+
+def _param_groups(params):
+    """nn.Module | iterable of tensors | list of dicts -> list of param-group dicts (as torch optimizers)."""
+    if isinstance(params, nn.Module):
+        params = [p for p in params.parameters() if p.requires_grad]
+    params = list(params)
+    if not params:
+        raise ValueError("MasterWeights got no parameters (all frozen? pass the trainable ones).")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for g in params:
+        ps = g["params"]
+        groups.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
+    return groups
+
+
+class MasterWeights:
+    """An FP32 master copy of a low-precision model's parameters and an optimizer that steps it.
+
+    Args:
+        params: an nn.Module (its parameters with requires_grad), an iterable of parameters, or a list of
+            param-group dicts (options such as lr are kept per group, as torch.optim).
+        optimizer_cls: any torch.optim.Optimizer class (or callable `(param_groups, **kw) -> Optimizer`),
+            built over the FP32 master params.
+        **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
+    FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
+    are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
+    (aligned lists). Raises ValueError for non-floating or non-leaf params.
+    """
+
+    def __init__(self, params, optimizer_cls=torch.optim.SGD, **optimizer_kwargs):
+        self.model_params, self.master_params, master_groups, seen = [], [], [], set()
+        for group in _param_groups(params):
+            masters = []
+            for p in group["params"]:
+                if not (isinstance(p, torch.Tensor) and p.is_floating_point() and p.is_leaf):
+                    raise ValueError("MasterWeights needs floating-point leaf parameters (model.parameters()).")
+                if id(p) in seen:
+                    raise ValueError("a parameter appears twice in MasterWeights' params; list each once.")
+                # (shape of p) fp32: a new leaf for fp16/bf16 params, the param itself otherwise
+                m = nn.Parameter(p.detach().float()) if p.dtype in LOW_PRECISION else p
+                seen.add(id(p))
+                self.model_params.append(p)
+                self.master_params.append(m)
+                masters.append(m)
+            master_groups.append({**group, "params": masters})
+        self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
+        self._grads_copied = False
+
+    def parameters(self):
+        """The FP32 master params (e.g. for torch.nn.utils.clip_grad_norm_ after scaler.unscale_)."""
+        return iter(self.master_params)
+
+    def _pairs(self):
+        return ((p, m) for p, m in zip(self.model_params, self.master_params) if m is not p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear model grads (fp16) and master grads (fp32). Call it every iteration, also after a skipped
+        step: a skipped step leaves inf/NaN grads behind."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p, _ in self._pairs():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self._grads_copied = False
+
+    @torch.no_grad()
+    def copy_grads_to_master(self, inv_scale=None) -> None:
+        """master.grad (fp32) := model.grad (fp16/bf16), exactly; then * inv_scale if given (a float or an fp32
+        tensor ()). No inf/NaN check here: the loss scaler does it (prefer `scaler.unscale_` to inv_scale).
+        A model param without grad leaves its master without grad."""
+        for p, m in zip(self.model_params, self.master_params):
+            if m is not p:
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)     # (shape) fp32
+                m.grad.copy_(p.grad)                 # fp16 -> fp32, exact
+            if inv_scale is not None and m.grad is not None:
+                m.grad.mul_(inv_scale)
+        self._grads_copied = True
+
+    @torch.no_grad()
+    def copy_master_to_model(self) -> None:
+        """model.param (fp16/bf16) := master (fp32) rounded to nearest even."""
+        for p, m in self._pairs():
+            p.copy_(m)
+
+    def step(self, scaler=None):
+        """copy_grads_to_master() (unless already done this iteration), then `scaler.step(self.optimizer)` (or
+        `self.optimizer.step()` without a scaler), then copy_master_to_model() unless the scaler skipped.
+        Works with mpcourse loss scalers and torch.amp.GradScaler. Returns what the step returns (None if
+        skipped). The caller still calls scaler.update() and zero_grad()."""
+        if not self._grads_copied:
+            self.copy_grads_to_master()
+        if scaler is None:
+            retval, skipped = self.optimizer.step(), False
+        else:
+            retval = scaler.step(self.optimizer)
+            skipped = getattr(scaler, "last_step_skipped", False)  # GradScaler: unknown -> copy (harmless)
+        if not skipped:
+            self.copy_master_to_model()
+        self._grads_copied = False
+        return retval
+
+    def state_dict(self) -> dict:
+        """{"master_params": [fp32 tensors, in order], "optimizer": optimizer.state_dict()}. Tensors are shared
+        with the live master (as torch's state_dicts): torch.save or copy.deepcopy it before training on."""
+        return {"master_params": [m.detach() for m in self.master_params],
+                "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Rebuild the master from the checkpoint (not from the model), load the optimizer state, and write the
+        rounded master into the model params. Loading only the model's state_dict would leave the master stale:
+        always load this one too. Raises ValueError if the checkpoint does not match."""
+        saved = state_dict["master_params"]
+        if len(saved) != len(self.master_params):
+            raise ValueError(f"checkpoint has {len(saved)} master params, this MasterWeights has "
+                             f"{len(self.master_params)}: build it over the same model and param groups.")
+        for i, (m, s) in enumerate(zip(self.master_params, saved)):
+            if s.shape != m.shape:
+                raise ValueError(f"master param {i}: checkpoint shape {tuple(s.shape)} != {tuple(m.shape)}")
+            m.copy_(s)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.copy_master_to_model()
