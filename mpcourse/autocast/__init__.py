@@ -1,0 +1,27 @@
+"""mpcourse.autocast: torch.autocast's op-level cast policy, readable and in Python (lesson 05).
+
+Public API (semantics of ``torch.autocast``, ``torch.amp.custom_fwd``/``custom_bwd``, torch 2.13):
+
+* ``autocast(device_type, dtype=None, enabled=True, cache_enabled=None)``: context manager and
+  decorator (``mode.py``).
+* ``custom_fwd(device_type=..., cast_inputs=None)`` / ``custom_bwd(device_type=...)`` for
+  torch.autograd.Function (``custom.py``).
+* Queries: ``is_autocast_enabled(device_type)``, ``get_autocast_dtype(device_type)``,
+  ``is_autocast_cache_enabled()``, ``clear_autocast_cache()``, ``cache_size()`` (``state.py``).
+* The policy as data: ``policy.TABLES["cpu"|"cuda"][policy]``, ``policy_for(device_type, op)``,
+  ``op_name(callable)`` (``policy.py``, transcribed from aten/src/ATen/autocast_mode.{h,cpp}).
+"""
+from . import policy
+from .custom import custom_bwd, custom_fwd
+from .mode import AutocastMode, autocast, op_name
+from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_PRECISION_FP, PROMOTE,
+                     TABLES, policy_for)
+from .state import (cache_size, clear_autocast_cache, get_autocast_dtype, is_autocast_cache_enabled,
+                    is_autocast_enabled)
+
+__all__ = [
+    "autocast", "custom_fwd", "custom_bwd", "AutocastMode", "op_name", "policy", "policy_for", "TABLES",
+    "LOWER_PRECISION_FP", "FP32", "FP32_SET_OPT_DTYPE", "FP32_APPEND_DTYPE", "PROMOTE", "BANNED",
+    "is_autocast_enabled", "get_autocast_dtype", "is_autocast_cache_enabled", "clear_autocast_cache",
+    "cache_size",
+]

@@ -1,0 +1,292 @@
+"""``autocast``: torch.autocast's op-level cast policy, in Python, over a TorchFunctionMode.
+
+Semantics: ``torch.autocast`` (``torch/amp/autocast_mode.py``; the casting rules of
+``aten/src/ATen/autocast_mode.{h,cpp}``), torch 2.13. The tables live in ``policy.py``; the state
+and the weight-cast cache in ``state.py``.
+
+Where it sits. ``torch.autocast`` is a dispatcher key (``AutocastCPU``, ``Autocast``) placed above
+autograd: it casts the inputs of a listed aten op, and autograd records the casts (``ToCopyBackward0``)
+before recording the op. A ``torch.overrides.TorchFunctionMode`` also runs above autograd: it is
+called with every public torch function or Tensor method before it runs, so casts made there are
+recorded by autograd the same way, and the gradients come out in the same dtypes and bits.
+
+How a Python callable is mapped to an aten op (``op_name``):
+
+1. Functions bound in C (``torch.matmul``, ``Tensor.matmul``, ``Tensor.__matmul__`` as ``x @ w``,
+   ``torch._C._nn.linear`` which is ``F.linear``, ``torch.softmax``, ``Tensor.softmax``,
+   ``torch.layer_norm``, ``torch._C._nn.cross_entropy_loss``, ``torch.linalg.vector_norm``, ...) are
+   generated from aten's schema and carry the aten op name as ``__name__`` ("matmul", "linear",
+   "cross_entropy_loss", "linalg_vector_norm", "fft_rfft"). That name is looked up in the table of the
+   inputs' device type (all overloads of a name share one policy, see ``policy.POLICY_BY_NAME``).
+2. Functions written in Python (``F.softmax``, ``F.layer_norm``, ``F.cross_entropy``, ``F.dropout``,
+   ``torch.norm``, ``Tensor.__rmatmul__``, ``F.multi_head_attention_forward``) are not looked up: the
+   mode steps into them (``torch.overrides.redispatch_function`` with the mode still pushed) and
+   applies the policy to the C-bound functions they call (``F.softmax`` -> ``Tensor.softmax``).
+3. A few C-bound composites that are not registered but call a listed op inside C++
+   (``nll_loss_nd`` -> ``nll_loss``; on CPU ``tensordot`` -> ``mm``) are in ``policy.COMPOSITES``;
+   ``policy.KNOWN_GAPS`` lists those left alone (einsum on CPU, matrix_power, F.pad).
+
+Eligible inputs: floating tensors of the op's device type, never float64. ``out=`` calls and in-place
+methods (``add_``) are not in the tables and run unchanged. The device type whose table applies is
+that of the call's first tensor (the dispatcher picks a key from all of them; same for one device).
+
+Limits: PyTorch machinery that saves and restores *torch's* autocast state does not know this one:
+``torch.utils.checkpoint`` recomputes a segment without it; ``torch.compile`` is untested with it.
+Use torch.autocast there. Example::
+
+    from mpcourse.autocast import autocast
+    with autocast("cpu"):                 # bf16
+        y = model(x)                      # linears/matmuls in bf16; layer_norm, softmax in their input dtype
+"""
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, redispatch_function
+
+from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_PRECISION_FP, PROMOTE,
+                     policy_for)
+from .state import STATE, _check_device_type, cached_cast
+
+_STEP_INTO = "step_into"
+_PY_FUNCTIONS = (types.FunctionType, types.MethodType)
+_GETTER = types.MethodWrapperType     # x.shape, x.grad: property getters, never a listed op
+_DUNDERS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
+_RULES: dict = {}              # callable -> None (unlisted) | _STEP_INTO | {"cpu": policy, "cuda": policy}
+
+
+def op_name(func) -> str | None:
+    """The aten op name a C-bound torch callable runs (``torch.Tensor.softmax`` -> ``"softmax"``).
+
+    The name is the callable's ``__name__`` (operator methods mapped: ``__matmul__`` -> ``matmul``,
+    ``__pow__``/``__rpow__`` -> ``pow``). Returns None for callables written in Python (the mode steps
+    into those instead).
+    """
+    if isinstance(func, _PY_FUNCTIONS):
+        return None
+    name = getattr(func, "__name__", None)
+    return _DUNDERS.get(name, name)
+
+
+def _rule(func):
+    """What to do with ``func``, memoised: None (unlisted), _STEP_INTO, or a policy per device type."""
+    if isinstance(func, types.MethodType):     # a bound method is a new object each time: not memoised
+        return _STEP_INTO
+    name = op_name(func)
+    if name is None:
+        rule = _STEP_INTO
+    else:
+        rule = {dev: policy_for(dev, name) for dev in ("cpu", "cuda")}
+        rule = rule if any(rule.values()) else None
+    _RULES[func] = rule
+    return rule
+
+
+def _device_type(t: torch.Tensor) -> str | None:
+    if t.is_cuda:
+        return "cuda"
+    if t.is_cpu or t.is_mkldnn:
+        return "cpu"
+    return None
+
+
+def _first_tensor(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return b
+    return None
+
+
+def _eligible(a, device_type: str) -> bool:
+    """``is_eligible`` of autocast_mode.h: floating, of the region's device type, not float64."""
+    return (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype is not torch.float64
+            and _device_type(a) == device_type)
+
+
+def _cast(a, to_type, device_type):
+    if isinstance(a, torch.Tensor):
+        if a.dtype is not to_type and _eligible(a, device_type):
+            return cached_cast(a, to_type, device_type)
+        return a
+    if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+        return type(a)(_cast(b, to_type, device_type) for b in a)       # a TensorList (cat, stack)
+    return a
+
+
+def _cast_all(args, kwargs, to_type, device_type):
+    # Last argument first, as torch's compiled wrapper happens to evaluate its argument pack (GCC: right
+    # to left). The order changes no value; it only makes the aten-level trace identical to torch's.
+    kwargs = dict(reversed([(k, _cast(v, to_type, device_type)) for k, v in reversed(kwargs.items())]))
+    args = tuple(reversed([_cast(a, to_type, device_type) for a in reversed(args)]))
+    return args, kwargs
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (b for b in a if isinstance(b, torch.Tensor))
+
+
+def _promote_type(args, kwargs, device_type):
+    """``promote_type`` of autocast_mode.h: FP32 if any eligible input is FP32, else the low dtype."""
+    low = STATE.dtype[device_type]
+    to_type = low
+    for t in _tensors(args, kwargs):
+        if not _eligible(t, device_type):
+            continue
+        if t.dtype is torch.float32:
+            to_type = torch.float32
+        elif t.dtype is not low:
+            raise RuntimeError(
+                f"autocast promote: inputs mix {t.dtype} with the region's {low}; autocast only promotes "
+                f"between {low} and float32. Cast the inputs to one dtype before the call.")
+    return to_type
+
+
+def _dtype_given(args, kwargs) -> bool:
+    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+
+
+def _apply(policy, func, args, kwargs, device_type):
+    """Run ``func`` under ``policy`` (see policy.py); ``device_type``'s region is enabled."""
+    if policy == LOWER_PRECISION_FP:
+        args, kwargs = _cast_all(args, kwargs, STATE.dtype[device_type], device_type)
+    elif policy == FP32:
+        args, kwargs = _cast_all(args, kwargs, torch.float32, device_type)
+    elif policy == PROMOTE:
+        args, kwargs = _cast_all(args, kwargs, _promote_type(args, kwargs, device_type), device_type)
+    elif policy in (FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE) and not _dtype_given(args, kwargs):
+        first = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if _eligible(first, device_type):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        elif policy == FP32_APPEND_DTYPE and isinstance(first, torch.Tensor):
+            kwargs = {**kwargs, "dtype": first.dtype}
+    elif policy == BANNED:
+        raise RuntimeError(
+            f"{op_name(func)} is unsafe to autocast on {device_type} (torch.autocast refuses it too): it "
+            "takes probabilities, usually a sigmoid's output, whose logs near 0 and 1 lose precision in "
+            "FP16. Fuse the sigmoid and the loss: F.binary_cross_entropy_with_logits (nn.BCEWithLogitsLoss).")
+    return func(*args, **kwargs)
+
+
+class AutocastMode(TorchFunctionMode):
+    """The TorchFunctionMode that applies the policy; pushed by the outermost ``autocast`` region.
+
+    PyTorch pops a mode while its ``__torch_function__`` runs, so the casts and the final call made
+    here are not intercepted again.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        enabled = STATE.enabled
+        if not (enabled["cpu"] or enabled["cuda"]) or type(func) is _GETTER:
+            return func(*args, **kwargs)              # nothing to do, or a property getter (x.shape)
+        rule = _RULES.get(func, False)
+        if rule is False:
+            rule = _rule(func)
+        if rule is None or kwargs.get("out") is not None:
+            return func(*args, **kwargs)
+        if rule is _STEP_INTO:
+            with self:                     # keep the policy on for the calls made inside
+                return redispatch_function(func, types, args, kwargs)
+        t = _first_tensor(args, kwargs)
+        device_type = None if t is None else _device_type(t)
+        policy = rule.get(device_type) if enabled.get(device_type) else None
+        if policy is None:
+            return func(*args, **kwargs)
+        return _apply(policy, func, args, kwargs, device_type)
+
+
+class autocast:
+    """Context manager and decorator with ``torch.autocast``'s meaning, implemented in Python.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (ValueError otherwise): which tensors the region casts.
+        dtype: the lower-precision dtype; None = the current one (``get_autocast_dtype``: bf16 on CPU,
+            fp16 on CUDA unless an enclosing region set another). CPU accepts bf16 and fp16; another
+            dtype warns and disables the region, as torch.autocast does.
+        enabled: False makes a region where nothing is cast (it still counts for nesting).
+        cache_enabled: cache casts of FP32 weights inside the region; None = keep the current
+            setting (True by default), as torch.autocast does.
+
+    Raises:
+        ValueError: ``device_type`` is not a string or not "cpu"/"cuda".
+        TypeError: ``dtype`` is not a torch.dtype.
+        RuntimeError: ``torch.autocast`` is active for the same device type (the two would cast
+            twice; exit one), or CUDA bf16 on a GPU without bf16 support.
+
+    "cuda" on a machine without CUDA warns and disables the region (torch.autocast does the same).
+    State is thread-local; a new thread starts outside any region. Source: torch/amp/autocast_mode.py.
+    """
+
+    def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None):
+        if not isinstance(device_type, str):
+            raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+        _check_device_type(device_type)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+        self.device = device_type
+        self.fast_dtype = STATE.dtype[device_type] if dtype is None else dtype
+        self._cache_enabled = STATE.cache_enabled if cache_enabled is None else bool(cache_enabled)
+        if enabled and device_type == "cuda":
+            if not torch.cuda.is_available():
+                warnings.warn("CUDA is not available. Disabling mpcourse autocast.", stacklevel=2)
+                enabled = False
+            elif self.fast_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                raise RuntimeError("Current CUDA Device does not support bfloat16. Please switch dtype to float16.")
+        elif enabled and self.fast_dtype not in (torch.bfloat16, torch.float16):
+            warnings.warn(f"In CPU autocast, but the target dtype {self.fast_dtype} is not supported. "
+                          "Disabling autocast. CPU autocast supports torch.bfloat16 and torch.float16.",
+                          stacklevel=2)
+            enabled = False
+        self._enabled = bool(enabled)
+        self._saved: list = []
+
+    def __enter__(self):
+        if torch.is_autocast_enabled(self.device):
+            raise RuntimeError(f"torch.autocast({self.device!r}) is active: mpcourse.autocast would cast a "
+                               "second time. Use one of the two for a region, not both.")
+        st, dev = STATE, self.device
+        self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled))
+        st.enabled[dev], st.dtype[dev], st.cache_enabled = self._enabled, self.fast_dtype, self._cache_enabled
+        st.nesting += 1
+        if st.mode is None:
+            st.mode = AutocastMode()
+            st.mode.__enter__()                   # push onto this thread's torch-function mode stack
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        st, dev = STATE, self.device
+        st.nesting -= 1
+        if st.nesting == 0:
+            st.cache.clear()                      # casts must not outlive the outermost region
+            mode, st.mode = st.mode, None
+            if _get_current_function_mode() is not mode:
+                raise RuntimeError("a TorchFunctionMode entered inside mpcourse.autocast is still "
+                                   "active at the region's exit; exit it inside the region")
+            mode.__exit__(exc_type, exc_val, exc_tb)
+        st.enabled[dev], st.dtype[dev], st.cache_enabled = self._saved.pop()
+        return False
+
+    def _copy(self) -> "autocast":
+        new = object.__new__(autocast)
+        new.__dict__.update(self.__dict__, _saved=[])
+        return new
+
+    def __call__(self, func):
+        """Decorator use: ``@autocast("cpu")``; each call runs in a fresh region (thread-safe)."""
+        @functools.wraps(func)
+        def decorate_autocast(*args, **kwargs):
+            with self._copy():
+                return func(*args, **kwargs)
+        return decorate_autocast

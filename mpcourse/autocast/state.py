@@ -1,0 +1,114 @@
+"""Thread-local autocast state and the weight-cast cache.
+
+Mirrors the state ``aten/src/ATen/autocast_mode.cpp`` keeps for ``torch.autocast`` (torch 2.13):
+
+* per device type: enabled or not, and the lower-precision dtype (default ``torch.bfloat16`` on CPU,
+  ``torch.float16`` on CUDA: the ``autocast_dtype`` array there);
+* ``cache_enabled`` (default True) and a nesting counter of autocast regions;
+* the weight-cast cache (``cached_cast`` there): only casts of FP32 leaf tensors that require grad
+  and are not views, to the device type's lower-precision dtype, are cached. The cache is emptied
+  when the outermost region exits.
+
+Three choices, documented:
+
+* All of it is thread-local here. In torch the enabled flags, dtypes, ``cache_enabled`` and nesting
+  are thread-local but the cache map itself is process-global behind a mutex (so one thread's
+  outermost exit empties every thread's cache). A per-thread cache never shares a cast across
+  threads and is never emptied by another thread.
+* The cache is keyed by the tensor *and* the target dtype. torch keys it by the tensor alone
+  (``TensorImpl*``), so a region nested in another with a different dtype (``autocast("cpu")`` around
+  ``autocast("cpu", dtype=torch.float16)``) gets the weight cast cached by the other region, in the
+  other dtype: in torch 2.13, ``mm(x, w)`` after an inner fp16 region returns float16 inside a bf16
+  region. Here each region gets casts in its own dtype.
+* A cacheable cast is made with grad mode on and is not cached under ``torch.inference_mode``, as in
+  torch since pytorch/pytorch#165068 (fixing #158232, #112583, #65766): a forward under ``no_grad``
+  inside a region then a forward with grad must not reuse a cast that has no autograd history.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
+
+
+class _State(threading.local):
+    """One per thread: created with the defaults on first use in that thread."""
+
+    def __init__(self):
+        self.enabled = {"cpu": False, "cuda": False}
+        self.dtype = dict(DEFAULT_DTYPE)
+        self.cache_enabled = True
+        self.nesting = 0
+        self.cache: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}  # (id(leaf), dtype) -> (ref, cast)
+        self.mode = None            # the TorchFunctionMode pushed by the outermost region
+
+
+STATE = _State()
+
+
+def _check_device_type(device_type: str) -> None:
+    if device_type not in DEFAULT_DTYPE:
+        raise ValueError(f"mpcourse.autocast supports device_type 'cpu' or 'cuda', got {device_type!r}")
+
+
+def is_autocast_enabled(device_type: str) -> bool:
+    """Whether an enabled mpcourse autocast region for ``device_type`` is active in this thread.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``. Raises ValueError otherwise.
+    """
+    _check_device_type(device_type)
+    return STATE.enabled[device_type]
+
+
+def get_autocast_dtype(device_type: str) -> torch.dtype:
+    """The lower-precision dtype of ``device_type`` in this thread (default: CPU bf16, CUDA fp16).
+
+    Like ``torch.get_autocast_dtype``: inside a region, that region's dtype; outside, the default.
+    """
+    _check_device_type(device_type)
+    return STATE.dtype[device_type]
+
+
+def is_autocast_cache_enabled() -> bool:
+    """Whether casts of weights are cached in the current region (default True)."""
+    return STATE.cache_enabled
+
+
+def clear_autocast_cache() -> None:
+    """Drop every cached weight cast of this thread (done automatically at the outermost exit)."""
+    STATE.cache.clear()
+
+
+def cache_size() -> int:
+    """Number of cached weight casts held by this thread (for tests and lesson 05)."""
+    return len(STATE.cache)
+
+
+def _cacheable(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> bool:
+    """``can_try_cache`` of ``cached_cast``: an FP32 leaf parameter cast to the lower dtype."""
+    return (STATE.cache_enabled and t.requires_grad and t.dtype is torch.float32
+            and to_type is STATE.dtype[device_type] and t.is_leaf and not t._is_view()
+            and not torch.is_inference_mode_enabled())
+
+
+def cached_cast(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> torch.Tensor:
+    """``t.to(to_type)``, reusing this region's earlier cast of the same weight when allowed.
+
+    ``t`` must already be eligible (floating, of ``device_type``, not float64) and not of ``to_type``.
+    The cast is recorded by autograd (``ToCopyBackward0``), so the gradient flows back to ``t`` in
+    FP32, as with ``torch.autocast``.
+    """
+    if not _cacheable(t, to_type, device_type):
+        return t.to(to_type)
+    key = (id(t), to_type)
+    hit = STATE.cache.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    with torch.enable_grad():            # keep autograd history even under no_grad (pytorch#165068)
+        cast = t.to(to_type)
+    STATE.cache[key] = (weakref.ref(t), cast)
+    return cast
