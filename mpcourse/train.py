@@ -1,6 +1,7 @@
 """The training loop every recipe runs: same model init, same batches, same schedule.
 
-One step (the recipe decides the precision of each line; see ``mpcourse.recipes.base``)::
+``Trainer`` runs one recipe; ``train`` is the one-call form. One step (the recipe decides the
+precision of each line; see ``mpcourse.recipes.base``)::
 
     with recipe.forward_context():          # autocast / FP8 autocast / nothing
         _, loss = recipe.model(x, y)        # loss: fp32 ()
@@ -14,6 +15,7 @@ seed gives the same bits.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -105,23 +107,138 @@ def evaluate(recipe, corpus: Corpus, cfg: TrainConfig) -> dict[str, float]:
     return out
 
 
-def activation_bytes(recipe, x, y) -> int:
-    """Bytes of the tensors autograd saves for backward in one forward pass (parameters excluded,
-    each storage counted once). Runs one forward and drops its graph."""
-    param_ptrs = {p.data_ptr() for p in recipe.model.parameters()}
-    seen: dict[int, int] = {}
+class _SavedTensorBytes:
+    """Context that adds up the bytes of the tensors autograd saves for backward (parameters
+    excluded, each storage counted once): the activation memory of one training step."""
 
-    def pack(t):
-        if t.data_ptr() not in param_ptrs and t.device.type != "meta":
+    def __init__(self, model):
+        self.param_ptrs = {p.data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        if t.data_ptr() not in self.param_ptrs:
             st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            self.storages[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with recipe.forward_context():
-            _, loss = recipe.model(x, y)
-    del loss
-    return sum(seen.values())
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class Trainer:
+    """One recipe's training run: step it, checkpoint it, resume it bit for bit.
+
+    Every recipe starts from the same FP32 initialisation (``torch.manual_seed(cfg.seed)``) and
+    sees the same batches (a generator seeded with ``cfg.seed``). ``state_dict()`` holds the
+    recipe's state (weights, master copy, optimizer, loss scaler, FP8 scaling state), the batch
+    generator, torch's global RNG, the step count and the history, so that
+    ``Trainer(...).load_state_dict(sd)`` continues exactly where the saved run was.
+
+    Raises:
+        KeyError: unknown recipe name (the message lists the known ones).
+    """
+
+    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig):
+        recipe_cls = get_recipe(recipe_name)
+        self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
+        self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
+        torch.manual_seed(cfg.seed)
+        model = GPT(self.mcfg)                               # FP32 init, identical for every recipe
+        with tensor_cores():
+            self.recipe = recipe_cls(model, cfg.optim)
+        self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
+        self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
+        self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.cfg.steps or self.diverged_at is not None
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its history record."""
+        recipe, cfg = self.recipe, self.cfg
+        x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
+        recipe.set_lr(lr_at(self.step, cfg.optim))
+        with tensor_cores():
+            t0 = time.perf_counter()
+            first = self.memory is None                      # measure memory on the first step only
+            saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
+            with saved, recipe.forward_context():
+                _, loss = recipe.model(x, y)                 # fp32 ()
+            recipe.backward(loss)
+            result = recipe.step()
+            if first:                                        # after step, before zero_grad: all alive
+                self.memory, self.activation_bytes = recipe.memory(), saved.nbytes
+            recipe.zero_grad()
+            self.step_time += time.perf_counter() - t0
+        loss_value = float(loss.detach())
+        self.skipped += int(result.skipped)
+        rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped, "loss_scale": result.loss_scale}
+        if not math.isfinite(loss_value):
+            self.diverged_at = self.step
+        elif (self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps:
+            with tensor_cores():
+                rec["val_loss"] = evaluate(recipe, self.corpus, cfg)["val"]
+        self.history.append(rec)
+        self.step += 1
+        return rec
+
+    def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0) -> "Trainer":
+        """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN."""
+        stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
+        bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
+                   position=position, leave=True, dynamic_ncols=True)
+        while self.step < stop and self.diverged_at is None:
+            rec = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+        bar.close()
+        return self
+
+    def result(self) -> RunResult:
+        """Final evaluation and report (losses NaN if the run diverged: nothing is averaged away)."""
+        if self.diverged_at is None:
+            with tensor_cores():
+                final = evaluate(self.recipe, self.corpus, self.cfg)
+        else:
+            final = {"train": float("nan"), "val": float("nan")}
+        n_params = sum(p.numel() for p in self.recipe.model.parameters())
+        steps_run = len(self.history)
+        return RunResult(
+            recipe=self.name, description=self.recipe.description,
+            final_train_loss=final["train"], final_val_loss=final["val"],
+            skipped_steps=self.skipped,
+            final_loss_scale=self.history[-1]["loss_scale"] if self.history else None,
+            tokens_per_s=steps_run * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
+            bytes_per_param={k: v / n_params for k, v in (self.memory or {}).items()},
+            activation_bytes=self.activation_bytes, steps_run=steps_run, diverged_at=self.diverged_at,
+            history=list(self.history))
+
+    def state_dict(self) -> dict:
+        """A checkpoint: recipe state, RNG states, step, history (``torch.save`` it)."""
+        return {"recipe_name": self.name, "recipe": self.recipe.state_dict(), "step": self.step,
+                "history": list(self.history), "skipped": self.skipped, "diverged_at": self.diverged_at,
+                "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``. Raises ValueError if it was saved under another recipe."""
+        if state["recipe_name"] != self.name:
+            raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
+                             f"build Trainer({state['recipe_name']!r}, ...) to resume it")
+        self.recipe.load_state_dict(state["recipe"])
+        self.step, self.history = state["step"], list(state["history"])
+        self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
+        self.batches.set_state(state["batch_rng"])
+        torch.set_rng_state(state["torch_rng"])
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
@@ -134,54 +251,4 @@ def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool 
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
     """
-    recipe_cls = get_recipe(recipe_name)
-    mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
-    torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)                                        # FP32 init, identical for every recipe
-    history, skipped, diverged_at, scale = [], 0, None, None
-    step_time, mem, act = 0.0, None, 0
-    gen = torch.Generator().manual_seed(cfg.seed)            # identical batch order for every recipe
-    bar = tqdm(range(cfg.steps), desc=f"{recipe_name:>16}", disable=not progress, position=position,
-               leave=True, dynamic_ncols=True)
-    with tensor_cores():
-        recipe = recipe_cls(model, cfg.optim)
-        for step in bar:
-            x, y = corpus.batch("train", cfg.batch_size, mcfg.block_size, gen)   # (B, T) int64
-            if step == 0:
-                act = activation_bytes(recipe, x, y)
-            recipe.set_lr(lr_at(step, cfg.optim))
-            t0 = time.perf_counter()
-            with recipe.forward_context():
-                _, loss = recipe.model(x, y)                 # fp32 ()
-            recipe.backward(loss)
-            result = recipe.step()
-            if mem is None:
-                mem = recipe.memory()
-            recipe.zero_grad()
-            step_time += time.perf_counter() - t0
-            loss_value = float(loss.detach())
-            skipped += int(result.skipped)
-            scale = result.loss_scale
-            rec = {"step": step, "loss": loss_value, "skipped": result.skipped, "loss_scale": scale}
-            if not math.isfinite(loss_value):
-                diverged_at = step
-                history.append(rec)
-                break
-            if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
-                rec["val_loss"] = evaluate(recipe, corpus, cfg)["val"]
-            history.append(rec)
-            bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-        bar.close()
-        if diverged_at is None:
-            final = evaluate(recipe, corpus, cfg)
-        else:
-            final = {"train": float("nan"), "val": float("nan")}
-    n_params = sum(p.numel() for p in recipe.model.parameters())
-    steps_run = len(history)
-    return RunResult(
-        recipe=recipe_name, description=recipe_cls.description,
-        final_train_loss=final["train"], final_val_loss=final["val"],
-        skipped_steps=skipped, final_loss_scale=scale,
-        tokens_per_s=steps_run * cfg.batch_size * mcfg.block_size / max(step_time, 1e-9),
-        bytes_per_param={k: v / n_params for k, v in (mem or {}).items()},
-        activation_bytes=act, steps_run=steps_run, diverged_at=diverged_at, history=history)
+    return Trainer(recipe_name, corpus, cfg).run(progress=progress, position=position).result()
