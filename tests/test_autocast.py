@@ -3,7 +3,10 @@
 Every comparison is bit for bit: output dtypes and bits, gradients, and (for the GPT) the dtype and
 shape of every aten op the forward and backward passes run. Table tests check the policy tables
 against the kernels torch 2.13 registers for AutocastCPU / AutocastCUDA and against the CUDA macro
-lists in the installed ATen/autocast_mode.h.
+lists in the installed ATen/autocast_mode.h. Those table tests compare a transcription with the
+installed torch, so they run only on the release the tables were transcribed from
+(``policy.TORCH_VERSION``, pinned in CI) and are skipped, naming that release, on any other; the
+behavioural oracle tests (torch.autocast run side by side) run on every version.
 """
 from __future__ import annotations
 
@@ -260,6 +263,28 @@ def test_cpu_table_predicts_torch_autocast_dtype(sample):
 
 
 # ------------------------------------------------------------------------------------ table tests
+def _torch_release(version: str) -> str:
+    """``"2.13.0+cpu"`` -> ``"2.13"``; ``"2.11.0a0+git1234"`` -> ``"2.11"``."""
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    return f"{m.group(1)}.{m.group(2)}" if m else str(version)
+
+
+def require_transcribed_torch():
+    """Skip a test that compares the transcribed tables with the installed torch's own lists, unless
+    the installed torch is the release they were transcribed from (the lists change between releases;
+    CI pins that release, where these tests are strict)."""
+    if _torch_release(torch.__version__) != policy.TORCH_VERSION:
+        pytest.skip(f"mpcourse.autocast.policy tables were transcribed from torch {policy.TORCH_VERSION}; "
+                    f"this is torch {torch.__version__}, whose autocast op lists may differ. The exact table "
+                    f"comparison runs on torch {policy.TORCH_VERSION}; the behavioural tests against "
+                    "torch.autocast still run here.")
+
+
+def test_torch_release_parsing():
+    assert _torch_release("2.13.0+cpu") == "2.13" and _torch_release("2.11.0a0+git1a2b") == "2.11"
+    assert _torch_release("2.4.1") == "2.4" and _torch_release(policy.TORCH_VERSION) == policy.TORCH_VERSION
+
+
 def _registered(key):
     return {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
             if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
@@ -272,6 +297,7 @@ def _entries(table):
 @pytest.mark.parametrize("device,key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
 def test_table_equals_registered_kernels(device, key):
     """Each table lists exactly the ops that have an autocast kernel for that device in this torch."""
+    require_transcribed_torch()
     entries = _entries(policy.TABLES[device])
     assert len(entries) == len(set(entries)), "an op is listed twice"
     registered = _registered(key)
@@ -282,6 +308,7 @@ def test_table_equals_registered_kernels(device, key):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_every_entry_resolves_to_an_aten_op(device):
+    require_transcribed_torch()
     for entry in _entries(policy.TABLES[device]):
         name, _, overload = entry.partition(".")
         packet = getattr(torch.ops.aten, name)
@@ -304,6 +331,7 @@ def _header_lists():
 
 def test_cuda_table_policies_match_autocast_mode_h():
     """CUDA policies equal the macro lists of the installed ATen/autocast_mode.h (cudnn convs extra)."""
+    require_transcribed_torch()
     h, cuda = _header_lists(), policy.TABLES["cuda"]
     assert set(cuda[policy.LOWER_PRECISION_FP]) == h["LOWER_PRECISION_FP"] | {"cudnn_convolution",
                                                                              "cudnn_convolution_transpose"}
@@ -330,6 +358,7 @@ def test_cpu_and_cuda_lists_differ_where_the_reference_says():
 
 def test_composites_and_gaps_are_not_registered_ops():
     """COMPOSITES/KNOWN_GAPS name real ops that have no autocast kernel of their own on that device."""
+    require_transcribed_torch()
     for device, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
         registered = {policy.base_name(e) for e in _registered(key)}
         for name, inner in policy.COMPOSITES[device].items():
@@ -351,6 +380,7 @@ def test_op_name_maps_python_callables():
 
 def test_every_table_op_is_reachable_from_python():
     """Every table name is the __name__ of a C-bound torch callable, except internal-only ops."""
+    require_transcribed_torch()
     names = set()
     for ns in (torch, torch._C._nn, torch._C._VariableFunctions, torch.linalg, torch.fft, torch.special,
                torch.Tensor):
