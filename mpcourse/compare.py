@@ -39,8 +39,10 @@ def format_table(results: list[RunResult]) -> str:
     for r in results:
         b = r.bytes_per_param
         total = sum(b.get(k, 0) for k in ("weights", "grads", "master", "optimizer", "extra"))
-        mem = (f"{b.get('weights', 0):g}+{b.get('grads', 0):g}+{b.get('master', 0):g}+"
-               f"{b.get('optimizer', 0):g}" + (f"+{b['extra']:g}" if b.get("extra") else "") + f"={total:g}")
+        parts = [b.get(k, 0) for k in ("weights", "grads", "master", "optimizer")]
+        if b.get("extra"):
+            parts.append(b["extra"])
+        mem = "+".join(f"{p:.3g}" for p in parts) + f"={total:.3g}"
         val = _fmt(r.final_val_loss, ".3f")
         if r.diverged_at is not None:
             val = f"nan@{r.diverged_at}"

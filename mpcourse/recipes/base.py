@@ -53,6 +53,10 @@ class OptimConfig:
         weight_decay: decoupled weight decay (default 0.0).
         grad_clip: max global gradient norm after unscaling (default 1.0; 0 disables).
         warmup_steps: linear learning-rate warm-up (default 20).
+        min_lr_ratio: after warm-up the rate follows a cosine from ``lr`` down to
+            ``lr * min_lr_ratio`` at the last step (default 0.1, as nanoGPT/GPT-3; 1.0 keeps it
+            constant). Decaying makes the end of a short run less noisy, so the gaps between
+            recipes measure precision, not where each run happened to be in its oscillation.
     """
 
     lr: float = 3e-3
@@ -61,6 +65,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
 
 
 @dataclass

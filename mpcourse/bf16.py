@@ -1,0 +1,225 @@
+"""BF16 training without an FP32 master copy: stochastic rounding and Kahan-compensated weight updates.
+
+Sources: Zamirai, Zhang, Aberger and De Sa 2020, "Revisiting BFloat16 Training" (arXiv 2010.06192): nearest
+rounding of the weight update cancels updates smaller than half a BF16 step; stochastic rounding and Kahan
+summation with a 16-bit compensation buffer (Algorithm 2) recover FP32 accuracy (abstract: -0.1%...+0.2%).
+Gupta et al. 2015, "Deep Learning with Limited Numerical Precision" (ICML): stochastic rounding
+rounds x up with probability (x - lo) / (hi - lo), so E[round(x)] = x. The bit form used here (add 16 uniform
+random bits below BF16's last bit, then truncate) is the one of pytorch/pytorch#120376 and torchao's low-bit
+optimizers (torchao/optim/quant_utils.py, ``_fp32_to_bf16_sr``).
+
+Why: a BF16 weight keeps 8 significant bits, so ``w + u`` rounds back to ``w`` when |u| < ulp(w) / 2, between
+|w| * 2**-9 and |w| * 2**-8 (1 + 1e-3 == 1 in BF16). ``BF16Optimizer`` wraps any ``torch.optim`` optimizer
+built over BF16 parameters: storage stays BF16, the arithmetic of a step runs in FP32 (what a fused optimizer
+kernel on BF16 storage does: load, compute in FP32 registers, round once on store), and the new weight is
+written back by ``update``: "nearest" (round to nearest even: the stagnation case), "stochastic" or "kahan".
+
+Where each dtype lives (bytes per parameter, persistent unless noted)::
+
+    param (model weight)       bf16  2   forward and backward run on it
+    param.grad                 bf16 (2)  written by backward; accumulate_grads() moves it into the FP32 buffer
+    FP32 gradient buffer       fp32  4   sums micro-batch grads exactly (BF16 would stall: 256 + 1 = 256)
+    optimizer state            bf16  4   Adam's exp_avg, exp_avg_sq; rounded to nearest after each step
+    Kahan compensation         bf16  2   update="kahan" only: what the weight still owes, w + comp ~ exact
+    step() temporaries         fp32  4 + 4 per state tensor, alive only inside step()
+    -> 10 B/param ("nearest", "stochastic"), 12 B ("kahan"); an FP32 master copy (mpcourse.master) needs 20 B.
+"""
+from __future__ import annotations
+
+import torch
+
+UPDATES = ("nearest", "stochastic", "kahan")
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round float32 ``x`` to BF16 stochastically: up (in magnitude) with probability (|x| - |lo|) / ulp.
+
+    The result is always one of the two BF16 neighbours of x (x itself when representable) and its mean is x.
+    BF16 is the top 16 bits of FP32, so: add a uniform random integer in [0, 2**16) to the FP32 bit pattern and
+    clear the low 16 bits; a carry (probability = dropped bits / 2**16) moves to the next magnitude, and a carry
+    out of the largest finite value gives inf, as in ``mpcourse.formats.round_to(..., rounding="stochastic")``.
+    Args: x float32 tensor (any shape); generator: a torch.Generator on x's device (seeded for reproducibility).
+    Returns a bfloat16 tensor of x's shape; NaN stays NaN, +-inf stay +-inf, -0.0 stays -0.0.
+    Raises TypeError for a non-float32 x (upcast BF16/FP16 first: .float()).
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_bf16 takes a float32 tensor, got {getattr(x, 'dtype', type(x))}; "
+                        "call .float() first")
+    r = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    bits = (x.view(torch.int32) + r) & -65536           # (shape) int32; -65536 == 0xFFFF0000
+    out = bits.view(torch.float32)                      # low 16 bits zero: a BF16 value, exact in FP32
+    return torch.where(x.isnan(), x, out).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def kahan_add_(w: torch.Tensor, comp: torch.Tensor, update: torch.Tensor) -> None:
+    """w += update with Kahan compensation, in place on BF16 ``w`` and its BF16 compensation ``comp``.
+
+    Zamirai et al. 2020, Algorithm 2, with ``comp`` holding what the weight still owes (the negative of Kahan's
+    textbook c), so ``w + comp`` tracks the exact sum::
+
+        y    = update + comp                # fp32: this step's update plus what earlier steps left over
+        new  = bf16_nearest(w + y)          # what the BF16 weight can take
+        comp = bf16_nearest(y - (new - w))  # the part it could not take (new - w is exact in fp32)
+        w    = new
+
+    Ten updates of +1e-3 to w = 1.0 leave w = 1.0078125 and comp ~ 0.0021875 (w + comp ~ 1.01); plain BF16
+    addition leaves 1.0. Args: w, comp bf16 tensors of one shape; update: float tensor broadcastable to it.
+    Raises TypeError for non-BF16 w or comp.
+    """
+    if w.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16:
+        raise TypeError(f"kahan_add_ needs bf16 weight and compensation, got {w.dtype} and {comp.dtype}")
+    w32 = w.float()
+    y = update.float() + comp.float()                   # (shape) fp32
+    new = (w32 + y).to(torch.bfloat16)                  # round to nearest even
+    comp.copy_(y - (new.float() - w32))                 # fp32 -> bf16, nearest
+    w.copy_(new)
+
+
+class BF16Optimizer:
+    """Wrap a ``torch.optim`` optimizer over BF16 params: FP32 arithmetic, BF16 storage, a chosen write-back.
+
+    Args:
+        optimizer: any torch.optim.Optimizer built over bfloat16 parameters (e.g. ``AdamW(model.parameters())``
+            after ``model.bfloat16()``). It runs unchanged, on FP32 temporaries of the params, grads and state.
+        update: "nearest" (round to nearest even), "stochastic" (``stochastic_round_bf16``) or "kahan"
+            (``kahan_add_`` with one BF16 compensation buffer per parameter). Default "stochastic".
+        seed: seeds the stochastic-rounding generator (default 0; on the params' device).
+        fp32_grads: accumulate micro-batch gradients in FP32 buffers (default True); False keeps autograd's BF16
+            accumulation in ``param.grad``.
+        state_dtype: dtype the optimizer state is stored in between steps, torch.bfloat16 (default, rounded to
+            nearest) or torch.float32. State tensors with the parameter's shape are converted; "step" is not.
+    Use: ``backward(); opt.accumulate_grads()`` per micro-batch, then ``opt.clip_grad_norm_(max_norm)`` (optional),
+    ``opt.step()``, ``opt.zero_grad()``. ``param_groups`` and ``state`` are the wrapped optimizer's.
+    ``lost``/``changed`` count, for the last step, the elements whose FP32 step changed the weight (changed) but
+    whose stored BF16 weight did not (lost). Raises ValueError for non-BF16 params or an unknown update.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, update: str = "stochastic", seed: int = 0,
+                 fp32_grads: bool = True, state_dtype: torch.dtype = torch.bfloat16):
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+        if state_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}")
+        self.optimizer, self.update, self.fp32_grads, self.state_dtype = optimizer, update, fp32_grads, state_dtype
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        bad = [p.dtype for p in self.params if p.dtype != torch.bfloat16]
+        if bad:
+            raise ValueError(f"BF16Optimizer needs bfloat16 parameters, got {bad[0]}: call model.bfloat16() (or "
+                             "cast_model(model, torch.bfloat16)) before building the optimizer; for FP32 master "
+                             "weights use mpcourse.master.MasterWeights")
+        self.generator = torch.Generator(device=self.params[0].device).manual_seed(seed)
+        self.comp = [torch.zeros_like(p) for p in self.params] if update == "kahan" else None  # (shape) bf16
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)                    # (shape) fp32
+        self.lost = self.changed = 0
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """Add each ``param.grad`` (bf16) into its FP32 buffer exactly and free it. Call after every backward."""
+        if not self.fp32_grads:
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                if self.grads[i] is None:
+                    self.grads[i] = p.grad.float()          # (shape) fp32, a new tensor
+                else:
+                    self.grads[i].add_(p.grad)              # fp32 += bf16, the bf16 value upcast exactly
+                p.grad = None
+
+    def _grad32(self, i: int):
+        g = self.grads[i] if self.fp32_grads else self.params[i].grad
+        return None if g is None else g.float()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the FP32 gradients so their global L2 norm is at most ``max_norm``; returns the norm before.
+        Same rule as torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6))."""
+        self.accumulate_grads()
+        grads = [g for g in (self.grads if self.fp32_grads else [p.grad for p in self.params]) if g is not None]
+        if not grads:
+            return 0.0
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return float(norm)
+
+    def _state_to(self, p, dtype) -> None:
+        st = self.optimizer.state.get(p, {})
+        for k, v in st.items():
+            if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
+                st[k] = v.to(dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step: FP32 temporaries in, the wrapped ``optimizer.step()``, BF16 written back by
+        ``update``. Closures are not supported (as torch.amp.GradScaler.step). Grads are kept until zero_grad()."""
+        if closure is not None:
+            raise ValueError("BF16Optimizer.step does not take a closure: run forward/backward before step()")
+        self.accumulate_grads()
+        saved = []                                          # (param, its bf16 storage, its bf16 grad)
+        for i, p in enumerate(self.params):
+            w16, g16, g32 = p.data, p.grad, self._grad32(i)
+            p.grad = None
+            p.data = w16.float()                            # (shape) fp32 temporary; same Parameter object
+            p.grad = g32
+            self._state_to(p, torch.float32)
+            saved.append((p, w16, g16))
+        self.optimizer.step()                               # the wrapped optimizer, in fp32
+        self.lost = self.changed = 0
+        for i, (p, w16, g16) in enumerate(saved):
+            w32 = p.data                                    # the exact new weight, fp32
+            old = w16.clone()
+            if self.update == "nearest":
+                w16.copy_(w32)
+            elif self.update == "stochastic":
+                w16.copy_(stochastic_round_bf16(w32, self.generator))
+            else:
+                kahan_add_(w16, self.comp[i], w32 - old.float())
+            wanted = w32 != old.float()
+            self.changed += int(wanted.sum())
+            self.lost += int((wanted & (w16 == old)).sum())
+            p.grad = None
+            p.data = w16
+            p.grad = g16
+            self._state_to(p, self.state_dtype)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``param.grad`` and the FP32 buffers (freed with set_to_none=True, the default)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.grads = [None if set_to_none or g is None else g.zero_() for g in self.grads]
+
+    def extra_bytes(self) -> int:
+        """Bytes of the Kahan compensation buffers (0 for the other updates)."""
+        return sum(c.numel() * c.element_size() for c in self.comp or [])
+
+    def grad_bytes(self) -> int:
+        """Bytes of the FP32 gradient buffers alive now."""
+        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+
+    def state_dict(self) -> dict:
+        """{"optimizer", "update", "generator" (SR state), "compensation" (bf16 tensors or None)}: everything to
+        resume bit for bit. Take it at a step boundary (after zero_grad): FP32 grad buffers are not saved."""
+        return {"optimizer": self.optimizer.state_dict(), "update": self.update,
+                "generator": self.generator.get_state(),
+                "compensation": None if self.comp is None else [c.clone() for c in self.comp]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict()``. Raises ValueError if it was saved with another ``update``."""
+        if state["update"] != self.update:
+            raise ValueError(f"checkpoint was saved with update={state['update']!r}, this optimizer uses "
+                             f"{self.update!r}: build it with the same update")
+        saved = [p.data for p in self.params]
+        for p in self.params:                               # torch casts loaded state to the param dtype:
+            p.data = p.data.float()                         # fp32 params make that cast exact
+        self.optimizer.load_state_dict(state["optimizer"])
+        for p, w16 in zip(self.params, saved):
+            p.data = w16
+            self._state_to(p, self.state_dtype)
+        self.generator.set_state(state["generator"])
+        for c, s in zip(self.comp or [], state["compensation"] or []):
+            c.copy_(s)

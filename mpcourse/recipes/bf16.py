@@ -1,0 +1,121 @@
+"""The BF16 recipes: autocast with FP32 weights, an FP32 master copy, and pure BF16 with three write-backs.
+
+* ``bf16-autocast``: the course's ``mpcourse.autocast.autocast(dtype=torch.bfloat16)`` around the forward pass,
+  FP32 weights, gradients and AdamW; no loss scaling (BF16 has FP32's exponent range). The same recipe as the
+  ``torch-amp-bf16`` anchor, with the course's op policy in place of torch's.
+* ``bf16-master``: BF16 model (``cast_model``, every module), FP32 master weights + AdamW (``MasterWeights``),
+  Micikevicius et al. 2018 section 3.1 with BF16 in place of FP16 (no loss scaling needed).
+* ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 model and BF16 AdamW state, no master copy; AdamW
+  steps in FP32 on temporaries (``mpcourse.bf16.BF16Optimizer``) and the new weight is written back to BF16 by
+  round-to-nearest (the stagnation case), stochastic rounding, or a Kahan-compensated update (Zamirai et al.
+  2020, "Revisiting BFloat16 Training", Algorithm 2 for Kahan). The three differ only in that write-back,
+  so the rows isolate its effect. Gradients are accumulated in FP32 (``accumulate_grads``) and clipped there.
+
+Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
+
+    recipe            weights   grads          master   AdamW state   extra            total
+    bf16-autocast     fp32 4    fp32 4         -        fp32 8        -                16
+    bf16-master       bf16 2    bf16 2+fp32 4  fp32 4   fp32 8        -                20
+    bf16-pure(-sr)    bf16 2    fp32 4         -        bf16 4        -                10
+    bf16-pure-kahan   bf16 2    fp32 4         -        bf16 4        compensation 2   12
+"""
+from __future__ import annotations
+
+import torch
+
+from ..autocast import autocast
+from ..bf16 import BF16Optimizer
+from ..master import MasterWeights, cast_model
+from .base import Recipe, StepResult, register
+
+SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)
+
+
+@register
+class BF16Autocast(Recipe):
+    name = "bf16-autocast"
+    description = "course autocast (mpcourse.autocast, bfloat16), FP32 weights, no loss scaling"
+
+    def forward_context(self):
+        return autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
+
+
+@register
+class BF16Master(Recipe):
+    name = "bf16-master"
+    description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
+
+    def prepare_model(self, model):
+        return cast_model(model, torch.bfloat16)                       # every param (N,) bf16
+
+    def make_optimizer(self, params):
+        o = self.optim
+        self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
+                                    weight_decay=o.weight_decay)
+        return self.master.optimizer                                   # steps the fp32 master params
+
+    def step(self) -> StepResult:
+        self.master.copy_grads_to_master()                             # bf16 grads -> fp32 master grads, exact
+        self.clip_grads(self.optimizer)                                # on the fp32 master grads
+        self.optimizer.step()                                          # AdamW in fp32
+        self.master.copy_master_to_model()                             # fp32 -> bf16, nearest even
+        return StepResult()
+
+    def zero_grad(self) -> None:
+        self.master.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """{"model": bf16 state_dict, "master": fp32 copy + AdamW state} (tensors shared with the live run)."""
+        return {"model": self.model.state_dict(), "master": self.master.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.master.load_state_dict(state["master"])                  # rebuilt from the checkpoint, not the model
+
+
+class _BF16Pure(Recipe):
+    """BF16 model + ``BF16Optimizer(AdamW, update=self.update)``; ``self.optimizer`` is the wrapper."""
+
+    update = "nearest"
+
+    def prepare_model(self, model):
+        return model.to(torch.bfloat16)                                # every param (N,) bf16; ids stay int64
+
+    def make_optimizer(self, params):
+        return BF16Optimizer(super().make_optimizer(params), update=self.update, seed=SR_SEED)
+
+    def step(self) -> StepResult:
+        self.optimizer.accumulate_grads()                              # bf16 grads -> fp32 buffers
+        if self.optim.grad_clip:
+            self.optimizer.clip_grad_norm_(self.optim.grad_clip)      # on the fp32 grads
+        self.optimizer.step()                                          # AdamW in fp32, written back to bf16
+        return StepResult()
+
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        out["grads"] += self.optimizer.grad_bytes()                   # the fp32 buffers, not param.grad
+        return out
+
+    def extra_bytes(self) -> int:
+        return self.optimizer.extra_bytes()                            # Kahan compensation (bf16)
+
+
+@register
+class BF16Pure(_BF16Pure):
+    name = "bf16-pure"
+    description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (stagnates)"
+    update = "nearest"
+
+
+@register
+class BF16PureSR(_BF16Pure):
+    name = "bf16-pure-sr"
+    description = "BF16 weights and AdamW state, no master copy, stochastic rounding of the updated weights"
+    update = "stochastic"
+
+
+@register
+class BF16PureKahan(_BF16Pure):
+    name = "bf16-pure-kahan"
+    description = "BF16 weights and AdamW state, no master copy, Kahan-compensated updates (BF16 buffer)"
+    update = "kahan"
