@@ -1,0 +1,107 @@
+"""The FP8 recipes: the GPT's linear layers compute in FP8, as Transformer Engine and torchao train.
+
+* ``fp8-current``: current (just-in-time) per-tensor scaling, TE ``Float8CurrentScaling`` / torchao's
+  tensorwise default: every cast takes its scale from the tensor itself (``mpcourse.fp8.CurrentScaling``).
+* ``fp8-delayed``: delayed scaling, TE ``DelayedScaling``: each tensor's scale comes from the amax history
+  of earlier steps (``mpcourse.fp8.DelayedScaling``).
+
+Both use ``Format.HYBRID`` (E4M3 for activations and weights, E5M2 for gradients; TE's default) and
+``mpcourse.fp8.convert_to_float8_training`` to swap linear layers for ``Float8Linear``, whose three GEMMs
+(forward, input gradient, weight gradient) run through ``torch._scaled_mm``.
+
+What is FP8 and what is not (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3.1: the
+embedding, the output head, normalisation and attention keep their original precision; TE quantizes
+only its GEMM modules, ``te.Linear`` / ``LayerNormLinear`` / ``LayerNormMLP``)::
+
+    FP8   blocks.*.attn.qkv, blocks.*.attn.proj, blocks.*.mlp.fc, blocks.*.mlp.proj   (4 per block)
+    FP32  tok_emb, pos_emb, the LayerNorms, q @ k^T, softmax, att @ v, GELU, ln_f, the head
+          (tied to tok_emb), the cross-entropy
+
+The head stays out (``module_filter_fn`` excludes ``head``): its logits feed the softmax of the loss
+directly, and it shares its weight with the token embedding, which must not be quantized.
+
+Master weights. The FP8 layers keep their weights in FP32 and quantize a fresh E4M3 copy at every
+forward, as ``te.Linear`` and torchao's ``Float8Linear`` do; the optimizer (AdamW) steps those FP32
+weights directly, so the FP32 weights *are* the master copy and no second copy exists (the table shows
+master 0 B). Gradients reach the weights in FP32 (the weight-gradient GEMM writes the weight's dtype).
+
+The non-FP8 compute dtype is FP32 (no ``torch.autocast`` around the FP8 region). Why not BF16 autocast,
+as TE is usually run on GPUs (BF16 activations around FP8 GEMMs)? So that the gap of these rows to
+``fp32`` is the effect of FP8 alone: everything that is not one of the four FP8 GEMMs per block runs
+exactly as in the ``fp32`` row, and the ``torch-amp-bf16`` row shows the BF16 effect on its own. (It also
+avoids emulated BF16 matmuls on CPUs without BF16 units.) To run as TE usually does on a GPU, put
+``torch.autocast(dtype=torch.bfloat16)`` around ``fp8_autocast``: ``Float8Linear`` then returns BF16.
+
+Delayed scaling uses TE's ``DelayedScaling`` defaults except ``amax_history_len=16`` (default 1024),
+the value of TE's own examples (``docs/examples/quickstart.ipynb``, "Enabling FP8":
+``DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")``). Reason: a
+``mpcourse compare`` run has 200 steps, so a 1024-entry window never forgets anything: each scale would
+be set by the largest amax since step 0 (the early, large activations and gradients), and a tensor
+whose amax later shrinks would keep a scale too small for it, wasting binades of E4M3's 18. Sixteen
+steps still cover the step-to-step jitter of the amax.
+
+How the state moves through a step (``mpcourse.fp8.autocast``): the forward runs inside
+``fp8_autocast(enabled=True, fp8_recipe=...)`` (``forward_context``); each layer records the amaxes of
+its input and weight, and when the region exits, the forward states of every layer update once. The
+backward (``loss.backward()``) runs after the region has exited, as TE requires; each layer's backward
+quantizes its output gradient with the layer's own recipe and updates that state right after using it.
+Under ``torch.no_grad()`` (evaluation) the layers use their scales and record nothing.
+
+Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra state, so
+``model.state_dict()`` (part of ``Recipe.state_dict``) carries them and a run resumes bit for bit.
+``memory()['extra']`` counts that state: per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..fp8 import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training, fp8_autocast
+from .base import Recipe, register
+
+FP8_FORMAT = Format.HYBRID               # E4M3 forward, E5M2 gradients (TE's default)
+AMAX_HISTORY_LEN = 16                    # TE default 1024; 16 as in TE's quickstart example (see above)
+HIGH_PRECISION_MODULES = ("head",)       # linear layers kept out of FP8 (by their fully qualified name)
+
+
+def keep_linear_in_fp8(module: nn.Module, fqn: str) -> bool:
+    """``module_filter_fn`` for ``convert_to_float8_training``: every linear layer except the output head."""
+    return fqn not in HIGH_PRECISION_MODULES
+
+
+class _FP8Recipe(Recipe):
+    """FP32 model whose linear layers (not the head) are ``Float8Linear``; forward inside ``fp8_autocast``."""
+
+    fp8_recipe: DelayedScaling | CurrentScaling
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
+        # steps them and the head stays tied to tok_emb.
+        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe)
+
+    def forward_context(self):
+        return fp8_autocast(enabled=True, fp8_recipe=self.fp8_recipe)
+
+    def fp8_layers(self) -> dict[str, Float8Linear]:
+        """The model's FP8 layers by fully qualified name."""
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+
+    def extra_bytes(self) -> int:
+        """Bytes of FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; 0 for current
+        scaling, whose scales live only during one cast."""
+        return sum(t.numel() * t.element_size()
+                   for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
+                   for t in (state.scale, state.amax_history))
+
+
+@register
+class FP8Current(_FP8Recipe):
+    name = "fp8-current"
+    description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
+    fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
+
+
+@register
+class FP8Delayed(_FP8Recipe):
+    name = "fp8-delayed"
+    description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
+    fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
