@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import emulation
 from .data import CorpusError, load_corpus
-from .recipes import RECIPES
+from .recipes import RECIPES, OptimConfig
 from .train import TrainConfig
 
 
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
     c.add_argument("--steps", type=_positive, default=TrainConfig.steps, help="optimizer steps per recipe (default %(default)s)")
     c.add_argument("--batch-size", type=_positive, default=TrainConfig.batch_size, help="sequences per step (default %(default)s)")
+    c.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
+    c.add_argument("--min-lr-ratio", type=float, default=OptimConfig.min_lr_ratio,
+                   help="cosine decay to lr * this at the last step; 1 keeps the rate constant (default %(default)s)")
     c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
     c.add_argument("--seed", type=int, default=0, help="seed for the model init and the batch order (default 0)")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
@@ -58,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+    if args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1:
+        print("mpcourse compare: error: --lr must be > 0 and --min-lr-ratio within [0, 1]", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+                      optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio))
     recipes = args.recipes or list(RECIPES)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
