@@ -50,9 +50,12 @@ def format_table(results: list[RunResult]) -> str:
                      str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
                      mem, _fmt(r.activation_bytes / 2**20, ".1f")])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    legend = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
+              "(negative = lower); nan@N: diverged at step N;\nscale: final loss scale; B/param: bytes per "
+              "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: saved activations of one step")
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows] + [legend])
 
 
 def plot_curves(results: list[RunResult], path: Path) -> None:
@@ -61,11 +64,14 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(10, 6))
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
         steps = [h["step"] for h in r.history]
         losses = [h["loss"] for h in r.history]
-        (line,) = ax.plot(steps, losses, lw=0.9, alpha=0.8, label=r.recipe)
+        label = r.recipe + (f" (diverged at step {r.diverged_at})" if r.diverged_at is not None else "")
+        (line,) = ax.plot(steps, losses, lw=0.9, alpha=0.85, label=label, color=colors[i % len(colors)],
+                          linestyle=("-", "--", ":")[(i // len(colors)) % 3])
         val = [(h["step"], h["val_loss"]) for h in r.history if "val_loss" in h]
         if val:
             ax.plot(*zip(*val), "o", color=line.get_color(), ms=4)

@@ -103,7 +103,7 @@ class _BF16Pure(Recipe):
 @register
 class BF16Pure(_BF16Pure):
     name = "bf16-pure"
-    description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (stagnates)"
+    description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (small updates are lost)"
     update = "nearest"
 
 
