@@ -25,8 +25,8 @@ import torch
 
 from ..autocast import autocast
 from ..bf16 import BF16Optimizer
-from ..master import MasterWeights, cast_model
 from .base import Recipe, StepResult, register
+from .fp16 import MasterWeightsRecipe
 
 SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)
 
@@ -41,36 +41,12 @@ class BF16Autocast(Recipe):
 
 
 @register
-class BF16Master(Recipe):
+class BF16Master(MasterWeightsRecipe):
+    """BF16 model with an FP32 master copy stepped by AdamW (the FP16 recipe's step, no loss scaling)."""
+
     name = "bf16-master"
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
-
-    def prepare_model(self, model):
-        return cast_model(model, torch.bfloat16)                       # every param (N,) bf16
-
-    def make_optimizer(self, params):
-        o = self.optim
-        self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
-                                    weight_decay=o.weight_decay)
-        return self.master.optimizer                                   # steps the fp32 master params
-
-    def step(self) -> StepResult:
-        self.master.copy_grads_to_master()                             # bf16 grads -> fp32 master grads, exact
-        self.clip_grads(self.optimizer)                                # on the fp32 master grads
-        self.optimizer.step()                                          # AdamW in fp32
-        self.master.copy_master_to_model()                             # fp32 -> bf16, nearest even
-        return StepResult()
-
-    def zero_grad(self) -> None:
-        self.master.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        """{"model": bf16 state_dict, "master": fp32 copy + AdamW state} (tensors shared with the live run)."""
-        return {"model": self.model.state_dict(), "master": self.master.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.master.load_state_dict(state["master"])                  # rebuilt from the checkpoint, not the model
+    model_dtype = torch.bfloat16
 
 
 class _BF16Pure(Recipe):

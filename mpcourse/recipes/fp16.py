@@ -61,15 +61,14 @@ DYNAMIC_INIT_SCALE = 2.0**16         # torch.amp.GradScaler's default
 DYNAMIC_GROWTH_INTERVAL = 50         # torch: 2000, longer than a whole compare run
 
 
-@register
-class FP16Master(Recipe):
-    """FP16 model with an FP32 master copy stepped by AdamW; no loss scaling (gradients still underflow)."""
+class MasterWeightsRecipe(Recipe):
+    """Low-precision model (``model_dtype``: fp16 or bf16) with an FP32 master copy stepped by AdamW; no
+    loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
 
-    name = "fp16-master"
-    description = "FP16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
+    model_dtype = torch.float16
 
     def prepare_model(self, model):
-        return cast_model(model, torch.float16)                       # every param (N,) fp16
+        return cast_model(model, self.model_dtype)                    # every param (N,) fp16 / bf16
 
     def make_optimizer(self, params):
         o = self.optim
@@ -98,6 +97,15 @@ class FP16Master(Recipe):
         back into the model rounded to fp16 (the same values the model had when saved)."""
         self.model.load_state_dict(state["model"])
         self.master.load_state_dict(state["master"])
+
+
+@register
+class FP16Master(MasterWeightsRecipe):
+    """FP16 model with an FP32 master copy stepped by AdamW; no loss scaling (gradients still underflow)."""
+
+    name = "fp16-master"
+    description = "FP16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
+    model_dtype = torch.float16
 
 
 class _ScaledFP16(FP16Master):
