@@ -43,8 +43,11 @@ def read_text(path: str | Path) -> str:
     if not p.is_file():
         raise CorpusError(f"--data {path}: is not a regular file. Pass a UTF-8 text file.")
     raw = p.read_bytes()
-    if not raw.strip():
+    if not raw:
         raise CorpusError(f"--data {path}: the file is empty. Pass a file with some text in it.")
+    if not raw.strip():
+        raise CorpusError(f"--data {path}: the file holds only whitespace (an empty corpus). "
+                          "Pass a file with some text in it.")
     if b"\x00" in raw:
         raise CorpusError(f"--data {path}: contains NUL bytes, so it looks binary, not text. "
                           "Pass a UTF-8 text file.")

@@ -41,7 +41,7 @@ def test_batches_are_shifted_windows_and_seeded(corpus):
 
 
 @pytest.mark.parametrize("content,match", [
-    (None, "no such file"), (b"", "empty"), (b"abc\x00def" * 300, "binary"),
+    (None, "no such file"), (b"", "empty"), (b"\n\n  \n", "only whitespace"), (b"abc\x00def" * 300, "binary"),
     ("caf\xe9 ".encode("latin-1") * 400, "not valid UTF-8"), (b"short", "at least"),
 ])
 def test_bad_data_files_get_clear_errors(tmp_path, content, match):

@@ -234,3 +234,11 @@ def test_accepts_mpcourse_formats_descriptions():
         assert fp8_dtype(formats.FORMATS[name]) is formats.FORMATS[name].torch_dtype
     with pytest.raises(ValueError, match="unknown FP8 format"):
         fp8_format_name(formats.FORMATS["fp16"])
+
+
+def test_huge_margin_never_gives_a_zero_scale():
+    """Review finding: (448 / 1) / 2**200 underflows FP32 to 0; the policy clamps to the smallest normal."""
+    from mpcourse.fp8.tensor import compute_scale
+    s = compute_scale(1.0, "e4m3", margin=200)
+    assert float(s) == torch.finfo(torch.float32).tiny
+    assert float(compute_scale(1.0, "e4m3", margin=1)) == 224.0          # ordinary margins untouched

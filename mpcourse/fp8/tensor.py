@@ -37,6 +37,7 @@ import torch
 # The two OCP FP8 formats and the torch dtypes that hold them. E4M3 is the "fn" variant (finite,
 # single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal FP32, 2**-126
 FP32_MAX = torch.finfo(torch.float32).max  # 3.4028234663852886e38
 
 
@@ -162,7 +163,9 @@ def compute_scale(amax, fp8_max: float | str, margin: int = 0, prev_scale=None,
       prev_scale:  scale to keep where amax is 0, inf or NaN; None means 1.0 (current scaling).
       power_2_scale: round the result down to a power of two (TE ``use_power_2_scales``).
     Returns: float32 tensor shaped like ``amax``, always finite and > 0 when prev_scale is.
-    Where fp8_max / amax overflows FP32 (amax < ~1.3e-36 for E4M3) the scale is FP32 max.
+    Where fp8_max / amax overflows FP32 (amax < ~1.3e-36 for E4M3) the scale is FP32 max; where it
+    underflows (a huge ``margin``) it is the smallest normal FP32, never 0 (mpcourse's policy: a zero
+    scale would turn every value into 0 and its inverse into inf).
     Source: TE ``transformer_engine/pytorch/quantization.py`` ``_default_sf_compute``.
     """
     if not isinstance(fp8_max, (int, float)):
@@ -180,6 +183,7 @@ def compute_scale(amax, fp8_max: float | str, margin: int = 0, prev_scale=None,
     usable = (amax > 0) & torch.isfinite(amax)
     scale = torch.where(usable, scale, prev)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    scale = torch.where(usable & (scale < FP32_TINY), torch.full_like(scale, FP32_TINY), scale)
     if power_2_scale:
         scale = round_down_to_power_of_2(scale)
     return scale
