@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mpcourse.data import load_corpus
-from mpcourse.emulation import tensor_cores
-from mpcourse.model import GPT, GPTConfig
+from mpcourse.model import GPTConfig
 from mpcourse.recipes import RECIPES, OptimConfig, get_recipe
+from recipe_loop import make_recipe, run_steps
 from mpcourse.train import TrainConfig, lr_at, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -24,27 +24,14 @@ def corpus():
 
 
 def make(name, corpus, seed=0, optim=None):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**SMALL.__dict__, "vocab_size": corpus.vocab_size}))   # fp32 init
-    return get_recipe(name)(model, optim or OptimConfig())
+    return make_recipe(name, corpus, SMALL, seed, optim)
 
 
 def run(recipe, corpus, gen, steps, start=0, inject=None):
     """The training loop of mpcourse.train, step by step; returns the losses."""
-    out = []
-    with tensor_cores():
-        for step in range(start, start + steps):
-            x, y = corpus.batch("train", B, SMALL.block_size, gen)                  # (B, T) int64
-            recipe.set_lr(lr_at(step, recipe.optim))
-            with recipe.forward_context():
-                _, loss = recipe.model(x, y)                                         # fp32 ()
-            recipe.backward(loss)
-            if inject is not None:
-                inject(recipe)
-            recipe.step()
-            recipe.zero_grad()
-            out.append(float(loss.detach()))
-    return out
+    hook = (lambda step, r: inject(r)) if inject is not None else None
+    return [loss for loss, _ in run_steps(recipe, corpus, gen, steps, block_size=SMALL.block_size,
+                                          batch_size=B, start=start, inject=hook)]
 
 
 def bits(t):

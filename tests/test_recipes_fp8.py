@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 
 from mpcourse.data import load_corpus
-from mpcourse.emulation import tensor_cores
-from mpcourse.fp8 import CurrentScaling, DelayedScaling, Float8Linear, Format
-from mpcourse.model import GPT, GPTConfig
-from mpcourse.recipes import RECIPES, OptimConfig, get_recipe
+from mpcourse.fp8 import CurrentScaling, Float8Linear, Format
+from mpcourse.model import GPTConfig
+from mpcourse.recipes import RECIPES, get_recipe
+from recipe_loop import make_recipe, run_steps
 from mpcourse.recipes.fp8 import AMAX_HISTORY_LEN
-from mpcourse.train import TrainConfig, evaluate, lr_at, train
+from mpcourse.train import TrainConfig, evaluate, train
 
 SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 FP8_RECIPES = ["fp8-current", "fp8-delayed"]
@@ -29,25 +29,13 @@ def corpus():
 
 
 def make(name, corpus, seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**SMALL.__dict__, "vocab_size": corpus.vocab_size}))   # fp32 init
-    return get_recipe(name)(model, OptimConfig())
+    return make_recipe(name, corpus, SMALL, seed)
 
 
 def run(recipe, corpus, gen, steps, start=0):
     """The training loop of mpcourse.train, step by step; returns the losses."""
-    out = []
-    with tensor_cores():
-        for step in range(start, start + steps):
-            x, y = corpus.batch("train", B, SMALL.block_size, gen)                  # (B, T) int64
-            recipe.set_lr(lr_at(step, recipe.optim))
-            with recipe.forward_context():
-                _, loss = recipe.model(x, y)                                         # fp32 ()
-            recipe.backward(loss)
-            recipe.step()
-            recipe.zero_grad()
-            out.append(float(loss.detach()))
-    return out
+    return [loss for loss, _ in run_steps(recipe, corpus, gen, steps, block_size=SMALL.block_size,
+                                          batch_size=B, start=start)]
 
 
 def fp8_states(recipe):
