@@ -2,7 +2,7 @@
 
 One training step of the compare model (default ``GPTConfig``, batch 16 x 64 tokens): forward under
 the autocast region, backward, ``AdamW.step()``, ``zero_grad``; FP32 weights, as the
-``bf16-autocast`` recipe runs it. Everything runs inside ``mpcourse.emulation.tensor_cores()`` (auto),
+``bf16-autocast`` recipe runs it. Everything runs inside ``mpcourse.core.emulation.tensor_cores()`` (auto),
 as the training loop does. The two implementations are timed in one process, interleaved
 (A B, B A, A B, ...) so that drift in the machine's speed hits both alike. Printed per autocast
 dtype: the median step time of each, and two ratios mpcourse / torch, each the median over the
@@ -26,11 +26,11 @@ import time
 
 import torch
 
-import mpcourse.autocast as mpa
-from mpcourse import emulation
-from mpcourse.data import load_corpus
-from mpcourse.emulation import tensor_cores
-from mpcourse.model import GPT, GPTConfig
+import mpcourse.core.autocast as mpa
+from mpcourse.core import emulation
+from mpcourse.experiment.data import load_corpus
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.model import GPT, GPTConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

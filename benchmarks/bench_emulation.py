@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from mpcourse import emulation
-from mpcourse.data import load_corpus
-from mpcourse.emulation import tensor_cores
-from mpcourse.model import GPT, GPTConfig
+from mpcourse.core import emulation
+from mpcourse.experiment.data import load_corpus
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.model import GPT, GPTConfig
 
 
 def best_of(fn, repeats: int, warmup: int = 1) -> float:

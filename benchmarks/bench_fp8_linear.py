@@ -25,7 +25,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from mpcourse.fp8 import CurrentScaling, DelayedScaling, Float8Linear, fp8_autocast
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, fp8_autocast
 
 PEAKS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "L40S": (362.0, 733.0), "L4": (121.0, 242.0)}
 

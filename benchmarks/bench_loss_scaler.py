@@ -2,7 +2,7 @@
 
 The step is the ``fp16-dynamic`` recipe's, identical for both except the scaler object: the compare
 model (``GPTConfig()`` defaults, about 1M parameters) cast to FP16, an FP32 master copy stepped by
-AdamW (``mpcourse.master.MasterWeights``), gradient clipping at 1.0 after unscaling::
+AdamW (``mpcourse.core.master.MasterWeights``), gradient clipping at 1.0 after unscaling::
 
     scaler.scale(loss).backward(); master.copy_grads_to_master(); scaler.unscale_(opt)
     clip_grad_norm_(master params, 1.0); scaler.step(opt); master.copy_master_to_model()
@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from mpcourse import emulation
-from mpcourse.data import load_corpus
-from mpcourse.emulation import tensor_cores
-from mpcourse.master import MasterWeights, cast_model
-from mpcourse.model import GPT, GPTConfig
-from mpcourse.scaling import DynamicLossScaler
+from mpcourse.core import emulation
+from mpcourse.experiment.data import load_corpus
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.master import MasterWeights, cast_model
+from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.core.scaling import DynamicLossScaler
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**16, 50
 

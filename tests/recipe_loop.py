@@ -1,11 +1,11 @@
 """Test helper shared by the recipe tests: build a recipe on a small GPT and step it the way
-``mpcourse.train.Trainer`` does, one step at a time, with an optional hook before ``step()``."""
+``mpcourse.experiment.train.Trainer`` does, one step at a time, with an optional hook before ``step()``."""
 import torch
 
-from mpcourse.emulation import tensor_cores
-from mpcourse.model import GPT, GPTConfig
-from mpcourse.recipes import OptimConfig, get_recipe
-from mpcourse.train import lr_at
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.recipes import OptimConfig, get_recipe
+from mpcourse.experiment.train import lr_at
 
 
 def make_recipe(name, corpus, model_cfg: GPTConfig, seed=0, optim=None):

@@ -1,4 +1,4 @@
-"""mpcourse.autocast against torch.autocast, run side by side (the oracle), on CPU; CUDA when present.
+"""mpcourse.core.autocast against torch.autocast, run side by side (the oracle), on CPU; CUDA when present.
 
 Every comparison is bit for bit: output dtypes and bits, gradients, and (for the GPT) the dtype and
 shape of every aten op the forward and backward passes run. Table tests check the policy tables
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-import mpcourse.autocast as mpa
-from mpcourse.autocast import autocast, custom_bwd, custom_fwd, policy
-from mpcourse.autocast import mode as mode_mod
+import mpcourse.core.autocast as mpa
+from mpcourse.core.autocast import autocast, custom_bwd, custom_fwd, policy
+from mpcourse.core.autocast import mode as mode_mod
 
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
@@ -274,7 +274,7 @@ def require_transcribed_torch():
     the installed torch is the release they were transcribed from (the lists change between releases;
     CI pins that release, where these tests are strict)."""
     if _torch_release(torch.__version__) != policy.TORCH_VERSION:
-        pytest.skip(f"mpcourse.autocast.policy tables were transcribed from torch {policy.TORCH_VERSION}; "
+        pytest.skip(f"mpcourse.core.autocast.policy tables were transcribed from torch {policy.TORCH_VERSION}; "
                     f"this is torch {torch.__version__}, whose autocast op lists may differ. The exact table "
                     f"comparison runs on torch {policy.TORCH_VERSION}; the behavioural tests against "
                     "torch.autocast still run here.")
@@ -409,13 +409,13 @@ def _gpt_run(model, idx, targets, ctx):
 @pytest.mark.parametrize("emulate", [False, True], ids=["native kernels", "tensor-core emulation"])
 @pytest.mark.parametrize("low", LOW_DTYPES, ids=str)
 def test_gpt_matches_torch_autocast_bit_for_bit(low, emulate):
-    """mpcourse.model.GPT: logits, loss, every parameter gradient and the dtype/shape of every aten op
+    """mpcourse.experiment.model.GPT: logits, loss, every parameter gradient and the dtype/shape of every aten op
     run in forward and backward equal torch.autocast's, on CPU, with dropout and tied weights.
 
     Both runs use the same matmul kernels: emulation off (``tensor_cores(enabled=False)``, the
-    documented switch of mpcourse.emulation), and, as the training loop runs, emulation on for both."""
-    model_mod = pytest.importorskip("mpcourse.model")
-    emulation = pytest.importorskip("mpcourse.emulation")
+    documented switch of mpcourse.core.emulation), and, as the training loop runs, emulation on for both."""
+    model_mod = pytest.importorskip("mpcourse.experiment.model")
+    emulation = pytest.importorskip("mpcourse.core.emulation")
     torch.manual_seed(0)
     cfg = model_mod.GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
     model = model_mod.GPT(cfg)

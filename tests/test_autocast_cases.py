@@ -13,7 +13,7 @@ side by side) and cites the public report it comes from. The cases:
 
 The CUDA half of a case runs against ``torch.autocast("cuda")`` on a GPU; without one, the CUDA table
 is applied to CPU tensors (the ``cuda_policy`` fixture) and checked against the table's documented
-policy (``mpcourse/autocast/policy.py``; ``aten/src/ATen/autocast_mode.h``).
+policy (``mpcourse/core/autocast/policy.py``; ``aten/src/ATen/autocast_mode.h``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpcourse.autocast import autocast
-from mpcourse.autocast import mode as mode_mod
-from mpcourse.emulation import tensor_cores
-from mpcourse.model import GPT, GPTConfig
-from mpcourse.scaling import has_inf_or_nan
+from mpcourse.core.autocast import autocast
+from mpcourse.core.autocast import mode as mode_mod
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.core.scaling import has_inf_or_nan
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 FP16_MIN = torch.finfo(f16).min                                      # -65504.0
@@ -44,7 +44,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture
 def cuda_policy(monkeypatch):
-    """mpcourse.autocast("cuda") applied to CPU tensors: the CUDA table, without a GPU."""
+    """mpcourse.core.autocast("cuda") applied to CPU tensors: the CUDA table, without a GPU."""
     monkeypatch.setattr(mode_mod, "_device_type", lambda t: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
@@ -89,7 +89,7 @@ def test_fully_masked_row_with_fp16_minimum_is_nan_in_fp16_finite_in_fp32():
     assert abs(float(probs[0, 0]) - 0.9999546) < 1e-7 and abs(float(probs[0, 1]) - 4.54e-5) < 1e-7
 
 
-@pytest.mark.parametrize("ctx", ["torch.autocast", "mpcourse.autocast"])
+@pytest.mark.parametrize("ctx", ["torch.autocast", "mpcourse.core.autocast"])
 def test_autocast_does_not_save_an_fp16_additive_mask(ctx):
     """huggingface/transformers#17306: under FP16 autocast the masked add is an element-wise op (on no
     list), so it runs in FP16 and overflows whichever autocast runs; the two agree bit for bit."""
@@ -128,8 +128,8 @@ class SoftmaxRows(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("how", ["fp16 weights", "torch.autocast fp16", "mpcourse.autocast fp16",
-                                 "mpcourse.autocast bf16"])
+@pytest.mark.parametrize("how", ["fp16 weights", "torch.autocast fp16", "mpcourse.core.autocast fp16",
+                                 "mpcourse.core.autocast bf16"])
 def test_course_gpt_never_produces_a_nan_attention_row(how):
     """The course's GPT masks with ``masked_fill(-inf)`` and never masks the diagonal, so every row has
     a finite score, the row max is finite and the softmax is finite and sums to 1, in any dtype; no
@@ -146,7 +146,7 @@ def test_course_gpt_never_produces_a_nan_attention_row(how):
             assert torch.equal(block.attn.mask, mask)
     idx = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(1))
     ctx = {"fp16 weights": None, "torch.autocast fp16": torch.autocast("cpu", dtype=f16),
-           "mpcourse.autocast fp16": autocast("cpu", dtype=f16), "mpcourse.autocast bf16": autocast("cpu")}[how]
+           "mpcourse.core.autocast fp16": autocast("cpu", dtype=f16), "mpcourse.core.autocast bf16": autocast("cpu")}[how]
     if ctx is None:
         model = model.half()
     with tensor_cores(enabled=True), SoftmaxRows() as rec, torch.no_grad():   # emulated fp16 matmuls: fast
@@ -167,7 +167,7 @@ def test_course_gpt_never_produces_a_nan_attention_row(how):
 @pytest.mark.parametrize("dtype", [f32, bf16, f16], ids=str)
 def test_softmax_dtype_follows_the_cpu_list_like_torch_autocast(dtype):
     """pytorch/pytorch#76661: eager autocast upcasts softmax on the GPU only. On CPU softmax is on no
-    list: the output keeps the input's dtype, with torch.autocast and with mpcourse.autocast, bit for
+    list: the output keeps the input's dtype, with torch.autocast and with mpcourse.core.autocast, bit for
     bit; a matmul's low-precision scores stay low precision through the softmax."""
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
     w = torch.randn(5, 5, generator=torch.Generator().manual_seed(1))
@@ -239,7 +239,7 @@ def test_layer_norm_of_fp16_300s_uses_fp32_statistics():
 @pytest.mark.parametrize("low", [f16, bf16], ids=str)
 def test_layer_norm_under_cpu_autocast_matches_torch(low):
     """On CPU layer_norm is on no list: it runs in its input's dtype (FP32 statistics inside the
-    kernel), with torch.autocast and mpcourse.autocast alike, bit for bit, within 1e-3 of the right value."""
+    kernel), with torch.autocast and mpcourse.core.autocast alike, bit for bit, within 1e-3 of the right value."""
     x = torch.tensor(X300, dtype=f16).to(low)
     with torch.autocast("cpu", dtype=low):
         ref = F.layer_norm(x, (4,))
@@ -261,7 +261,7 @@ def test_layer_norm_under_the_cuda_list_runs_in_fp32(cuda_policy):
 def test_70000_in_fp16_is_inf_and_the_overflow_detector_flags_it():
     """huggingface/transformers#5651: a T5 feed-forward output of 66246.39 exceeded FP16's 65504, became
     inf and then a NaN loss. 70000 stored in FP16 is inf (BF16 keeps it, as 70144); the detector of
-    mpcourse.scaling flags it, agreeing with torch.isinf, and leaves 65504 alone."""
+    mpcourse.core.scaling flags it, agreeing with torch.isinf, and leaves 65504 alone."""
     x = torch.tensor([1.0, 70000.0, -3.0]).to(f16)
     assert float(x[1]) == math.inf and torch.isinf(x).any()
     assert float(torch.tensor(70000.0).to(bf16)) == 70144.0
@@ -271,7 +271,7 @@ def test_70000_in_fp16_is_inf_and_the_overflow_detector_flags_it():
     assert bool(has_inf_or_nan(edge)) is False and not torch.isinf(edge).any()
 
 
-@pytest.mark.parametrize("ctx", ["torch.autocast", "mpcourse.autocast"])
+@pytest.mark.parametrize("ctx", ["torch.autocast", "mpcourse.core.autocast"])
 def test_fp16_matmul_output_past_65504_is_flagged(ctx):
     """The same overflow produced by a matmul under FP16 autocast (FP32 accumulation, rounded once to
     FP16): 4 * 150 * 120 = 72000 -> inf, flagged; both autocasts give the same bits."""
@@ -306,7 +306,7 @@ def test_minmax_epsilon_vanishes_in_fp16():
 def test_autocast_does_not_change_minmax(low):
     """lightonai/pylate#239: scores from a matmul under autocast are low precision, and sub/min/max/add/div
     are on no autocast list, so the normalisation runs in that dtype: NaN for FP16, [0, 0, 0, 0] for
-    BF16, with torch.autocast and mpcourse.autocast alike; FP32 inputs stay FP32 ([0, 0, 0, 0])."""
+    BF16, with torch.autocast and mpcourse.core.autocast alike; FP32 inputs stay FP32 ([0, 0, 0, 0])."""
     q, d = torch.ones(1, 2), torch.ones(4, 2)                             # every score is exactly 2
     outs = {}
     for name, make in (("torch", torch.autocast), ("mpcourse", autocast)):

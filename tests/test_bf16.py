@@ -1,4 +1,4 @@
-"""mpcourse.bf16: stochastic rounding, Kahan-compensated updates and the BF16Optimizer wrapper.
+"""mpcourse.core.bf16: stochastic rounding, Kahan-compensated updates and the BF16Optimizer wrapper.
 
 Oracles: torch's own BF16 casts and ``torch.nextafter`` (the two neighbours of a value), the binomial
 distribution (unbiasedness, within 3 sigma), an FP64 exact sum (Kahan), and ``torch.optim.AdamW`` /
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from mpcourse.bf16 import BF16Optimizer, kahan_add_, stochastic_round_bf16
-from mpcourse.grading.formats import rounding_cases
+from mpcourse.core.bf16 import BF16Optimizer, kahan_add_, stochastic_round_bf16
+from mpcourse.course.grading.formats import rounding_cases
 
 
 def torch_neighbours(x):

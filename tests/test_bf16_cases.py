@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from mpcourse.bf16 import BF16Optimizer, kahan_add_, stochastic_round_bf16
-from mpcourse.formats import round_to
-from mpcourse.master import MasterWeights
+from mpcourse.core.bf16 import BF16Optimizer, kahan_add_, stochastic_round_bf16
+from mpcourse.core.formats import round_to
+from mpcourse.core.master import MasterWeights
 
 
 def bf16(v):

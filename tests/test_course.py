@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mpcourse.course import (BEGIN, END, STUB, CourseError, check_drift, exercise_pairs, make_exercise,
+from mpcourse.course.exercises import (BEGIN, END, STUB, CourseError, check_drift, exercise_pairs, make_exercise,
                              strip_solutions)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def test_every_exercise_has_checks_and_solution_blocks(solution, exercise):
     nb = nbformat.read(solution, as_version=4)
     checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
     assert checks, "a solution needs check cells (tag: check)"
-    assert any("mpcourse.grading" in c.source for c in checks), "check cells call graders from mpcourse.grading"
+    assert any("mpcourse.course.grading" in c.source for c in checks), "check cells call graders from mpcourse.course.grading"
     assert all(c.outputs and "PASS" in "".join(o.get("text", "") for o in c.outputs) for c in checks), \
         "every check cell of a solution stores its PASS verdict"
 

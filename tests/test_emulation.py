@@ -3,8 +3,8 @@ torch's native CPU kernels, and switched by MPCOURSE_EMULATE / set_emulation."""
 import pytest
 import torch
 
-from mpcourse import emulation
-from mpcourse.emulation import TensorCoreEmulation, emulation_enabled, set_emulation, tensor_cores
+from mpcourse.core import emulation
+from mpcourse.core.emulation import TensorCoreEmulation, emulation_enabled, set_emulation, tensor_cores
 
 LOW = [torch.bfloat16, torch.float16]
 

@@ -1,4 +1,4 @@
-"""Oracle tests for mpcourse.formats.
+"""Oracle tests for mpcourse.core.formats.
 
 Oracles, run side by side: torch's own casts (`x.to(dtype).float()` and `.view()` of raw bits),
 `torch.finfo`, ml_dtypes / numpy (bfloat16, float16, float8_e4m3fn, float8_e5m2), and for TF32 an
@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mpcourse.formats import (FORMATS, Decoded, Format, all_values, decode, encode, from_bits,
+from mpcourse.core.formats import (FORMATS, Decoded, Format, all_values, decode, encode, from_bits,
                               get_format, neighbours, round_to, ulp)
 
 SMALL = ["fp16", "bf16", "e4m3", "e5m2"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mpcourse.fp8 import DelayedScaling, Float8Linear, fp8_autocast
+from mpcourse.core.quant import DelayedScaling, Float8Linear, fp8_autocast
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

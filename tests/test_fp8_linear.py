@@ -1,4 +1,4 @@
-"""The FP8 linear layer (mpcourse.fp8.linear, gemm, autocast) against independent references.
+"""The FP8 linear layer (mpcourse.core.quant.linear, gemm, autocast) against independent references.
 
 Oracles: an ml_dtypes quantizer + FP32 torch matmul (dequantize -> FP32 GEMM -> round to the output dtype),
 FP32 autograd, and the "representable inputs give identical outputs" property (after replacing inputs and
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpcourse.fp8 import (CurrentScaling, DelayedScaling, Float8Linear, Float8Tensor, Format,
+from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8Linear, Float8Tensor, Format,
                           convert_to_float8_training, fp8_autocast, fp8_gemm, fp8_gemm_support_error, quantize)
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}

@@ -1,4 +1,4 @@
-"""FP8 recipes (mpcourse.fp8.recipe) against Transformer Engine's published rules.
+"""FP8 recipes (mpcourse.core.quant.recipe) against Transformer Engine's published rules.
 
 Oracle: the delayed-scaling update of TE ``transformer_engine/pytorch/quantization.py``
 (``_default_get_amax_and_update_history``, ``_update_amax_history``, ``_default_sf_compute``), written out
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpcourse.fp8 import (CurrentScaling, DelayedScaling, DelayedScalingState, Float8CurrentScaling, Float8Linear,
+from mpcourse.core.quant import (CurrentScaling, DelayedScaling, DelayedScalingState, Float8CurrentScaling, Float8Linear,
                           Format, amax_and_scale_update, fp8_autocast, fp8_format_for)
 
 NAN, INF = float("nan"), float("inf")

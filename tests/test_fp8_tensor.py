@@ -1,4 +1,4 @@
-"""Scaled FP8 casts (mpcourse.fp8.tensor) against ml_dtypes and torch.finfo, plus the issue-5 regression cases.
+"""Scaled FP8 casts (mpcourse.core.quant.tensor) against ml_dtypes and torch.finfo, plus the issue-5 regression cases.
 
 Oracles: ml_dtypes' OCP conversions (float8_e4m3fn, float8_e5m2; non-saturating, round-to-nearest-even),
 torch.finfo, and Transformer Engine's published scale rules (transformer_engine/pytorch/quantization.py
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpcourse.fp8 import (FP32_MAX, Float8Tensor, Format, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
+from mpcourse.core.quant import (FP32_MAX, Float8Tensor, Format, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
                           fp8_max, quantize, quantize_current, round_down_to_power_of_2)
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -227,7 +227,7 @@ def test_bad_inputs_raise_with_the_fix():
 
 
 def test_accepts_mpcourse_formats_descriptions():
-    formats = pytest.importorskip("mpcourse.formats")
+    formats = pytest.importorskip("mpcourse.core.formats")
     for name in ("e4m3", "e5m2"):
         assert fp8_format_name(formats.FORMATS[name]) == name
         assert fp8_max(formats.FORMATS[name]) == formats.FORMATS[name].max
@@ -238,7 +238,7 @@ def test_accepts_mpcourse_formats_descriptions():
 
 def test_huge_margin_never_gives_a_zero_scale():
     """Review finding: (448 / 1) / 2**200 underflows FP32 to 0; the policy clamps to the smallest normal."""
-    from mpcourse.fp8.tensor import compute_scale
+    from mpcourse.core.quant.tensor import compute_scale
     s = compute_scale(1.0, "e4m3", margin=200)
     assert float(s) == torch.finfo(torch.float32).tiny
     assert float(compute_scale(1.0, "e4m3", margin=1)) == 224.0          # ordinary margins untouched

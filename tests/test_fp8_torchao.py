@@ -19,7 +19,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torchao_float8 = pytest.importorskip("torchao.float8")
 
-from mpcourse.fp8 import CurrentScaling, Format, convert_to_float8_training  # noqa: E402
+from mpcourse.core.quant import CurrentScaling, Format, convert_to_float8_training  # noqa: E402
 
 
 def _pair(K, N, bias=True):

@@ -1,5 +1,5 @@
-"""Lesson 05's graders (mpcourse.grading.autocast): they pass on correct implementations (a reference
-``cast_args`` over the library's table, ``mpcourse.autocast`` itself as the mode) and reject planted,
+"""Lesson 05's graders (mpcourse.course.grading.autocast): they pass on correct implementations (a reference
+``cast_args`` over the library's table, ``mpcourse.core.autocast`` itself as the mode) and reject planted,
 plausible wrong ones with a message that names the first wrong case and the fix."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import mpcourse.autocast as mpa
-from mpcourse.autocast.mode import _eligible
-from mpcourse.autocast.policy import FP32, LOWER_PRECISION_FP, PROMOTE, policy_for
-from mpcourse.grading import GradingError
-from mpcourse.grading.autocast import check_autocast_mode, check_cast_args
+import mpcourse.core.autocast as mpa
+from mpcourse.core.autocast.mode import _eligible
+from mpcourse.core.autocast.policy import FP32, LOWER_PRECISION_FP, PROMOTE, policy_for
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading.autocast import check_autocast_mode, check_cast_args
 
 
 def _map(fn, a):
@@ -23,7 +23,7 @@ def _map(fn, a):
 
 def reference_cast_args(op_name, args, device_type, dtype, *, table_device=None, promote=True,
                         skip_float64=True, check_device=True):
-    """The reference, over the library's table (mpcourse.autocast.policy); the keyword switches plant bugs."""
+    """The reference, over the library's table (mpcourse.core.autocast.policy); the keyword switches plant bugs."""
     policy = policy_for(table_device or device_type, op_name)
 
     def eligible(t):

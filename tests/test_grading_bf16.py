@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from mpcourse.bf16 import kahan_add_, stochastic_round_bf16
-from mpcourse.grading import GradingError
-from mpcourse.grading.bf16 import check_kahan_add, check_stochastic_round_bf16
+from mpcourse.core.bf16 import kahan_add_, stochastic_round_bf16
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading.bf16 import check_kahan_add, check_stochastic_round_bf16
 
 
 def test_reference_implementations_pass(capsys):

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from mpcourse import formats
-from mpcourse.grading import GradingError
-from mpcourse.grading.formats import check_decode, check_round_bf16, check_round_fp16, rounding_cases
+from mpcourse.core import formats
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading.formats import check_decode, check_round_bf16, check_round_fp16, rounding_cases
 
 
 def test_library_implementation_passes(capsys):

@@ -1,11 +1,11 @@
-"""Lesson 01's graders: pass on reference implementations built on the library (mpcourse.formats.round_to), reject
+"""Lesson 01's graders: pass on reference implementations built on the library (mpcourse.core.formats.round_to), reject
 planted plausible mistakes with a message that names the first wrong case."""
 import pytest
 import torch
 
-from mpcourse.formats import round_to
-from mpcourse.grading import GradingError
-from mpcourse.grading.fp16 import (NORMAL, OVERFLOW, SUBNORMAL, ZERO, check_fp16_fate, check_is_update_lost,
+from mpcourse.core.formats import round_to
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading.fp16 import (NORMAL, OVERFLOW, SUBNORMAL, ZERO, check_fp16_fate, check_is_update_lost,
                                    fate_cases, fate_oracle)
 
 

@@ -1,4 +1,4 @@
-"""The graders of lessons 07-08 (mpcourse.grading.fp8): they pass the library's functions and small references
+"""The graders of lessons 07-08 (mpcourse.course.grading.fp8): they pass the library's functions and small references
 written as a learner would, and reject plausible wrong implementations with a message that names the mistake.
 
 Planted bugs: E4M3's max used on the E5M2 branch (scale and clamp), a zero amax giving an inf scale, no FP32-max
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from mpcourse.fp8 import amax_and_scale_update, compute_scale, quantize
-from mpcourse.grading import GradingError
-from mpcourse.grading import fp8 as grading
+from mpcourse.core.quant import amax_and_scale_update, compute_scale, quantize
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading import fp8 as grading
 
 FP32_MAX = torch.finfo(torch.float32).max
 

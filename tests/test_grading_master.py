@@ -3,9 +3,9 @@ forgetting to unscale, unscaling in FP16, truncating instead of rounding, rebind
 import pytest
 import torch
 
-from mpcourse.grading import GradingError
-from mpcourse.grading.master import check_make_master, check_master_step
-from mpcourse.master import MasterWeights
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading.master import check_make_master, check_master_step
+from mpcourse.core.master import MasterWeights
 
 
 def lib_make_master(params):
@@ -77,7 +77,7 @@ def test_master_step_rejects_planted_mistakes(fn, expect):
 
 def test_unscaling_in_fp16_is_caught_even_without_the_sgd_scenario():
     """The AdamW scenario alone (scale 2**16, gradients subnormal or 0 in FP16 once unscaled) exposes it."""
-    import mpcourse.grading.master as gm
+    import mpcourse.course.grading.master as gm
     saved = gm.SCENARIOS
     try:
         gm.SCENARIOS = [s for s in saved if s[1] is torch.optim.AdamW]

@@ -1,8 +1,8 @@
-"""The graders of lessons 03-04 (mpcourse.grading.scaling): they pass correct implementations and reject
+"""The graders of lessons 03-04 (mpcourse.course.grading.scaling): they pass correct implementations and reject
 plausible wrong ones with a message that points at the mistake.
 
 Correct implementations: small references written here (as a learner would), and the library where it has
-the piece (mpcourse.scaling.DynamicLossScaler drives update_scale). Planted bugs: growth one step late (on the
+the piece (mpcourse.core.scaling.DynamicLossScaler drives update_scale). Planted bugs: growth one step late (on the
 (growth_interval+1)-th clean step), growth without the FP32 finiteness check at 2**127, backoff without
 resetting the tracker, a scale off by one power of two, ``<`` instead of ``<=``, division instead of
 multiplication by inv_scale, isinf instead of isfinite, FP16 gradients accepted or half-modified before the
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from mpcourse.grading import GradingError
-from mpcourse.grading import scaling as grading
-from mpcourse.scaling import DynamicLossScaler
+from mpcourse.course.grading import GradingError
+from mpcourse.course.grading import scaling as grading
+from mpcourse.core.scaling import DynamicLossScaler
 
 FP32_MAX = torch.finfo(torch.float32).max
 

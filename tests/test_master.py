@@ -1,4 +1,4 @@
-"""Tests for mpcourse.master. Oracles: an FP32 reference run with torch's own optimizer (same gradients),
+"""Tests for mpcourse.core.master. Oracles: an FP32 reference run with torch's own optimizer (same gradients),
 torch's FP16 casts (round to nearest even), torch.amp.GradScaler, and exact FP16 arithmetic facts."""
 import copy
 import io
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpcourse.master import NORM_TYPES, MasterWeights, cast_model
-from mpcourse.scaling import DynamicLossScaler, StaticLossScaler
+from mpcourse.core.master import NORM_TYPES, MasterWeights, cast_model
+from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
 
 INF, NAN = float("inf"), float("nan")
 

@@ -1,4 +1,4 @@
-"""Tests for mpcourse.scaling. Oracles: torch.amp.GradScaler run side by side (device="cpu"), exact arithmetic
+"""Tests for mpcourse.core.scaling. Oracles: torch.amp.GradScaler run side by side (device="cpu"), exact arithmetic
 facts of FP16/FP32, and the public DeepSpeed/Megatron hysteresis rules (transcribed below as a small reference)."""
 import copy
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpcourse import scaling
-from mpcourse.scaling import DynamicLossScaler, LossScaleFloorError, StaticLossScaler, has_inf_or_nan
+from mpcourse.core import scaling
+from mpcourse.core.scaling import DynamicLossScaler, LossScaleFloorError, StaticLossScaler, has_inf_or_nan
 
 INF, NAN = float("inf"), float("nan")
 

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from mpcourse.compare import format_table, gap_percent
-from mpcourse.data import load_corpus
-from mpcourse.model import GPTConfig
-from mpcourse.recipes import RECIPES, get_recipe
-from mpcourse.train import TrainConfig, train
+from mpcourse.experiment.compare import format_table, gap_percent
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.recipes import RECIPES, get_recipe
+from mpcourse.experiment.train import TrainConfig, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 
@@ -80,7 +80,7 @@ def test_table_and_gap(corpus):
 
 def test_cli_compare_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "compare", "--recipes", "fp32,torch-amp-bf16",
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", "--recipes", "fp32,torch-amp-bf16",
                            "--steps", "2", "--batch-size", "2", "--out", str(out), "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -99,13 +99,13 @@ def test_cli_compare_writes_table_json_and_plot(tmp_path):
     (["--steps", "0"], "positive integer"),
 ])
 def test_cli_errors_name_the_fix(args, msg):
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "compare", *args],
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and msg in proc.stderr
 
 
 def test_cli_lists_recipes():
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.cli", "recipes"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert all(name in proc.stdout for name in RECIPES)
 
@@ -114,7 +114,7 @@ def test_cli_lists_recipes():
 def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
     """Every registered recipe: 3 steps, save (through torch.save), load into a fresh Trainer,
     3 more steps == 6 uninterrupted steps, bit for bit (losses, scales, every parameter)."""
-    from mpcourse.train import Trainer
+    from mpcourse.experiment.train import Trainer
 
     cfg = small(6)
     straight = Trainer(recipe, corpus, cfg).run()
@@ -133,7 +133,7 @@ def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
 
 
 def test_checkpoint_from_another_recipe_is_refused(corpus):
-    from mpcourse.train import Trainer
+    from mpcourse.experiment.train import Trainer
 
     sd = Trainer("fp32", corpus, small(1)).state_dict()
     with pytest.raises(ValueError, match="from recipe 'fp32'"):

@@ -1,12 +1,12 @@
 """The FP8 recipes: the GPT's linear layers compute in FP8, as Transformer Engine and torchao train.
 
 * ``fp8-current``: current (just-in-time) per-tensor scaling, TE ``Float8CurrentScaling`` / torchao's
-  tensorwise default: every cast takes its scale from the tensor itself (``mpcourse.fp8.CurrentScaling``).
+  tensorwise default: every cast takes its scale from the tensor itself (``mpcourse.core.quant.CurrentScaling``).
 * ``fp8-delayed``: delayed scaling, TE ``DelayedScaling``: each tensor's scale comes from the amax history
-  of earlier steps (``mpcourse.fp8.DelayedScaling``).
+  of earlier steps (``mpcourse.core.quant.DelayedScaling``).
 
 Both use ``Format.HYBRID`` (E4M3 for activations and weights, E5M2 for gradients; TE's default) and
-``mpcourse.fp8.convert_to_float8_training`` to swap linear layers for ``Float8Linear``, whose three GEMMs
+``mpcourse.core.quant.convert_to_float8_training`` to swap linear layers for ``Float8Linear``, whose three GEMMs
 (forward, input gradient, weight gradient) run through ``torch._scaled_mm``.
 
 What is FP8 and what is not (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3.1: the
@@ -41,7 +41,7 @@ where 1024 steps are a small part of the run. Sixteen steps still cover the step
 run (1 thread): final validation loss 2.282 with 16, 2.274 with 1024, fp32 2.286; the choice is about
 behaving like delayed scaling, not about the loss.
 
-How the state moves through a step (``mpcourse.fp8.autocast``): the forward runs inside
+How the state moves through a step (``mpcourse.core.quant.autocast``): the forward runs inside
 ``fp8_autocast(enabled=True, fp8_recipe=...)`` (``forward_context``); each layer records the amaxes of
 its input and weight, and when the region exits, the forward states of every layer update once. The
 backward (``loss.backward()``) runs after the region has exited, as TE requires; each layer's backward
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..fp8 import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training, fp8_autocast
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training, fp8_autocast
 from .base import Recipe, register
 
 FP8_FORMAT = Format.HYBRID               # E4M3 forward, E5M2 gradients (TE's default)

@@ -1,7 +1,7 @@
 """Graders for lesson 05 (autocast): the cast policy of one op call, and a minimal autocast mode.
 
-Oracle: ``torch.autocast`` itself, run side by side on the same inputs (never ``mpcourse.autocast``).
-The library's table (``mpcourse.autocast.policy``) is only used to word the hints.
+Oracle: ``torch.autocast`` itself, run side by side on the same inputs (never ``mpcourse.core.autocast``).
+The library's table (``mpcourse.core.autocast.policy``) is only used to word the hints.
 
 * ``check_cast_args(cast_args)``: ``cast_args(op_name, args, device_type, dtype) -> args`` must cast an
   op's arguments as ``torch.autocast(device_type, dtype=dtype)`` does. For each fixed case the op is

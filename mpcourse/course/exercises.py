@@ -14,7 +14,7 @@ with the parts the learner writes between nbgrader-style markers::
 everything else (markdown, docstrings, check cells and the *stored outputs*, i.e. the PASS verdicts a
 correct solution prints) is kept. So nbval grades a completed exercise against the same outputs as
 the solution, and a shipped exercise fails its checks. Cells tagged ``check`` call graders from
-``mpcourse.grading``.
+``mpcourse.course.grading``.
 
 Commands (contributors)::
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]   # the repository root (mpcourse/course/exercises.py)
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
 _BLOCK = re.compile(r"^([ \t]*)" + re.escape(BEGIN) + r"[ \t]*\n.*?^[ \t]*" + re.escape(END) + r"[ \t]*$\n?",

@@ -22,7 +22,7 @@ Where each dtype lives (bytes per parameter, persistent unless noted)::
     optimizer state            bf16  4   Adam's exp_avg, exp_avg_sq; rounded to nearest after each step
     Kahan compensation         bf16  2   update="kahan" only: what the weight still owes, w + comp ~ exact
     step() temporaries         fp32  4 + 4 per state tensor, alive only inside step()
-    -> 10 B/param ("nearest", "stochastic"), 12 B ("kahan"); an FP32 master copy (mpcourse.master) needs 20 B.
+    -> 10 B/param ("nearest", "stochastic"), 12 B ("kahan"); an FP32 master copy (mpcourse.core.master) needs 20 B.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     The result is always one of the two BF16 neighbours of x (x itself when representable) and its mean is x.
     BF16 is the top 16 bits of FP32, so: add a uniform random integer in [0, 2**16) to the FP32 bit pattern and
     clear the low 16 bits; a carry (probability = dropped bits / 2**16) moves to the next magnitude, and a carry
-    out of the largest finite value gives inf, as in ``mpcourse.formats.round_to(..., rounding="stochastic")``.
+    out of the largest finite value gives inf, as in ``mpcourse.core.formats.round_to(..., rounding="stochastic")``.
     Args: x float32 tensor (any shape); generator: a torch.Generator on x's device (seeded for reproducibility).
     Returns a bfloat16 tensor of x's shape; NaN stays NaN, +-inf stay +-inf, -0.0 stays -0.0.
     Raises TypeError for a non-float32 x (upcast BF16/FP16 first: .float()).
@@ -107,7 +107,7 @@ class BF16Optimizer:
         if bad:
             raise ValueError(f"BF16Optimizer needs bfloat16 parameters, got {bad[0]}: call model.bfloat16() (or "
                              "cast_model(model, torch.bfloat16)) before building the optimizer; for FP32 master "
-                             "weights use mpcourse.master.MasterWeights")
+                             "weights use mpcourse.core.master.MasterWeights")
         self.generator = torch.Generator(device=self.params[0].device).manual_seed(seed)
         self.comp = [torch.zeros_like(p) for p in self.params] if update == "kahan" else None  # (shape) bf16
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)                    # (shape) fp32

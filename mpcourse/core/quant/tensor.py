@@ -46,7 +46,7 @@ def fp8_format_name(fp8_format) -> str:
 
     Accepts the strings ``"e4m3"``/``"e4m3fn"``/``"e5m2"`` (any case), the torch dtypes
     ``torch.float8_e4m3fn``/``torch.float8_e5m2``, or any object with a ``name`` attribute naming one
-    of them (``mpcourse.fp8.Format.E4M3``, a ``mpcourse.formats`` description).
+    of them (``mpcourse.core.quant.Format.E4M3``, a ``mpcourse.core.formats`` description).
     Raises ValueError for HYBRID (it names two formats: pick the forward or backward one).
     """
     if isinstance(fp8_format, torch.dtype):

@@ -1,6 +1,6 @@
 """Graders for lessons 03 (static loss scaling) and 04 (dynamic loss scaling).
 
-Oracles, none of them ``mpcourse.scaling``:
+Oracles, none of them ``mpcourse.core.scaling``:
 
 * ``check_choose_loss_scale``: exact rational arithmetic (``fractions.Fraction``): the largest power of
   two ``S`` with ``S * grad_abs_max * 2**margin <= fmt_max``, found by exact comparisons.

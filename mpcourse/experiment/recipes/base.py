@@ -9,7 +9,7 @@ precision:
     step       ``step``             how gradients update the weights (master copy, loss-scaler
                                     skip/update, stochastic rounding, Kahan compensation)
 
-The training loop (``mpcourse.train``) calls only these methods, so a new recipe is one small
+The training loop (``mpcourse.experiment.train``) calls only these methods, so a new recipe is one small
 class: subclass ``Recipe``, override what differs, decorate it with ``@register``. Every recipe
 gets the same FP32-initialised model, the same batches and the same optimizer hyper-parameters;
 only precision differs. ``mpcourse recipes`` lists the registry.
@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from mpcourse.core.master import MasterWeights, cast_model
+
 RECIPES: dict[str, type["Recipe"]] = {}
 
 
 def register(cls: type["Recipe"]) -> type["Recipe"]:
-    """Class decorator: add a recipe to ``RECIPES`` under ``cls.name`` (registration order is table order)."""
+    """Class decorator: add a recipe to ``RECIPES`` under ``cls.name`` (``recipes.TABLE_ORDER`` sets the table order)."""
     if not cls.name or cls.name in RECIPES:
         raise ValueError(f"recipe name {cls.name!r} is empty or already registered")
     RECIPES[cls.name] = cls
@@ -80,7 +82,7 @@ class Recipe:
     """Base recipe: plain FP32 training with AdamW. Subclasses override what differs.
 
     Args:
-        model: an FP32 model (``mpcourse.model.GPT``), freshly initialised; the recipe may cast or
+        model: an FP32 model (``mpcourse.experiment.model.GPT``), freshly initialised; the recipe may cast or
             convert it in ``prepare_model``.
         optim: optimizer hyper-parameters.
 
@@ -160,3 +162,41 @@ class Recipe:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+class MasterWeightsRecipe(Recipe):
+    """Low-precision model (``model_dtype``: fp16 or bf16) with an FP32 master copy stepped by AdamW; no
+    loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
+
+    model_dtype = torch.float16
+
+    def prepare_model(self, model):
+        return cast_model(model, self.model_dtype)                    # every param (N,) fp16 / bf16
+
+    def make_optimizer(self, params):
+        o = self.optim
+        # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
+        self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
+                                    weight_decay=o.weight_decay)
+        return self.master.optimizer                                   # steps the fp32 master params
+
+    def step(self) -> StepResult:
+        self.master.copy_grads_to_master()                             # fp16 grads -> fp32 master grads
+        self.clip_grads(self.optimizer)                                # on the fp32 master grads
+        self.optimizer.step()                                          # AdamW in fp32
+        self.master.copy_master_to_model()                             # fp32 -> fp16, nearest even
+        return StepResult()
+
+    def zero_grad(self) -> None:
+        self.master.zero_grad(set_to_none=True)                        # fp16 model grads and fp32 master grads
+
+    def state_dict(self) -> dict:
+        """{"model": fp16 state_dict, "master": MasterWeights.state_dict() (fp32 copy + optimizer state)}.
+        Tensors are shared with the live run, as torch's state_dicts: torch.save or copy.deepcopy before going on."""
+        return {"model": self.model.state_dict(), "master": self.master.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load the model, then rebuild the master from the checkpoint (never from the fp16 model) and write it
+        back into the model rounded to fp16 (the same values the model had when saved)."""
+        self.model.load_state_dict(state["model"])
+        self.master.load_state_dict(state["master"])

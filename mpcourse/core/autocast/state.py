@@ -51,7 +51,7 @@ STATE = _State()
 
 def _check_device_type(device_type: str) -> None:
     if device_type not in DEFAULT_DTYPE:
-        raise ValueError(f"mpcourse.autocast supports device_type 'cpu' or 'cuda', got {device_type!r}")
+        raise ValueError(f"mpcourse.core.autocast supports device_type 'cpu' or 'cuda', got {device_type!r}")
 
 
 def is_autocast_enabled(device_type: str) -> bool:

@@ -1,6 +1,6 @@
 """The FP16 recipes of Micikevicius et al. 2018 ("Mixed Precision Training", ICLR 2018), built up in three rows.
 
-* ``fp16-master``: FP16 model, FP32 master weights (``mpcourse.master.MasterWeights``), no loss scaling.
+* ``fp16-master``: FP16 model, FP32 master weights (``mpcourse.core.master.MasterWeights``), no loss scaling.
   Section 3.1: the optimizer steps an FP32 copy, so small updates are not swamped and Adam's eps (1e-8, 0 in
   FP16) keeps its meaning. Gradients still underflow (the FP16 backward flushes |g| < 2**-24 to 0).
 * ``fp16-static``: plus a constant loss scale (``StaticLossScaler``, section 3.2), here 2**12.
@@ -52,51 +52,12 @@ from __future__ import annotations
 
 import torch
 
-from ..master import MasterWeights, cast_model
-from ..scaling import DynamicLossScaler, StaticLossScaler
-from .base import Recipe, StepResult, register
+from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
+from .base import MasterWeightsRecipe, Recipe, StepResult, register
 
 STATIC_LOSS_SCALE = 2.0**12          # fp16-static: see the module docstring for why
 DYNAMIC_INIT_SCALE = 2.0**16         # torch.amp.GradScaler's default
 DYNAMIC_GROWTH_INTERVAL = 50         # torch: 2000, longer than a whole compare run
-
-
-class MasterWeightsRecipe(Recipe):
-    """Low-precision model (``model_dtype``: fp16 or bf16) with an FP32 master copy stepped by AdamW; no
-    loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
-
-    model_dtype = torch.float16
-
-    def prepare_model(self, model):
-        return cast_model(model, self.model_dtype)                    # every param (N,) fp16 / bf16
-
-    def make_optimizer(self, params):
-        o = self.optim
-        # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
-        self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
-                                    weight_decay=o.weight_decay)
-        return self.master.optimizer                                   # steps the fp32 master params
-
-    def step(self) -> StepResult:
-        self.master.copy_grads_to_master()                             # fp16 grads -> fp32 master grads
-        self.clip_grads(self.optimizer)                                # on the fp32 master grads
-        self.optimizer.step()                                          # AdamW in fp32
-        self.master.copy_master_to_model()                             # fp32 -> fp16, nearest even
-        return StepResult()
-
-    def zero_grad(self) -> None:
-        self.master.zero_grad(set_to_none=True)                        # fp16 model grads and fp32 master grads
-
-    def state_dict(self) -> dict:
-        """{"model": fp16 state_dict, "master": MasterWeights.state_dict() (fp32 copy + optimizer state)}.
-        Tensors are shared with the live run, as torch's state_dicts: torch.save or copy.deepcopy before going on."""
-        return {"model": self.model.state_dict(), "master": self.master.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load the model, then rebuild the master from the checkpoint (never from the fp16 model) and write it
-        back into the model rounded to fp16 (the same values the model had when saved)."""
-        self.model.load_state_dict(state["model"])
-        self.master.load_state_dict(state["master"])
 
 
 @register

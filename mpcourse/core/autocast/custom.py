@@ -1,7 +1,7 @@
 """``custom_fwd`` / ``custom_bwd``: autocast for the forward and backward of a torch.autograd.Function.
 
 Semantics of ``torch.amp.custom_fwd`` / ``torch.amp.custom_bwd`` (torch/amp/autocast_mode.py,
-torch 2.13), over ``mpcourse.autocast``:
+torch 2.13), over ``mpcourse.core.autocast``:
 
 * ``custom_fwd`` records on ``ctx`` the autocast dtype of ``device_type`` and whether autocast was
   enabled when forward ran. With ``cast_inputs=dtype`` inside an enabled region, it casts the

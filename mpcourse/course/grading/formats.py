@@ -1,7 +1,7 @@
 """Graders for lesson 00 (number formats): round-to-nearest-even into BF16 / FP16, and decoding bits.
 
 Oracle: PyTorch's own casts (``x.to(torch.bfloat16).float()``, ``x.to(torch.float16).float()``) and
-its bit reinterpretation (``view``), never ``mpcourse.formats``. The cases are every value of the
+its bit reinterpretation (``view``), never ``mpcourse.core.formats``. The cases are every value of the
 format, every midpoint between neighbours (the ties), the FP32 values just above and below each
 midpoint, signed zeros, infinities, NaN, FP32 subnormals, the overflow threshold, and 20,000 random
 FP32 bit patterns spread over all exponents (fixed seed).

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import emulation
+from mpcourse.core import emulation
 from .data import CorpusError, load_corpus
 from .recipes import RECIPES, OptimConfig
 from .train import TrainConfig

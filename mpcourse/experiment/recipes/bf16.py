@@ -1,12 +1,12 @@
 """The BF16 recipes: autocast with FP32 weights, an FP32 master copy, and pure BF16 with three write-backs.
 
-* ``bf16-autocast``: the course's ``mpcourse.autocast.autocast(dtype=torch.bfloat16)`` around the forward pass,
+* ``bf16-autocast``: the course's ``mpcourse.core.autocast.autocast(dtype=torch.bfloat16)`` around the forward pass,
   FP32 weights, gradients and AdamW; no loss scaling (BF16 has FP32's exponent range). The same recipe as the
   ``torch-amp-bf16`` anchor, with the course's op policy in place of torch's.
 * ``bf16-master``: BF16 model (``cast_model``, every module), FP32 master weights + AdamW (``MasterWeights``),
   Micikevicius et al. 2018 section 3.1 with BF16 in place of FP16 (no loss scaling needed).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 model and BF16 AdamW state, no master copy; AdamW
-  steps in FP32 on temporaries (``mpcourse.bf16.BF16Optimizer``) and the new weight is written back to BF16 by
+  steps in FP32 on temporaries (``mpcourse.core.bf16.BF16Optimizer``) and the new weight is written back to BF16 by
   round-to-nearest (the stagnation case), stochastic rounding, or a Kahan-compensated update (Zamirai et al.
   2020, "Revisiting BFloat16 Training", Algorithm 2 for Kahan). The three differ only in that write-back,
   so the rows isolate its effect. Gradients are accumulated in FP32 (``accumulate_grads``) and clipped there.
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..autocast import autocast
-from ..bf16 import BF16Optimizer
-from .base import Recipe, StepResult, register
-from .fp16 import MasterWeightsRecipe
+from mpcourse.core.autocast import autocast
+from mpcourse.core.bf16 import BF16Optimizer
+from .base import MasterWeightsRecipe, Recipe, StepResult, register
 
 SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)
 
@@ -34,7 +33,7 @@ SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (check
 @register
 class BF16Autocast(Recipe):
     name = "bf16-autocast"
-    description = "course autocast (mpcourse.autocast, bfloat16), FP32 weights, no loss scaling"
+    description = "course autocast (mpcourse.core.autocast, bfloat16), FP32 weights, no loss scaling"
 
     def forward_context(self):
         return autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """The training loop every recipe runs: same model init, same batches, same schedule.
 
 ``Trainer`` runs one recipe; ``train`` is the one-call form. One step (the recipe decides the
-precision of each line; see ``mpcourse.recipes.base``)::
+precision of each line; see ``mpcourse.experiment.recipes.base``)::
 
     with recipe.forward_context():          # autocast / FP8 autocast / nothing
         _, loss = recipe.model(x, y)        # loss: fp32 ()
@@ -9,7 +9,7 @@ precision of each line; see ``mpcourse.recipes.base``)::
     result = recipe.step()                  # clip, optimizer step (maybe skipped), scaler update
     recipe.zero_grad()
 
-All of it runs inside ``mpcourse.emulation.tensor_cores()``, so low-precision matmuls on a CPU
+All of it runs inside ``mpcourse.core.emulation.tensor_cores()``, so low-precision matmuls on a CPU
 without BF16/FP16 units are computed as tensor cores compute them. Runs are seeded: on CPU the same
 seed gives the same bits.
 """
@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import Corpus
-from .emulation import tensor_cores
+from mpcourse.core.emulation import tensor_cores
 from .model import GPT, GPTConfig
 from .recipes import OptimConfig, get_recipe
 
@@ -39,7 +39,7 @@ class TrainConfig:
         eval_interval: evaluate validation loss every this many steps (default 50) and at the end.
         eval_batches: batches per evaluation, per split (default 8).
         seed: seeds the model init and the batch order (default 0).
-        optim: optimizer hyper-parameters (``mpcourse.recipes.OptimConfig``).
+        optim: optimizer hyper-parameters (``mpcourse.experiment.recipes.OptimConfig``).
         model: model hyper-parameters; ``vocab_size`` is taken from the corpus.
     """
 

@@ -26,7 +26,7 @@ read from ``/proc/cpuinfo``; off-Linux, assumed absent). The mode only acts insi
 
 Example::
 
-    from mpcourse.emulation import tensor_cores
+    from mpcourse.core.emulation import tensor_cores
     with tensor_cores():                       # auto: emulate where the CPU is slow
         y = x.bfloat16() @ w.bfloat16()        # (M, N) bf16, computed as fp32 GEMM + one rounding
 """

@@ -34,7 +34,7 @@ Limits: PyTorch machinery that saves and restores *torch's* autocast state does 
 ``torch.utils.checkpoint`` recomputes a segment without it; ``torch.compile`` is untested with it.
 Use torch.autocast there. Example::
 
-    from mpcourse.autocast import autocast
+    from mpcourse.core.autocast import autocast
     with autocast("cpu"):                 # bf16
         y = model(x)                      # linears/matmuls in bf16; layer_norm, softmax in their input dtype
 """
@@ -254,7 +254,7 @@ class autocast:
 
     def __enter__(self):
         if torch.is_autocast_enabled(self.device):
-            raise RuntimeError(f"torch.autocast({self.device!r}) is active: mpcourse.autocast would cast a "
+            raise RuntimeError(f"torch.autocast({self.device!r}) is active: mpcourse.core.autocast would cast a "
                                "second time. Use one of the two for a region, not both.")
         st, dev = STATE, self.device
         self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled))
@@ -272,7 +272,7 @@ class autocast:
             st.cache.clear()                      # casts must not outlive the outermost region
             mode, st.mode = st.mode, None
             if _get_current_function_mode() is not mode:
-                raise RuntimeError("a TorchFunctionMode entered inside mpcourse.autocast is still "
+                raise RuntimeError("a TorchFunctionMode entered inside mpcourse.core.autocast is still "
                                    "active at the region's exit; exit it inside the region")
             mode.__exit__(exc_type, exc_val, exc_tb)
         st.enabled[dev], st.dtype[dev], st.cache_enabled = self._saved.pop()

@@ -1,4 +1,4 @@
-"""mpcourse.autocast: torch.autocast's op-level cast policy, readable and in Python (lesson 05).
+"""mpcourse.core.autocast: torch.autocast's op-level cast policy, readable and in Python (lesson 05).
 
 Public API (semantics of ``torch.autocast``, ``torch.amp.custom_fwd``/``custom_bwd``, torch 2.13):
 

@@ -1,6 +1,6 @@
 """Graders for lesson 06 (BF16 training): stochastic rounding to BF16 and a Kahan-compensated BF16 update.
 
-Oracles, none of them ``mpcourse.bf16``: torch's BF16 cast and ``torch.nextafter`` give the two BF16
+Oracles, none of them ``mpcourse.core.bf16``: torch's BF16 cast and ``torch.nextafter`` give the two BF16
 neighbours of every input; the binomial distribution gives the mean and spread of stochastic rounding
 (Gupta et al. 2015: round up with probability (x - lo) / (hi - lo)); an FP64 sum of the same FP32 updates is
 the exact value a compensated update must track (Zamirai et al. 2020, "Revisiting BFloat16 Training",

@@ -1,6 +1,6 @@
 """Graders for lessons 07 (FP8 formats and per-tensor scaling) and 08 (delayed scaling).
 
-Oracles, none of them ``mpcourse.fp8``:
+Oracles, none of them ``mpcourse.core.quant``:
 
 * ``check_compute_scale``: Transformer Engine's rule (``common/recipe/recipe_common.cuh``
   ``compute_scale_from_amax``; ``pytorch/quantization.py`` ``_default_sf_compute``) transcribed here in

@@ -13,7 +13,7 @@ fallback (same contract, two passes over memory instead of one); the only host s
 `.item()` in `step()` that decides whether to skip. Hysteresis, `min_scale` and the error at the floor follow
 DeepSpeed (runtime/fp16/loss_scaler.py); growth timing follows torch and Megatron (core/optimizer/grad_scaler.py).
 
-Typical loop (FP16 model, FP32 master weights; see mpcourse/master.py)::
+Typical loop (FP16 model, FP32 master weights; see mpcourse/core/master.py)::
 
     scaler.scale(loss).backward()        # FP16 grads of the *scaled* loss land on the model params
     master.copy_grads_to_master()        # FP16 grads -> FP32 .grad of the master params (still scaled)
@@ -56,7 +56,7 @@ _HAS_FUSED_UPDATE = hasattr(torch, "_amp_update_scale_")
 _FP16_GRAD_FIX = (
     "Unscaling must happen in FP32: an FP16/BF16 gradient has already lost its small values (FP16 flushes "
     "|g| < 2**-24 to 0) and dividing it in FP16 loses more. Keep FP32 master weights: "
-    "master = mpcourse.master.MasterWeights(model, torch.optim.AdamW, lr=...), then per iteration "
+    "master = mpcourse.core.master.MasterWeights(model, torch.optim.AdamW, lr=...), then per iteration "
     "scaler.scale(loss).backward(); master.step(scaler)  (or master.copy_grads_to_master(); "
     "scaler.step(master.optimizer); master.copy_master_to_model()); scaler.update().")
 
@@ -142,7 +142,7 @@ class _LossScalerBase:
 
         Call it at most once per optimizer between `update()`s, before `step()` (e.g. to clip).
         Raises RuntimeError if called twice or after `step()` (as torch), or if no parameter has a gradient;
-        ValueError for FP16/BF16 gradients (use `mpcourse.master.MasterWeights`).
+        ValueError for FP16/BF16 gradients (use `mpcourse.core.master.MasterWeights`).
         """
         scale = self._require_scale("unscale_")
         state = self._state(optimizer)

@@ -1,0 +1,38 @@
+"""Registry of precision recipes for ``mpcourse compare`` (see ``base.py`` for the interface).
+
+Importing this package registers every recipe. ``TABLE_ORDER`` below is the one place that says
+the order of the compare table and of ``mpcourse recipes`` (import order decides nothing); a
+registered recipe missing from it, or a name in it that is not registered, is an error at import.
+"""
+from .base import RECIPES, MasterWeightsRecipe, OptimConfig, Recipe, StepResult, get_recipe, register
+from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
+from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
+from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan
+from . import fp8  # noqa: F401  fp8-current, fp8-delayed
+
+TABLE_ORDER = (
+    # anchors: FP32 and PyTorch's own AMP
+    "fp32", "torch-amp-bf16", "torch-amp-fp16",
+    # FP16, built up: no master copy, master copy, static and dynamic loss scaling
+    "fp16-pure", "fp16-master", "fp16-static", "fp16-dynamic",
+    # BF16: autocast, master copy, pure BF16 with three write-backs
+    "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan",
+    # FP8 per tensor
+    "fp8-current", "fp8-delayed",
+)
+
+
+def _apply_table_order() -> None:
+    missing = [n for n in RECIPES if n not in TABLE_ORDER]
+    unknown = [n for n in TABLE_ORDER if n not in RECIPES]
+    if missing or unknown:
+        raise RuntimeError(f"recipes/__init__.py TABLE_ORDER is out of date: add {missing}, remove {unknown}")
+    ordered = {n: RECIPES[n] for n in TABLE_ORDER}
+    RECIPES.clear()
+    RECIPES.update(ordered)
+
+
+_apply_table_order()
+
+__all__ = ["RECIPES", "TABLE_ORDER", "MasterWeightsRecipe", "OptimConfig", "Recipe", "StepResult", "get_recipe",
+           "register"]
