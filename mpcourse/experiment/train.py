@@ -149,18 +149,22 @@ class Trainer:
     generator, torch's global RNG, the step count and the history, so that
     ``Trainer(...).load_state_dict(sd)`` continues exactly where the saved run was.
 
+    ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
+    the library's (``mpcourse.experiment.recipes.base.check_overrides``).
+
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
+        ValueError: an override the recipe does not accept (the message lists those it does).
     """
 
-    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig):
+    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None):
         recipe_cls = get_recipe(recipe_name)
         self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
         self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
         model = GPT(self.mcfg)                               # FP32 init, identical for every recipe
         with tensor_cores():
-            self.recipe = recipe_cls(model, cfg.optim)
+            self.recipe = recipe_cls(model, cfg.optim, overrides)
         self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
         self.step_time, self.memory, self.activation_bytes = 0.0, None, 0

@@ -17,6 +17,7 @@ only precision differs. ``mpcourse recipes`` lists the registry.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,23 @@ def get_recipe(name: str) -> type["Recipe"]:
     except KeyError:
         raise KeyError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)} "
                        "(run `mpcourse recipes`)") from None
+
+
+def check_overrides(recipe_cls: type["Recipe"], overrides: Mapping[str, Callable] | None) -> dict:
+    """Validate a recipe's ``overrides`` (a learner's functions put in place of the library's).
+
+    Returns a plain dict (empty for None). Raises ``ValueError`` naming the names ``recipe_cls``
+    accepts when a name is unknown to it, and ``TypeError`` when a value is not callable.
+    """
+    overrides = dict(overrides or {})
+    unknown = [n for n in overrides if n not in recipe_cls.OVERRIDABLE]
+    if unknown:
+        accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
+        raise ValueError(f"recipe {recipe_cls.name!r} cannot use {', '.join(unknown)}: it accepts {accepted}")
+    bad = [n for n, f in overrides.items() if not callable(f)]
+    if bad:
+        raise TypeError(f"overrides {', '.join(bad)} must be functions")
+    return overrides
 
 
 @dataclass
@@ -93,8 +111,13 @@ class Recipe:
 
     name: str = ""
     description: str = ""
+    #: names of the library functions this recipe lets a caller replace (``overrides``); each name is
+    #: the function a lesson's exercise implements, with that exercise's signature.
+    OVERRIDABLE: tuple[str, ...] = ()
 
-    def __init__(self, model: nn.Module, optim: OptimConfig | None = None):
+    def __init__(self, model: nn.Module, optim: OptimConfig | None = None,
+                 overrides: Mapping[str, Callable] | None = None):
+        self.overrides = check_overrides(type(self), overrides)
         self.optim = optim or OptimConfig()
         self.model = self.prepare_model(model)
         self.optimizer = self.make_optimizer(list(self.model.parameters()))

@@ -37,8 +37,8 @@ class TorchAmpFP16(Recipe):
     name = "torch-amp-fp16"
     description = "PyTorch anchor: torch.autocast(float16) + torch.amp.GradScaler, FP32 weights"
 
-    def __init__(self, model, optim=None):
-        super().__init__(model, optim)
+    def __init__(self, model, optim=None, overrides=None):
+        super().__init__(model, optim, overrides)
         self.scaler = torch.amp.GradScaler("cuda" if _on_cuda(self.model) else "cpu")
 
     def forward_context(self):
