@@ -86,3 +86,38 @@ def test_a_write_through_data_is_not_seen_as_documented():
         assert torch.equal(torch.mm(x, w), a)
         mpa.clear_autocast_cache()                                # the documented way out
         assert torch.equal(torch.mm(x, w), 2 * a)
+
+
+# ------------------------------------------------------- the library's modules see the course's autocast
+def test_torch_is_autocast_enabled_stays_false_inside_the_course_autocast():
+    """Why the library asks ``autocast_dtype_in_effect``: torch's flag would switch on torch's casts."""
+    with autocast("cpu", dtype=torch.float16):
+        assert not torch.is_autocast_enabled("cpu")
+        assert mpa.autocast_dtype_in_effect("cpu") is torch.float16
+    with torch.autocast("cpu"):
+        assert mpa.autocast_dtype_in_effect("cpu") is torch.bfloat16
+    assert mpa.autocast_dtype_in_effect("cpu") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float8_linear_gives_the_same_bits_under_both_autocasts(dtype):
+    from mpcourse.core.quant import CurrentScaling, Float8Linear
+    results = {}
+    for name, ctx in (("torch", torch.autocast), ("course", autocast)):
+        torch.manual_seed(0)
+        layer = Float8Linear(32, 16, recipe=CurrentScaling())
+        x = leaf((2, 8, 32), 3)
+        with ctx("cpu", dtype=dtype):
+            y = layer(x)
+        y.float().square().sum().backward()
+        results[name] = (y, x.grad, layer.weight.grad, layer.bias.grad)
+    assert results["course"][0].dtype is dtype
+    for got, ref in zip(results["course"], results["torch"]):
+        assert bits_equal(got, ref)
+
+
+def test_no_autocast_stops_both():
+    x, w = leaf((2, 4), 1), leaf((4, 4), 2)
+    for ctx in (torch.autocast, autocast):
+        with ctx("cpu"), mpa.no_autocast("cpu"):
+            assert torch.mm(x, w).dtype is torch.float32

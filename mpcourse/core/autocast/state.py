@@ -81,6 +81,20 @@ def get_autocast_dtype(device_type: str) -> torch.dtype:
     return STATE.dtype[device_type]
 
 
+def autocast_dtype_in_effect(device_type: str) -> torch.dtype | None:
+    """The lower-precision dtype of whichever autocast is enabled for ``device_type``, else None.
+
+    Either ``torch.autocast`` or this package's ``autocast``: code that must behave the same under
+    both (``mpcourse.core.quant.Float8Linear``'s output dtype) asks here. ``torch.is_autocast_enabled``
+    cannot answer for this package: its flag switches on torch's own casting, so it stays False inside
+    ``mpcourse.core.autocast.autocast`` (a test pins this).
+    """
+    _check_device_type(device_type)
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return STATE.dtype[device_type] if STATE.enabled[device_type] else None
+
+
 def is_autocast_cache_enabled() -> bool:
     """Whether casts of weights are cached in the current region (default True)."""
     return STATE.cache_enabled
