@@ -199,3 +199,68 @@ def test_checkpoint_matches_torch_autocast_with_its_checkpoint():
         out[name] = (y, x.grad, w1.grad, w2.grad)
     for a, b in zip(out["course"], out["torch"]):
         assert bits_equal(a, b)
+
+
+# ------------------------------------------------------------------------ custom_fwd / custom_bwd
+def _mm_function(fwd_deco, bwd_deco, seen):
+    class MM(torch.autograd.Function):
+        @staticmethod
+        @fwd_deco
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            seen["inputs"] = (a.dtype, b.dtype)
+            return a.mm(b)
+
+        @staticmethod
+        @bwd_deco
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            ga, gb = g.mm(b.t()), a.t().mm(g)
+            seen["backward"] = ga.dtype
+            return ga, gb
+    return MM
+
+
+def _run_mm(ctx, fwd_deco, bwd_deco):
+    seen = {}
+    a, b = leaf((3, 4), 1), leaf((4, 2), 2)
+    with ctx:
+        y = _mm_function(fwd_deco, bwd_deco, seen).apply(a, b)
+    y.float().square().sum().backward()
+    return seen, (y, a.grad, b.grad)
+
+
+@pytest.mark.parametrize("cast_inputs", [None, torch.float16, torch.float32])
+def test_course_custom_fwd_bwd_inside_torch_autocast_behave_as_torch_amps(cast_inputs):
+    ref = _run_mm(torch.autocast("cpu"), torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs),
+                  torch.amp.custom_bwd(device_type="cpu"))
+    got = _run_mm(torch.autocast("cpu"), mpa.custom_fwd(device_type="cpu", cast_inputs=cast_inputs),
+                  mpa.custom_bwd(device_type="cpu"))
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("cast_inputs", [None, torch.float16])
+def test_course_custom_fwd_bwd_inside_the_course_autocast_behave_as_torch_amps_in_torch_autocast(cast_inputs):
+    ref = _run_mm(torch.autocast("cpu"), torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs),
+                  torch.amp.custom_bwd(device_type="cpu"))
+    got = _run_mm(autocast("cpu"), mpa.custom_fwd(device_type="cpu", cast_inputs=cast_inputs),
+                  mpa.custom_bwd(device_type="cpu"))
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert bits_equal(a, b)
+
+
+def test_torch_custom_fwd_bwd_inside_the_course_autocast_is_pinned_as_documented():
+    """torch's decorators cannot see this autocast (custom.py): cast_inputs ignored, FP32 backward."""
+    seen = {}
+    a, b = leaf((3, 4), 1), leaf((4, 2), 2)
+    fn = _mm_function(torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float16),
+                      torch.amp.custom_bwd(device_type="cpu"), seen)
+    with autocast("cpu"):
+        y = fn.apply(a, b)
+    assert seen == {"inputs": (torch.float32, torch.float32)}   # cast_inputs=float16 was not applied
+    assert y.dtype is torch.bfloat16                             # a.mm(b) was cast by the course's mode
+    with pytest.raises(RuntimeError, match="same dtype"):         # BF16 grad x FP32 saved input, no autocast
+        y.float().sum().backward()
