@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed import all_reduce_max_, world_size
 from .recipe import CurrentScaling, DelayedScaling, DelayedScalingState
 
 
@@ -109,17 +110,11 @@ def schedule_update(state: DelayedScalingState, fp8_max: float, recipe: DelayedS
         reduce_and_update([entry])
 
 
-def _world_size(group) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1
-    return torch.distributed.get_world_size(group)
-
-
 def _check_same_states_on_all_ranks(keys: list, device: torch.device, group) -> None:
     """Raise RuntimeError on every rank unless all ranks are about to reduce the same list of ``keys``."""
     n, crc = len(keys), zlib.crc32("\n".join(keys).encode())  # identical on every rank (unlike hash())
     sig = torch.tensor([n, crc, -n, -crc], dtype=torch.int64, device=device)  # MAX of (v, -v): max and -min
-    torch.distributed.all_reduce(sig, op=torch.distributed.ReduceOp.MAX, group=group)
+    all_reduce_max_(sig, group)
     n_max, crc_max, n_min, crc_min = sig[0].item(), sig[1].item(), -sig[2].item(), -sig[3].item()
     if n_max != n_min or crc_max != crc_min:
         raise RuntimeError(
@@ -137,14 +132,14 @@ def reduce_and_update(entries: list) -> None:
     """
     by_group: dict = {}
     for state, _, recipe, group, key in entries:
-        if recipe.reduce_amax and _world_size(group) > 1:
+        if recipe.reduce_amax and world_size(group) > 1:
             by_group.setdefault(id(group), (group, [], []))
             by_group[id(group)][1].append(state)
             by_group[id(group)][2].append(key)
     for group, states, keys in by_group.values():
         amaxes = torch.stack([s.amax_history[0] for s in states])  # (n_states,) fp32, one collective
         _check_same_states_on_all_ranks(keys, amaxes.device, group)
-        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+        all_reduce_max_(amaxes, group)
         for s, amax in zip(states, amaxes):
             s.amax_history[0] = amax
     for state, fp8_max, recipe, _, _ in entries:
