@@ -98,7 +98,7 @@ def pool() -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- NumberFormat fields
-REFERENCE_TABLE = {  # /work/shared/REFERENCE.md (Micikevicius et al. 2022; OCP FP8 spec; IEEE 754)
+REFERENCE_TABLE = {  # Micikevicius et al. 2022 (arXiv 2209.05433) Table 1; OCP FP8 spec v1.0; IEEE 754-2019
     "fp32": (8, 23, 127, 3.4028234663852886e38, 2.0 ** -126, 2.0 ** -149, True),
     "fp16": (5, 10, 15, 65504.0, 2.0 ** -14, 2.0 ** -24, True),
     "bf16": (8, 7, 127, 3.3895313892515355e38, 2.0 ** -126, 2.0 ** -133, True),
