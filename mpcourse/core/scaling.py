@@ -48,8 +48,10 @@ from collections import defaultdict
 
 import torch
 
+from .formats import FORMATS
+
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
-_FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, smallest normal FP32
+_FP32_TINY = FORMATS["fp32"].min_normal  # 2**-126, smallest normal FP32
 _HAS_FUSED_UNSCALE = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 _HAS_FUSED_UPDATE = hasattr(torch, "_amp_update_scale_")
 
@@ -294,7 +296,7 @@ class DynamicLossScaler(_LossScalerBase):
             raise ValueError(f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
         if min_scale is not None and not (_FP32_TINY <= min_scale <= init_scale):
             raise ValueError(f"min_scale must lie in [2**-126, init_scale={init_scale}], got {min_scale}")
-        if max_scale is not None and not (init_scale <= max_scale <= torch.finfo(torch.float32).max):
+        if max_scale is not None and not (init_scale <= max_scale <= FORMATS["fp32"].max):
             raise ValueError(f"max_scale must lie in [init_scale={init_scale}, FP32 max], got {max_scale}")
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
