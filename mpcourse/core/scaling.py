@@ -28,6 +28,13 @@ torch's GradScaler. A skipped step leaves the inf/NaN gradients in `.grad`; neve
 later step overflow too and drives the scale down (PaddlePaddle/Paddle#67895); with `min_scale` set this ends in
 `LossScaleFloorError` instead of a scale of 0 (pytorch/pytorch#99640).
 
+Many processes (data parallel): when torch.distributed is initialized with more than one rank, `unscale_`
+all-reduces the inf/NaN flag with MAX over `process_group` (mpcourse.core.distributed.all_reduce_max_), as FSDP's
+ShardedGradScaler does (torch/distributed/fsdp/sharded_grad_scaler.py), so one rank's overflow makes every rank
+skip and back off: the ranks keep the same scale and the same weights. Every rank must call `unscale_`/`step` for
+the same optimizers in the same order (each is a collective); a rank whose optimizer has no gradient this
+iteration takes part with a clean flag instead of raising (raising on one rank would leave the others waiting).
+
 Policies (where public implementations disagree):
 - An optimizer none of whose parameters has a `.grad` is an error (`unscale_`/`step` raise), as in torch
   ("No inf checks were recorded for this optimizer", e.g. huggingface/transformers#24003); the message names the
@@ -47,6 +54,8 @@ import math
 from collections import defaultdict
 
 import torch
+
+from .distributed import all_reduce_max_, world_size
 
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
 _FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, smallest normal FP32
@@ -99,13 +108,14 @@ def _check_and_unscale_(grads, found_inf, inv_scale):
 class _LossScalerBase:
     """The GradScaler state machine shared by both scalers; subclasses define `_update(found_inf)`."""
 
-    def __init__(self, init_scale: float):
+    def __init__(self, init_scale: float, process_group=None):
         if not (math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"loss scale must be a positive finite number, got {init_scale}; powers of two "
                              "(e.g. 2.0**16) make scaling and unscaling exact.")
         self._init_scale = float(init_scale)
         self._scale = None                    # fp32, shape (), created at the first scale() on the loss's device
         self._per_optimizer_states = {}       # id(optimizer) -> {"stage", "found_inf_per_device", "skipped"}
+        self.process_group = process_group    # torch.distributed group the inf/NaN flag is all-reduced over
         self.last_step_skipped = False        # did the most recent step() skip optimizer.step()?
         self.skipped_steps = 0                # number of optimizer steps skipped so far (inf/NaN gradients)
 
@@ -164,7 +174,8 @@ class _LossScalerBase:
                                          f"{tuple(p.shape)}). " + _FP16_GRAD_FIX)
                     g = p.grad._values() if p.grad.is_sparse else p.grad
                     groups[(g.device, g.dtype)].append(g)
-            if not groups:
+            distributed = world_size(self.process_group) > 1
+            if not groups and not distributed:  # a rank without grads still joins the all-reduce below
                 raise RuntimeError(
                     "No parameter of this optimizer has a gradient, so there is nothing to unscale or check "
                     "(torch: 'No inf checks were recorded for this optimizer'). Check that backward() ran on "
@@ -176,12 +187,17 @@ class _LossScalerBase:
                 if device not in found:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 _check_and_unscale_(grads, found[device], inv_scale.to(device))
+            if distributed:  # one flag for all ranks (FSDP ShardedGradScaler): all skip or all step, same scale
+                flag = torch.zeros((), dtype=torch.float32, device=scale.device)
+                for f in found.values():
+                    flag = torch.maximum(flag, f.to(scale.device))
+                found = {scale.device: all_reduce_max_(flag, self.process_group)}
         state["found_inf_per_device"] = found
         state["stage"] = UNSCALED
 
     def found_inf_per_device(self, optimizer) -> dict:
-        """{device: fp32 tensor ()} for this iteration (> 0 means inf/NaN). Distributed code all-reduces these
-        (MAX) between `unscale_` and `step` so every rank takes the same decision."""
+        """{device: fp32 tensor ()} for this iteration (> 0 means inf/NaN). With torch.distributed initialized
+        (world size > 1) `unscale_` has already all-reduced (MAX) them into one flag on the scale's device."""
         return self._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device", {})
 
     def step(self, optimizer, *args, **kwargs):
@@ -245,8 +261,8 @@ class StaticLossScaler(_LossScalerBase):
     changes. Same methods as `DynamicLossScaler`. No overflow needs S * max|g| <= 65504 (FP16 max).
     """
 
-    def __init__(self, loss_scale: float):
-        super().__init__(loss_scale)
+    def __init__(self, loss_scale: float, process_group=None):
+        super().__init__(loss_scale, process_group)
 
     def _update(self, found_inf, overflow):
         pass
@@ -278,14 +294,16 @@ class DynamicLossScaler(_LossScalerBase):
             (hysteresis spent) raises LossScaleFloorError (DeepSpeed: "Current loss scale already at minimum").
             None: no floor, as torch, except that a scale below 2**-126 raises LossScaleFloorError.
         max_scale: cap on growth. None: no cap.
+        process_group: the torch.distributed group whose ranks share one inf/NaN decision (None: the default
+            group). Ignored unless torch.distributed is initialized with more than one rank.
     With hysteresis=1 and no floor/cap the trajectory equals torch.amp.GradScaler's bit for bit (the fused
     `torch._amp_update_scale_` is used then; the general rule is plain tensor ops, no host sync).
     State: scale fp32 (), growth tracker int32 (), hysteresis tracker int32 (), on the loss's device.
     """
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 hysteresis=1, consecutive_hysteresis=False, min_scale=None, max_scale=None):
-        super().__init__(init_scale)
+                 hysteresis=1, consecutive_hysteresis=False, min_scale=None, max_scale=None, process_group=None):
+        super().__init__(init_scale, process_group)
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed import all_reduce_max_, world_size
 from .recipe import CurrentScaling, DelayedScaling, DelayedScalingState
 
 
@@ -99,12 +100,6 @@ def schedule_update(state: DelayedScalingState, fp8_max: float, recipe: DelayedS
         reduce_and_update([entry])
 
 
-def _world_size(group) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1
-    return torch.distributed.get_world_size(group)
-
-
 def reduce_and_update(entries: list) -> None:
     """All-reduce (MAX) the current amaxes of ``entries`` where asked, then update every state.
 
@@ -113,11 +108,11 @@ def reduce_and_update(entries: list) -> None:
     by_group: dict = {}
     for entry in entries:
         state, _, recipe, group = entry
-        if recipe.reduce_amax and _world_size(group) > 1:
+        if recipe.reduce_amax and world_size(group) > 1:
             by_group.setdefault(id(group), (group, []))[1].append(state)
     for group, states in by_group.values():
         amaxes = torch.stack([s.amax_history[0] for s in states])  # (n_states,) fp32, one collective
-        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+        all_reduce_max_(amaxes, group)
         for s, amax in zip(states, amaxes):
             s.amax_history[0] = amax
     for state, fp8_max, recipe, _ in entries:

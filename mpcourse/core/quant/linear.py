@@ -13,7 +13,8 @@ for when they update, ``autocast.py``); ``CurrentScaling`` computes each scale f
 The bias is added after the GEMM in the output dtype (TE fuses it into the GEMM epilogue, a single
 rounding; here a BF16 output is rounded twice), and its gradient is summed in FP32.
 
-The output dtype is ``torch.autocast``'s dtype inside an autocast region, else the input's dtype
+The output dtype is the autocast dtype inside a ``torch.autocast`` or ``mpcourse.core.autocast``
+region, else the input's dtype
 (float32, bfloat16 or float16). The input gradient has the input's dtype, the weight gradient the
 weight's dtype. The delayed-scaling states are saved in the module's extra state
 (``state_dict()['..._extra_state']``, as TE does), in FP32 whatever ``model.to(dtype)`` does to the
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..autocast import autocast_dtype_in_effect, no_autocast
 from .autocast import get_fp8_recipe, is_fp8_enabled, schedule_update
 from .gemm import fp8_gemm
 from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
@@ -146,9 +148,9 @@ class Float8Linear(nn.Linear):
             raise ValueError(f"fp8_autocast's recipe {region_recipe} differs from this layer's {self.recipe}: "
                              "pass the recipe given to convert_to_float8_training (or fp8_recipe=None)")
         device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        out_dtype = autocast_dtype_in_effect(device) or x.dtype  # torch's or mpcourse's autocast
         x2d = x.reshape(-1, self.in_features)  # (M, K), M = all leading dims
-        with torch.autocast(device, enabled=False):
+        with no_autocast(device):
             y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], self.out_features)
 
