@@ -31,10 +31,11 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ...core.formats import FORMATS
 from . import GradingError, call, verdict
 
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-FP32_MAX = float(np.finfo(np.float32).max)  # 3.4028234663852886e38
+E4M3_MAX, E5M2_MAX = FORMATS["e4m3"].max, FORMATS["e5m2"].max  # 448.0, 57344.0 (checked against ml_dtypes)
+FP32_MAX = FORMATS["fp32"].max  # 3.4028234663852886e38
 _ML = {E4M3_MAX: ml_dtypes.float8_e4m3fn, E5M2_MAX: ml_dtypes.float8_e5m2}
 _TORCH = {E4M3_MAX: torch.float8_e4m3fn, E5M2_MAX: torch.float8_e5m2}
 _NAME = {E4M3_MAX: "E4M3", E5M2_MAX: "E5M2"}
