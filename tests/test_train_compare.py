@@ -85,7 +85,10 @@ def test_cli_compare_writes_table_json_and_plot(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "torch-amp-bf16" in proc.stdout and "gap%" in proc.stdout
-    data = json.loads((out / "results.json").read_text())
+    def reject(name):
+        raise ValueError(f"results.json is not strict JSON: {name}")
+    data = json.loads((out / "results.json").read_text(), parse_constant=reject)
+    assert data["environment"]["torch"] and "emulation" in data["environment"]
     keys = {"final_train_loss", "final_val_loss", "skipped_steps", "final_loss_scale", "tokens_per_s",
             "bytes_per_param", "activation_bytes", "history"}
     assert [r["recipe"] for r in data["results"]] == ["fp32", "torch-amp-bf16"]
