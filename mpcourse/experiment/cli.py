@@ -38,6 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=seed, default=0, help="seed for the model init and the batch order (default 0)")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.distributed)")
+    d.add_argument("--nproc", type=positive_int, default=1,
+                   help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
+                        "under torchrun the processes torchrun started)")
+    d.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
+                   help="ddp: replicate (DistributedDataParallel); fsdp: shard parameters, gradients and optimizer "
+                        "state (FSDP2 fully_shard per block). Required with --nproc > 1 or torchrun")
+    d.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="dtype gradients are reduced in across ranks (default: DDP the gradients' dtype; FSDP2 fp32 "
+                        "for the master-weights recipes, the parameters' dtype otherwise)")
+    d.add_argument("--dist-timeout", type=positive_float, default=120.0,
+                   help="seconds a collective may wait for the other ranks before the job fails (default %(default)s)")
     sub.add_parser("recipes", help="list the registered recipes")
     return p
 
@@ -68,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio))
     recipes = args.recipes or list(RECIPES)
+    from .distributed import launched_by_torchrun
+    if args.nproc > 1 or args.parallel or launched_by_torchrun():
+        return _main_distributed(args, corpus, cfg, recipes)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
@@ -75,6 +90,39 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def _main_distributed(args, corpus, cfg, recipes) -> int:
+    """``compare --nproc N --parallel ddp|fsdp`` (or under torchrun): rank 0 prints and writes."""
+    from .distributed import Job, RankFailed, is_rank_zero, run_distributed_compare
+
+    if args.parallel is None:
+        print("mpcourse compare: error: --nproc > 1 (or torchrun) needs --parallel ddp or --parallel fsdp",
+              file=sys.stderr)
+        return 2
+    nproc = args.nproc
+    if cfg.batch_size % max(nproc, 1):
+        print(f"mpcourse compare: error: --batch-size {cfg.batch_size} is not divisible by --nproc {nproc} "
+              "(each rank trains on batch_size / nproc sequences)", file=sys.stderr)
+        return 2
+    job = Job(recipes=recipes, corpus=corpus, cfg=cfg, out=args.out, parallel=args.parallel,
+              reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout)
+    talk = is_rank_zero()
+    if talk:
+        print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}")
+        print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens, "
+              f"--parallel {args.parallel} over {'torchrun' if nproc == 1 else nproc} gloo processes, "
+              f"reduce dtype {args.reduce_dtype or 'default'}; bytes per parameter are per rank")
+        print(f"tensor cores: {emulation.status()}")
+    t0 = time.time()
+    try:
+        run_distributed_compare(job, nproc)
+    except RankFailed as e:
+        print(f"mpcourse compare: error: {e}", file=sys.stderr)
+        return 1
+    if talk:
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 
 

@@ -187,7 +187,7 @@ def environment(device: str = "cpu") -> dict:
             "emulation_summary": emulation.status()}
 
 
-def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig) -> dict:
+def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, extra: dict | None = None) -> dict:
     """The ``results.json`` object, strict JSON (see the module docstring)."""
     rows = []
     for r in results:
@@ -202,6 +202,7 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig) 
                           "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
                           "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr,
                           "min_lr_ratio": cfg.optim.min_lr_ratio, "warmup_steps": cfg.optim.warmup_steps},
+               **(extra or {}),
                "environment": environment(getattr(cfg, "device", "cpu")),
                "results": rows}
     return strict_json(payload)
@@ -215,7 +216,14 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     for name in recipes:
         results.append(train(name, corpus, cfg, progress=progress))
     echo(format_table(results, cfg.optim.warmup_steps))
-    payload = results_payload(results, corpus, cfg)
+    write_outputs(results, corpus, cfg, out)
+    return results
+
+
+def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None) -> None:
+    """Write ``out/results.json`` (strict JSON: config, ``extra`` keys, environment, one object per
+    recipe) and ``out/loss_curves.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = results_payload(results, corpus, cfg, extra)
     (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
     plot_curves(results, out / "loss_curves.png")
-    return results
