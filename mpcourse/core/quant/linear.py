@@ -9,7 +9,7 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
 
 Scales come from the recipe: ``DelayedScaling`` keeps a ``DelayedScalingState`` (scale, amax_history)
 per role ("input", "weight", "grad_output") and uses scales from earlier steps (see ``recipe.py`` and,
-for when they update, ``autocast.py``); ``CurrentScaling`` computes each scale from the tensor itself.
+for when they update, ``region.py``); ``CurrentScaling`` computes each scale from the tensor itself.
 The bias is added after the GEMM in the output dtype (TE fuses it into the GEMM epilogue, a single
 rounding; here a BF16 output is rounded twice), and its gradient is summed in FP32.
 
@@ -35,11 +35,14 @@ precision: there is nothing to quantize); a wrong feature size or device raises 
 A meta input gives a meta output of the right shape and dtype (nothing is recorded).
 
 ``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
-for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``).
+for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
+torchao's ``config=Float8LinearConfig(...)`` keyword works too (the fields of torchao's
+``torchao/float8/config.py`` this layer supports).
 Not supported: activation checkpointing (the recomputed forward would record amaxes twice).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -47,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..autocast import autocast_dtype_in_effect, no_autocast
-from .autocast import get_fp8_recipe, is_fp8_enabled, schedule_update
+from .region import get_fp8_recipe, is_fp8_enabled, schedule_update
 from .gemm import fp8_gemm
 from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
 from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_current
@@ -55,7 +58,7 @@ from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_curr
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
+class _FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T (+ b) with FP8 forward, input-gradient and weight-gradient GEMMs."""
 
     @staticmethod
@@ -174,7 +177,7 @@ class Float8Linear(nn.Linear):
             return self._high_precision(x, x.dtype)
         region_recipe = get_fp8_recipe()
         if region_recipe is not None and region_recipe != self.recipe:
-            raise ValueError(f"fp8_autocast's recipe {region_recipe} differs from this layer's {self.recipe}: "
+            raise ValueError(f"the FP8 region's recipe {region_recipe} differs from this layer's {self.recipe}: "
                              "pass the recipe given to convert_to_float8_training (or fp8_recipe=None)")
         device = x.device.type
         if device == "meta":  # shapes only: the FP8 path's output shape and dtype, nothing recorded
@@ -186,7 +189,7 @@ class Float8Linear(nn.Linear):
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
         with no_autocast(device):
-            y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+            y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------
@@ -238,9 +241,48 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+@dataclass(frozen=True)
+class Float8LinearConfig:
+    """torchao's ``Float8LinearConfig`` (``torchao/float8/config.py``), the fields this library supports.
+
+    torchao's default recipe is tensorwise dynamic scaling (our ``CurrentScaling`` with ``Format.HYBRID``),
+    so a config alone means that recipe.
+
+    Fields (torchao's names and defaults):
+      pad_inner_dim: bool = False              pad the GEMMs' inner dimensions to multiples of 16
+      round_scales_to_power_of_2: bool = False round every scale down to a power of two
+                                               (``CurrentScaling(use_power_2_scales=True)``)
+    """
+
+    pad_inner_dim: bool = False
+    round_scales_to_power_of_2: bool = False
+
+    def recipe(self) -> CurrentScaling:
+        """The recipe this config means: current per-tensor scaling, power-of-two scales if asked."""
+        return CurrentScaling(use_power_2_scales=self.round_scales_to_power_of_2)
+
+
+def _resolve_config(config, recipe, pad_inner_dim):
+    """(recipe, pad_inner_dim) from torchao's ``config`` and/or our ``recipe``/``pad_inner_dim`` keywords."""
+    if config is None:
+        return recipe, bool(pad_inner_dim)
+    if not isinstance(config, Float8LinearConfig):
+        raise TypeError(f"config must be mpcourse.core.quant.Float8LinearConfig, got {type(config).__name__}")
+    if pad_inner_dim is not None and bool(pad_inner_dim) != config.pad_inner_dim:
+        raise ValueError(f"pad_inner_dim={pad_inner_dim} contradicts config.pad_inner_dim={config.pad_inner_dim}: "
+                         "give it in one place")
+    if recipe is None:
+        return config.recipe(), config.pad_inner_dim
+    if config.round_scales_to_power_of_2 and not (isinstance(recipe, CurrentScaling) and recipe.use_power_2_scales):
+        raise ValueError(f"config.round_scales_to_power_of_2=True needs CurrentScaling(use_power_2_scales=True), "
+                         f"got recipe={recipe}: drop the recipe or make it agree")
+    return recipe, config.pad_inner_dim
+
+
 def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-                               recipe=None, pad_inner_dim: bool = False) -> nn.Module:
+                               config: Optional[Float8LinearConfig] = None,
+                               recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
 
     Args:
@@ -249,11 +291,16 @@ def convert_to_float8_training(module: nn.Module, *,
       module_filter_fn: ``fn(linear, fqn) -> bool``; only linears for which it returns True are swapped
               (fqn is the dotted name, e.g. "blocks.0.mlp.fc"; "" for the root). Keep the output head
               out, e.g. ``lambda m, fqn: fqn != "lm_head"``.
-      recipe: ``DelayedScaling`` (default) or ``CurrentScaling``, shared by all swapped layers.
-      pad_inner_dim: passed to every ``Float8Linear``.
+      config: torchao's spelling, a ``Float8LinearConfig``: without ``recipe`` it means current scaling
+              (torchao's tensorwise default) and sets ``pad_inner_dim``.
+      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers.
+      pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
+    Raises TypeError for a config of another type, ValueError where config and keywords disagree.
     """
+    recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
+
     def wanted(m: nn.Module, fqn: str) -> bool:
         return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
                 and (module_filter_fn is None or module_filter_fn(m, fqn)))

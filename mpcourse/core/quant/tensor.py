@@ -35,11 +35,13 @@ from typing import Optional
 
 import torch
 
-# The two OCP FP8 formats and the torch dtypes that hold them. E4M3 is the "fn" variant (finite,
-# single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal FP32, 2**-126
-FP32_MAX = torch.finfo(torch.float32).max  # 3.4028234663852886e38
+from ..formats import FORMATS
+
+# The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
+# "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
+FP8_DTYPES = {name: FORMATS[name].torch_dtype for name in ("e4m3", "e5m2")}
+FP32_TINY = FORMATS["fp32"].min_normal  # smallest normal FP32, 2**-126
+FP32_MAX = FORMATS["fp32"].max  # 3.4028234663852886e38
 
 
 def fp8_format_name(fp8_format) -> str:
@@ -74,8 +76,8 @@ def fp8_dtype(fp8_format) -> torch.dtype:
 
 
 def fp8_max(fp8_format) -> float:
-    """Largest finite value: 448.0 for E4M3, 57344.0 for E5M2 (``torch.finfo``)."""
-    return float(torch.finfo(fp8_dtype(fp8_format)).max)
+    """Largest finite value: 448.0 for E4M3, 57344.0 for E5M2 (``mpcourse.core.formats``)."""
+    return FORMATS[fp8_format_name(fp8_format)].max
 
 
 _fp8_max_of = fp8_max  # compute_scale's argument is also called fp8_max
@@ -89,9 +91,9 @@ def _overflow_threshold(fp8_format) -> tuple[float, bool]:
     E4M3: 448 = 1.110b x 2^8, next step 480, midpoint 464, 448 is even -> 464 -> 448, 465 overflows.
     E5M2: 57344 = 1.11b x 2^15, next step 65536, midpoint 61440, 57344 is odd -> 61440 overflows.
     """
-    finfo = torch.finfo(fp8_dtype(fp8_format))
-    top = float(finfo.max)
-    ulp = 2.0 ** (math.floor(math.log2(top)) - round(-math.log2(finfo.eps)))  # spacing in the top binade
+    f = FORMATS[fp8_format_name(fp8_format)]
+    top = f.max
+    ulp = 2.0 ** (math.floor(math.log2(top)) - f.mantissa_bits)  # spacing in the top binade
     return top + ulp / 2, int(top / ulp) % 2 == 1
 
 

@@ -1,4 +1,11 @@
-"""``fp8_autocast``: the region that switches FP8 on or off and decides when delayed scales update.
+"""The FP8 region, ``autocast`` (and its older spelling ``fp8_autocast``): it switches FP8 on or off and
+decides when delayed scales update.
+
+Transformer Engine's two spellings of the same region, both here with the same semantics:
+``autocast(enabled=True, recipe=None, amax_reduction_group=None)`` (TE 2.x,
+``transformer_engine.pytorch.autocast``) and ``fp8_autocast(enabled=True, fp8_recipe=None, fp8_group=None)``
+(TE 1.x, kept by TE as a deprecated alias). Not to be confused with ``mpcourse.core.autocast.autocast``, the
+op-level cast policy of ``torch.autocast`` (FP16/BF16): the two nest (``torch.autocast`` outside).
 
 Transformer Engine semantics (``transformer_engine/pytorch/quantization.py``: ``autocast``,
 ``FP8GlobalStateManager.autocast_exit`` / ``reduce_and_update_fp8_tensors``):
@@ -43,24 +50,24 @@ from .recipe import CurrentScaling, DelayedScaling, DelayedScalingState
 
 
 @dataclass
-class _Fp8RegionState:
-    depth: int = 0  # number of open fp8_autocast regions
+class _FP8RegionState:
+    depth: int = 0  # number of open FP8 regions
     enabled: bool = True  # FP8 on for converted layers (True outside any region)
     recipe: object = None  # the innermost region's recipe, or None: each layer's own recipe
     group: object = None  # process group for the amax all-reduce; None = the default group
     pending: dict = field(default_factory=dict)  # id(state) -> (state, fp8_max, recipe, group, key), first-use order
 
 
-_REGION = _Fp8RegionState()
+_REGION = _FP8RegionState()
 
 
 def is_fp8_enabled() -> bool:
-    """Whether converted layers compute in FP8 right now (False only inside ``fp8_autocast(enabled=False)``)."""
+    """Whether converted layers compute in FP8 right now (False only inside ``autocast(enabled=False)``)."""
     return _REGION.enabled
 
 
 def get_fp8_recipe():
-    """The recipe of the innermost open ``fp8_autocast`` region that gave one, else None."""
+    """The recipe of the innermost open FP8 region (``autocast``/``fp8_autocast``) that gave one, else None."""
     return _REGION.recipe
 
 
@@ -69,23 +76,24 @@ def in_fp8_region() -> bool:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
-    """Region of FP8 computation (TE ``fp8_autocast(enabled, fp8_recipe, fp8_group)``).
+def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
+    """Region of FP8 computation (TE ``autocast(enabled, recipe, amax_reduction_group)``).
 
     Args:
-      enabled:    False runs converted layers in their high-precision dtype (no FP8, no state change).
-      fp8_recipe: ``DelayedScaling`` or ``CurrentScaling``; None keeps the enclosing region's recipe, or
-                  each layer's own (the one given to ``convert_to_float8_training``). A layer whose own
-                  recipe differs raises ValueError (its state was sized for its own recipe).
-      fp8_group:  ``torch.distributed`` process group for the amax all-reduce (None: the default group).
+      enabled: False runs converted layers in their high-precision dtype (no FP8, no state change).
+      recipe:  ``DelayedScaling`` or ``CurrentScaling``; None keeps the enclosing region's recipe, or
+               each layer's own (the one given to ``convert_to_float8_training``). A layer whose own
+               recipe differs raises ValueError (its state was sized for its own recipe).
+      amax_reduction_group: ``torch.distributed`` process group for the amax all-reduce (None: the
+               default group).
     On exit of the outermost region, pending delayed-scaling states are all-reduced and updated.
     """
-    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(f"fp8_recipe must be DelayedScaling or CurrentScaling, got {fp8_recipe!r}")
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {recipe!r}")
     saved = (_REGION.enabled, _REGION.recipe, _REGION.group)
     _REGION.enabled = bool(enabled)
-    _REGION.recipe = fp8_recipe if fp8_recipe is not None else saved[1]
-    _REGION.group = fp8_group if fp8_group is not None else saved[2]
+    _REGION.recipe = recipe if recipe is not None else saved[1]
+    _REGION.group = amax_reduction_group if amax_reduction_group is not None else saved[2]
     _REGION.depth += 1
     try:
         yield
@@ -95,6 +103,14 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
         if _REGION.depth == 0:
             pending, _REGION.pending = list(_REGION.pending.values()), {}
             reduce_and_update(pending)
+
+
+def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
+    """TE 1.x's spelling of ``autocast``: ``fp8_autocast(enabled, fp8_recipe, fp8_group)`` is
+    ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)``, same region, same updates."""
+    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"fp8_recipe must be DelayedScaling or CurrentScaling, got {fp8_recipe!r}")
+    return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
 
 
 def schedule_update(state: DelayedScalingState, fp8_max: float, recipe: DelayedScaling, key: str = "") -> None:
