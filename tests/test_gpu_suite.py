@@ -50,6 +50,7 @@ def test_dry_run_writes_every_section(suite_module, tmp_path):
     t = res["tests"]
     assert (t["tests"], t["passed"], t["skipped"], t["failures"]) == (2, 1, 1, 0)  # -m gpu deselects the third
     assert "-m gpu" in t["command"] and "addopts=" in t["command"]  # no nbval needed
+    assert t["returncode"] == 0
     recipes = list(suite_module.bench.fp8_recipes())
     assert {"fp8-current", "fp8-delayed"} <= set(recipes)
     for section in ("linear", "linear_compile"):
