@@ -242,11 +242,26 @@ def section_gemm(suite: Suite, n: int, iters: int, warmup: int) -> None:
     ]
     F = torch.nn.functional
     if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and n % 128 == 0:
-        st = F.ScalingType
-        sa = torch.ones(n // 128, n, device=device).t()  # (M, K/128), outer-dim-major (as cuBLAS wants)
-        sb = torch.ones(n // 128, n // 128, device=device)  # (K/128, N/128)
-        variants.append(("fp8 F.scaled_mm blockwise 1x128 x 128x128", lambda: F.scaled_mm(
-            a8, b8, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)))
+        # DeepSeek-V3's blockwise scaling: A's scales per 1x128 block (M, K/128), B's per 128x128 (K/128, N/128).
+        # Which scale layouts this torch/cuBLAS takes is not documented per version: try each, keep the first.
+        st, kb = F.ScalingType, n // 128
+        layouts = {"sa M-major": torch.ones(kb, n, device=device).t(), "sa K-major": torch.ones(n, kb, device=device)}
+        layouts_b = {"sb row-major": torch.ones(kb, kb, device=device),
+                     "sb col-major": torch.ones(kb, kb, device=device).t().contiguous().t()}
+        chosen, errors = None, []
+        for (la, sa), (lb, sb) in ((x, y) for x in layouts.items() for y in layouts_b.items()):
+            try:
+                F.scaled_mm(a8, b8, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)
+                chosen = (f"{la}, {lb}", sa, sb)
+                break
+            except Exception as e:
+                errors.append(f"{la}, {lb}: {type(e).__name__}: {' '.join(str(e).split())[:600]}")
+        if chosen is None:
+            suite.add("gemm", dict(kind="fp8 F.scaled_mm blockwise 1x128 x 128x128", n=n, error=" / ".join(errors)))
+        else:
+            label, sa, sb = chosen
+            variants.append((f"fp8 F.scaled_mm blockwise 1x128 x 128x128 ({label})", lambda: F.scaled_mm(
+                a8, b8, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)))
     for kind, fn in variants:
         try:
             secs = time_fn(fn, device, iters, warmup)
