@@ -120,7 +120,7 @@ def test_trajectory_matches_grad_scaler_on_cuda():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Cases from public bug reports (issue 3, section 5)
+# Cases from public bug reports
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs", [{}, {"hysteresis": 2}])  # fused update and general rule
 def test_growth_never_overflows_the_scale(kwargs):
