@@ -115,17 +115,17 @@ def test_cli_lists_recipes():
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
-    """Every registered recipe: 3 steps, save (through torch.save), load into a fresh Trainer,
+    """Every registered recipe: 3 steps, save (Trainer.save: torch.save with a checksum), load into a fresh Trainer,
     3 more steps == 6 uninterrupted steps, bit for bit (losses, scales, every parameter)."""
     from mpcourse.experiment.train import Trainer
 
     cfg = small(6)
     straight = Trainer(recipe, corpus, cfg).run()
     first = Trainer(recipe, corpus, cfg).run(3)
-    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    first.save(tmp_path / "ckpt.pt")                         # torch.save behind a SHA-256 header
     torch.manual_seed(123)                                   # disturb global RNG: the checkpoint restores it
     resumed = Trainer(recipe, corpus, cfg)
-    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    resumed.load(tmp_path / "ckpt.pt")                       # verified, then torch.load(weights_only=True)
     resumed.run()
     nan_safe = lambda v: "nan" if isinstance(v, float) and math.isnan(v) else v
     strip = lambda hist: [{k: nan_safe(v) for k, v in h.items()} for h in hist]
