@@ -1,4 +1,4 @@
-"""Regression cases of issue 4, section 4 (BF16 and Kahan bullets), each with the right value.
+"""Regression cases for BF16 rounding and Kahan-compensated updates, each with the right value.
 
 The arithmetic facts behind them: BF16 keeps 8 significant bits (7 stored), so the step after 1.0 is 2**-7 =
 0.0078125 and the step after 256 is 2; nearest rounding cancels an update below half a step (Zamirai et al.

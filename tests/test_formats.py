@@ -98,7 +98,7 @@ def pool() -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- NumberFormat fields
-REFERENCE_TABLE = {  # /work/shared/REFERENCE.md (Micikevicius et al. 2022; OCP FP8 spec; IEEE 754)
+REFERENCE_TABLE = {  # Micikevicius et al. 2022 (arXiv 2209.05433) Table 1; OCP FP8 spec v1.0; IEEE 754-2019
     "fp32": (8, 23, 127, 3.4028234663852886e38, 2.0 ** -126, 2.0 ** -149, True),
     "fp16": (5, 10, 15, 65504.0, 2.0 ** -14, 2.0 ** -24, True),
     "bf16": (8, 7, 127, 3.3895313892515355e38, 2.0 ** -126, 2.0 ** -133, True),
@@ -341,7 +341,7 @@ def test_decode_known_values():
 
 # ---------------------------------------------------------------- properties (hypothesis)
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.sampled_from(list(FORMATS)), st.floats(width=32, allow_nan=False),
+@given(st.sampled_from([n for n, f in FORMATS.items() if f.signed]), st.floats(width=32, allow_nan=False),
        st.floats(width=32, allow_nan=False), st.booleans())
 def test_round_to_is_idempotent_monotone_and_odd(name, a, b, saturate):
     x = f32([min(a, b), max(a, b)])

@@ -94,11 +94,18 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     for name in recipes:
         results.append(train(name, corpus, cfg, progress=progress))
     echo(format_table(results))
+    write_outputs(results, corpus, cfg, out)
+    return results
+
+
+def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None) -> None:
+    """Write ``out/results.json`` (config, ``extra`` keys, one object per recipe) and ``out/loss_curves.png``."""
+    out.mkdir(parents=True, exist_ok=True)
     payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
                "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seed": cfg.seed,
                           "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
                           "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr},
+               **(extra or {}),
                "results": [r.to_dict() for r in results]}
     (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
     plot_curves(results, out / "loss_curves.png")
-    return results

@@ -121,12 +121,17 @@ class _SavedTensorBytes:
     excluded, each storage counted once): the activation memory of one training step."""
 
     def __init__(self, model):
-        self.param_ptrs = {p.data_ptr() for p in model.parameters()}
+        self.model = model
         self.storages: dict[int, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
+    def _param_ptrs(self) -> set[int]:
+        # Read at pack time: under FSDP2 the parameters registered during forward are the all-gathered
+        # (unsharded) ones, not the sharded DTensors held between steps.
+        return {p.data_ptr() for p in self.model.parameters() if type(p).__name__ != "DTensor"}
+
     def _pack(self, t):
-        if t.data_ptr() not in self.param_ptrs:
+        if t.data_ptr() not in self._param_ptrs():
             st = t.untyped_storage()
             self.storages[st.data_ptr()] = st.nbytes()
         return t
@@ -166,7 +171,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = GPT(mcfg)                                    # FP32 init, identical for every recipe
         with tensor_cores():
-            recipe = recipe_cls(model, cfg.optim, overrides)
+            self.cfg = cfg
+            recipe = self.build_recipe(recipe_cls, model, overrides)
         self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
 
     @classmethod
@@ -193,6 +199,23 @@ class Trainer:
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
         self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
         self.lr_decay, self.evaluate_during, self._emulating = True, True, False
+
+    # -- what a data-parallel trainer (mpcourse.experiment.distributed) replaces --------------------
+    def build_recipe(self, recipe_cls, model, overrides):
+        """The recipe that trains ``model`` (FP32, freshly initialised)."""
+        return recipe_cls(model, self.cfg.optim, overrides)
+
+    def forward_loss(self, x, y) -> torch.Tensor:
+        """The training loss of batch ``(x, y)`` (B, T) int64 as backward sees it: fp32 ()."""
+        return self.recipe.model(x, y)[1]
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """The step's loss as reported (every rank must get the same number)."""
+        return float(loss.detach())
+
+    def measure_memory(self) -> dict[str, int]:
+        """Bytes held by kind (``TrainingRecipe.memory``), after the step and before ``zero_grad``."""
+        return self.recipe.memory()
 
     @property
     def done(self) -> bool:
@@ -226,7 +249,7 @@ class Trainer:
             first = self.memory is None                      # measure memory on the first step only
             saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
             with saved, recipe.forward_context():
-                _, loss = recipe.model(x, y)                 # fp32 ()
+                loss = self.forward_loss(x, y)               # fp32 ()
             recipe.backward(loss)
             if after_backward is not None:
                 after_backward(self.step, recipe)
@@ -234,10 +257,10 @@ class Trainer:
             if after_step is not None:
                 after_step(self.step, recipe, result)
             if first:                                        # after step, before zero_grad: all alive
-                self.memory, self.activation_bytes = recipe.memory(), saved.nbytes
+                self.memory, self.activation_bytes = self.measure_memory(), saved.nbytes
             recipe.zero_grad()
             self.step_time += time.perf_counter() - t0
-            loss_value = float(loss.detach())
+            loss_value = self.loss_value(loss)
             self.skipped += int(result.skipped)
             rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
                    "loss_scale": result.loss_scale}

@@ -30,11 +30,17 @@ Policies of this library (documented differences from TE):
   evaluation never changes the training state (TE skips the update there, ``torch.is_grad_enabled()``).
 * The state is module-global, not thread-local, as in TE: backward on a GPU runs in autograd's own
   thread and must see the region. Every rank must run the same layers in the same order (the amaxes
-  are all-reduced as one flat tensor in that order).
+  are all-reduced as one flat tensor in that order). This is checked: before the amaxes, the ranks
+  all-reduce a fixed-size signature (the number of states and a CRC32 of their layers' shapes, roles
+  and formats, with MAX and with MIN through negation), and if any rank differs every rank raises the
+  same RuntimeError. So ranks that ran different FP8 layers never combine unrelated amaxes and never
+  block in all-reduces of different sizes. (One small extra collective per update; a rank that makes
+  *fewer* updates than the others still blocks until the process group's timeout, as in any collective.)
 """
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +55,7 @@ class _FP8RegionState:
     enabled: bool = True  # FP8 on for converted layers (True outside any region)
     recipe: object = None  # the innermost region's recipe, or None: each layer's own recipe
     group: object = None  # process group for the amax all-reduce; None = the default group
-    pending: dict = field(default_factory=dict)  # id(state) -> (state, fp8_max, recipe, group), in first-use order
+    pending: dict = field(default_factory=dict)  # id(state) -> (state, fp8_max, recipe, group, key), first-use order
 
 
 _REGION = _FP8RegionState()
@@ -107,29 +113,50 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
     return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
 
 
-def schedule_update(state: DelayedScalingState, fp8_max: float, recipe: DelayedScaling) -> None:
-    """Update ``state`` at the outermost region's exit if a region is open, else now."""
-    entry = (state, fp8_max, recipe, _REGION.group)
+def schedule_update(state: DelayedScalingState, fp8_max: float, recipe: DelayedScaling, key: str = "") -> None:
+    """Update ``state`` at the outermost region's exit if a region is open, else now.
+
+    ``key`` names the tensor (layer shape, role, format) so the amax all-reduce can check that every rank
+    reduces the same tensors in the same order.
+    """
+    entry = (state, fp8_max, recipe, _REGION.group, key)
     if _REGION.depth > 0:
         _REGION.pending.setdefault(id(state), entry)
     else:
         reduce_and_update([entry])
 
 
+def _check_same_states_on_all_ranks(keys: list, device: torch.device, group) -> None:
+    """Raise RuntimeError on every rank unless all ranks are about to reduce the same list of ``keys``."""
+    n, crc = len(keys), zlib.crc32("\n".join(keys).encode())  # identical on every rank (unlike hash())
+    sig = torch.tensor([n, crc, -n, -crc], dtype=torch.int64, device=device)  # MAX of (v, -v): max and -min
+    all_reduce_max_(sig, group)
+    n_max, crc_max, n_min, crc_min = sig[0].item(), sig[1].item(), -sig[2].item(), -sig[3].item()
+    if n_max != n_min or crc_max != crc_min:
+        raise RuntimeError(
+            f"FP8 amax all-reduce refused: the ranks ran different FP8 layers (this rank has {n} delayed-scaling "
+            f"states to reduce, the ranks have between {n_min} and {n_max}, or the same number of different "
+            "layers). Every rank must run the same converted layers in the same order inside each fp8_autocast "
+            "region; for layers only some ranks run, use DelayedScaling(reduce_amax=False) or CurrentScaling.")
+
+
 def reduce_and_update(entries: list) -> None:
     """All-reduce (MAX) the current amaxes of ``entries`` where asked, then update every state.
 
-    ``entries``: list of (DelayedScalingState, fp8_max, DelayedScaling, process group or None).
+    ``entries``: list of (DelayedScalingState, fp8_max, DelayedScaling, process group or None, key str).
+    Raises RuntimeError (on every rank, states unchanged) if the ranks' entries differ.
     """
     by_group: dict = {}
-    for entry in entries:
-        state, _, recipe, group = entry
+    for state, _, recipe, group, key in entries:
         if recipe.reduce_amax and world_size(group) > 1:
-            by_group.setdefault(id(group), (group, []))[1].append(state)
-    for group, states in by_group.values():
+            by_group.setdefault(id(group), (group, [], []))
+            by_group[id(group)][1].append(state)
+            by_group[id(group)][2].append(key)
+    for group, states, keys in by_group.values():
         amaxes = torch.stack([s.amax_history[0] for s in states])  # (n_states,) fp32, one collective
+        _check_same_states_on_all_ranks(keys, amaxes.device, group)
         all_reduce_max_(amaxes, group)
         for s, amax in zip(states, amaxes):
             s.amax_history[0] = amax
-    for state, fp8_max, recipe, _ in entries:
+    for state, fp8_max, recipe, _, _ in entries:
         state.update(fp8_max, recipe)

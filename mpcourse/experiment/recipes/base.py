@@ -162,10 +162,12 @@ class TrainingRecipe:
         alive, model and master), ``master`` (optimizer parameters that are not model parameters:
         the FP32 master copy), ``optimizer`` (optimizer state tensors, e.g. Adam's two moments; scalar step counters not counted) and
         ``extra`` (recipe-specific buffers such as Kahan compensation or FP8 scaling state).
-        Call after ``step()`` and before ``zero_grad()``."""
+        Call after ``step()`` and before ``zero_grad()``. Under torch.distributed the bytes are this rank's.
+        """
         model_params = {id(p): p for p in self.model.parameters()}
         opt_params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
-        nbytes = lambda t: t.numel() * t.element_size()
+        # a DTensor (FSDP2 shard) counts its local shard: bytes held by this rank
+        nbytes = lambda t: (t.to_local() if type(t).__name__ == "DTensor" else t).nbytes
         out = dict(weights=sum(nbytes(p) for p in model_params.values()),
                    master=sum(nbytes(p) for i, p in opt_params.items() if i not in model_params),
                    grads=sum(nbytes(p.grad) for p in {**model_params, **opt_params}.values()

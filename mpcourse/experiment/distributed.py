@@ -1,0 +1,221 @@
+"""``mpcourse compare --nproc N --parallel ddp|fsdp``: every recipe trained data-parallel over N processes.
+
+The global batch equals the single-process one: every rank draws the same batch of ``batch_size`` sequences
+(the same seeded generator as ``Trainer``) and trains on its slice of ``batch_size / N`` rows, so the
+gradient, once averaged over the ranks, is that of the whole batch and the losses are comparable with the
+single-process table (up to the order of the additions: see ``tests/test_distributed.py`` for the measured
+tolerance). The reported loss of a step is the mean over the ranks of their slice means, the whole batch's.
+Evaluation runs on every rank on the full evaluation batches (the same as single-process).
+
+Launch: ``run_distributed_compare`` spawns N gloo processes on this machine (``init_method`` TCP on
+127.0.0.1 and a free port), or, under ``torchrun --nproc-per-node N -m mpcourse compare ...``, runs as the
+rank torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment). Rank 0
+prints the table and writes the files. Failure: a rank that raises ends; the launcher (this module's
+``spawn`` or torchrun's agent) sees it exit and terminates the others at once, and the error names that
+rank and its message; the process groups' ``timeout`` (default 120 s) bounds any collective that would wait
+for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .parallel import PARALLEL_MODES, REDUCE_DTYPES, shard_recipe, unsupported, wrap_ddp
+from .train import Trainer, TrainConfig
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailed(RuntimeError):
+    """A rank of a distributed job raised; ``rank`` and the rank's ``message`` (its exception's last line)."""
+
+    def __init__(self, rank: int, message: str, traceback: str = ""):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank, self.message, self.traceback = rank, message, traceback
+
+
+class DataParallelTrainer(Trainer):
+    """``Trainer`` for one rank of a data-parallel job (torch.distributed must be initialized).
+
+    Args (beyond ``Trainer``'s):
+        parallel: "ddp" or "fsdp" (``mpcourse.experiment.parallel``).
+        reduce_dtype: dtype gradients are reduced in (None: DDP reduces in the gradients' dtype; FSDP2 in FP32
+            for the master-weights recipes, in the parameters' dtype otherwise).
+    Raises ValueError if ``cfg.batch_size`` is not a multiple of the world size, or the recipe cannot run
+    under ``parallel``.
+    """
+
+    def __init__(self, recipe_name, corpus, cfg: TrainConfig, parallel: str = "ddp",
+                 reduce_dtype: torch.dtype | None = None, overrides=None):
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallelTrainer needs torch.distributed initialized (run it through "
+                               "mpcourse compare --nproc N or torchrun)")
+        why = unsupported(recipe_name, parallel)
+        if why:
+            raise ValueError(f"recipe {recipe_name!r} cannot run under --parallel {parallel}: {why}")
+        self.parallel, self.reduce_dtype = parallel, reduce_dtype
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {self.world} ranks: each rank "
+                             f"trains on batch_size / nproc sequences; pick a multiple of {self.world}")
+        super().__init__(recipe_name, corpus, cfg, overrides)
+
+    def build_recipe(self, recipe_cls, model, overrides):
+        if self.parallel == "ddp":
+            recipe = recipe_cls(model, self.cfg.optim, overrides)
+            self.wrapped = wrap_ddp(recipe.model, self.reduce_dtype)    # grads all-reduced in backward
+        else:
+            recipe = shard_recipe(recipe_cls, model, self.cfg.optim, overrides, self.reduce_dtype)
+            self.wrapped = recipe.model                                  # the sharded module itself
+        return recipe
+
+    def forward_loss(self, x, y):
+        b = x.shape[0] // self.world                                     # rows per rank
+        rows = slice(self.rank * b, (self.rank + 1) * b)
+        return self.wrapped(x[rows], y[rows])[1]                         # fp32 (), mean over this rank's rows
+
+    def loss_value(self, loss):
+        t = loss.detach().float().reshape(1)
+        dist.all_reduce(t)                                               # sum of the slice means
+        return float(t) / self.world                                     # the whole batch's mean
+
+
+@dataclass
+class Job:
+    """What every rank runs: the recipes, the corpus, the config and where rank 0 writes."""
+
+    recipes: list
+    corpus: object
+    cfg: TrainConfig
+    out: Path
+    parallel: str = "ddp"
+    reduce_dtype: str | None = None
+    progress: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    fail_rank: int | None = None       # testing: this rank raises at its first step (a failing rank)
+
+
+def run_rank(job: Job) -> list | None:
+    """One rank's part of a compare job (the process group is initialized). Rank 0 prints the table, writes
+    ``results.json`` and ``loss_curves.png`` and returns the results; other ranks return None."""
+    from .compare import write_outputs, format_table
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None
+    results, not_run = [], {}
+    for name in job.recipes:
+        why = unsupported(name, job.parallel)
+        if why:
+            not_run[name] = why
+            continue
+        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype)
+        if job.fail_rank == rank:
+            raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank})")
+        trainer.run(progress=job.progress and rank == 0)
+        results.append(trainer.result())
+    if rank != 0:
+        return None
+    print(format_table(results))
+    for name, why in not_run.items():
+        print(f"{name}: not run under --parallel {job.parallel}: {why}")
+    extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
+                          "bytes_per_param": "per rank", "not_run": not_run}}
+    write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _spawned_rank(rank: int, nproc: int, port: int, job: Job, result_dir: str) -> None:
+    torch.set_num_threads(_threads_per_rank(nproc))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
+                            timeout=datetime.timedelta(seconds=job.timeout_s))
+    try:
+        results = run_rank(job)
+        if results is not None:
+            torch.save([r.to_dict() for r in results], os.path.join(result_dir, "results.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nproc: int, args: tuple = (), *, poll_s: float = 0.2) -> None:
+    """Run ``fn(rank, *args)`` in ``nproc`` fresh processes ("spawn": ``fn`` must be importable) and wait.
+
+    The first rank to fail makes the others be terminated within ``poll_s`` seconds
+    (``torch.multiprocessing``'s process context), and raises ``RankFailed`` with that rank's message.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nproc, join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=poll_s):
+            pass
+    except mp.ProcessRaisedException as e:
+        tb = str(e)
+        last = [line for line in tb.strip().splitlines() if line.strip()][-1]
+        raise RankFailed(e.error_index, last, tb) from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(e.error_index, f"exited with code {e.exit_code}" if e.exit_code is not None
+                         else f"killed by signal {e.signal_name}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_distributed_compare(job: Job, nproc: int) -> list | None:
+    """Run ``job`` over ``nproc`` ranks: spawned here, or as this process's rank under torchrun (then
+    ``nproc`` must equal ``WORLD_SIZE``). Returns rank 0's results (``RunResult`` dicts), None on other ranks.
+    Raises RankFailed when a rank fails, ValueError for a bad mode."""
+    if job.parallel not in PARALLEL_MODES:
+        raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {job.parallel!r}")
+    if job.reduce_dtype is not None and job.reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"--reduce-dtype must be one of {', '.join(REDUCE_DTYPES)}, got {job.reduce_dtype!r}")
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc not in (1, world):
+            raise ValueError(f"--nproc {nproc} but torchrun started {world} processes: drop --nproc under torchrun "
+                             "or make them equal")
+        torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job.timeout_s))
+        try:
+            results = run_rank(job)
+            return None if results is None else [r.to_dict() for r in results]
+        finally:
+            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_spawned_rank, nproc, (nproc, _free_port(), job, d))
+        path = os.path.join(d, "results.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else []
+
+
+def is_rank_zero() -> bool:
+    """True unless this process is a non-zero rank started by torchrun (for printing once)."""
+    return int(os.environ.get("RANK", "0")) == 0 if launched_by_torchrun() else True
+
+
+__all__ = ["DataParallelTrainer", "Job", "RankFailed", "run_distributed_compare", "run_rank", "spawn",
+           "is_rank_zero", "launched_by_torchrun", "DEFAULT_TIMEOUT_S"]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: python -m mpcourse compare --nproc N --parallel ddp|fsdp")

@@ -1,0 +1,215 @@
+"""A recipe made data-parallel: DDP replicates it, FSDP2 shards it (one process per rank, torch.distributed).
+
+What each mode does to a recipe (``prepare``); the recipe's own code runs unchanged unless said so:
+
+``ddp`` (``torch.nn.parallel.DistributedDataParallel``): every rank holds the whole recipe (weights, master
+copy, optimizer state: the bytes per parameter of the single-process table) and runs its slice of the
+batch; DDP all-reduces the gradients (mean over ranks) during backward, in the gradients' dtype (FP16/BF16
+for the low-precision models). ``reduce_dtype`` puts a communication hook in front that casts each bucket to
+that dtype for the all-reduce and back (torch's ``bf16_compress_hook`` does the same for BF16). Since every
+rank then holds the same gradients, the loss scalers' inf checks agree without a collective; the course's
+scalers all-reduce their flag anyway (``mpcourse.core.scaling``), torch's ``GradScaler`` does not need to.
+
+``fsdp`` (FSDP2, ``torch.distributed.fsdp.fully_shard`` on every block, then on the whole model): parameters,
+gradients and optimizer state are sharded (ZeRO stage 3): each rank keeps 1/N of every tensor as a DTensor
+shard, all-gathers a block's parameters just before its forward (and again for its backward) and
+reduce-scatters its gradients. Per recipe:
+
+* master-weights recipes (``fp16-master``, ``fp16-static``, ``fp16-dynamic``, ``bf16-master``): the FP32
+  parameters *are* the master copy, sharded; ``MixedPrecisionPolicy(param_dtype=fp16/bf16,
+  reduce_dtype=fp32)`` casts each all-gathered block to the working dtype, so forward and backward run in
+  FP16/BF16 exactly as the single-process recipe's model does, and the gradients are reduce-scattered in FP32
+  onto the FP32 shards. The optimizer (AdamW) steps the shards; no copy-down is needed (the next all-gather
+  casts again, round to nearest even as ``MasterWeights.copy_master_to_model``). The FP32 initialisation is
+  first rounded through the working dtype so the master starts from the same values as the single-process
+  ``MasterWeights`` (built from the cast model, Apex O2). The course's loss scaler all-reduces its inf flag
+  (each rank checks only its shard). This is ``ShardedMasterRecipe``.
+* ``torch-amp-fp16``: torch's ``GradScaler`` checks only the local shard, so one rank would skip while the
+  others step; FSDP's ``ShardedGradScaler`` (the same rules plus the all-reduce of the flag) replaces it.
+* FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*``): sharded as they are;
+  ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
+  the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
+  hooks, see lesson 11).
+* ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
+* ``bf16-pure*``: not supported (``UNSUPPORTED``): ``BF16Optimizer`` swaps ``param.data`` between BF16 and FP32
+  around the step, which DTensor shards refuse (a sharding-propagation error on mixed dtypes).
+
+Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
+``sharded_grad_scaler.py``; DDP communication hooks (``torch/distributed/algorithms/ddp_comm_hooks``);
+Rajbhandari et al. 2020, "ZeRO" (bytes per parameter by stage).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
+
+PARALLEL_MODES = ("ddp", "fsdp")
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row)
+UNSUPPORTED = {
+    "fsdp": {name: ("BF16Optimizer swaps param.data between BF16 and FP32 around each step, which FSDP2's DTensor "
+                    "shards refuse; run it with --parallel ddp")
+             for name in ("bf16-pure", "bf16-pure-sr", "bf16-pure-kahan")},
+    "ddp": {},
+}
+
+
+def unsupported(recipe_name: str, parallel: str) -> str | None:
+    """Why ``recipe_name`` cannot run under ``parallel``, or None if it can."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+    return UNSUPPORTED[parallel].get(recipe_name)
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor, ``t`` itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+# -- DDP ------------------------------------------------------------------------------------------------
+def _cast_allreduce_hook(dtype: torch.dtype):
+    """A DDP communication hook: all-reduce each gradient bucket in ``dtype`` (mean over ranks), then copy the
+    result back into the bucket (its own dtype). torch's ``default_hooks.bf16_compress_hook`` is this for BF16."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()                                          # (n,) grads' dtype, flat
+        comm = buf.to(dtype).div_(dist.get_world_size(group))          # (n,) dtype, divided first as DDP does
+        fut = dist.all_reduce(comm, group=group, async_op=True).get_future()
+
+        def copy_back(f):
+            buf.copy_(f.value()[0])
+            return buf
+
+        return fut.then(copy_back)
+
+    return hook
+
+
+def wrap_ddp(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """``DistributedDataParallel(model)`` with gradients as bucket views (no second gradient copy), buffers not
+    re-broadcast (they are constant masks), and a cast hook when ``reduce_dtype`` differs from the gradients'."""
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    grad_dtype = next(model.parameters()).dtype
+    if reduce_dtype is not None and reduce_dtype != grad_dtype:
+        ddp.register_comm_hook(None, _cast_allreduce_hook(reduce_dtype))
+    return ddp
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------------
+class ShardedMasterRecipe(TrainingRecipe):
+    """A master-weights recipe under FSDP2: sharded FP32 parameters are the master, FSDP's
+    ``MixedPrecisionPolicy(param_dtype=model_dtype)`` makes the FP16/BF16 working copy, block by block.
+
+    Built from the single-process class ``base`` (its ``name``, ``model_dtype`` and loss scaler); the step is
+    the scaled step of ``mpcourse.experiment.recipes.fp16`` without the two copies (FSDP's casts are them)::
+
+        scaler.scale(loss).backward()   # fp16 grads of the all-gathered block -> reduce-scatter (fp32) -> shard
+        scaler.unscale_(optimizer)      # fp32 shard / S; inf flag all-reduced (MAX) over the ranks
+        clip_grads(optimizer)           # global norm over all shards (DTensor)
+        scaler.step(optimizer)          # AdamW on the fp32 shards, or skipped on every rank
+        scaler.update()
+    """
+
+    OVERRIDABLE = ()
+
+    def __init__(self, base: type[MasterWeightsRecipe], model, optim=None, overrides=None):
+        self.base = base
+        self.name = base.name
+        self.model_dtype = base.model_dtype
+        self.description = base.description + "; FSDP2: FP32 master sharded, working copy all-gathered per block"
+        super().__init__(model, optim, overrides)
+        make_scaler = getattr(base, "make_scaler", None)
+        self.scaler = make_scaler(self) if make_scaler is not None else None
+
+    def prepare_model(self, model):
+        with torch.no_grad():                  # the master starts from the cast model's values, as MasterWeights
+            for p in model.parameters():
+                p.copy_(p.to(self.model_dtype).float())
+        return model                           # (still FP32; sharded by prepare() next)
+
+    def backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> StepResult:
+        if self.scaler is None:
+            return super().step()
+        self.scaler.unscale_(self.optimizer)
+        self.clip_grads(self.optimizer)
+        self.scaler.step(self.optimizer)
+        skipped = self.scaler.last_step_skipped
+        scale_used = self.scaler.get_scale()
+        self.scaler.update()
+        return StepResult(skipped=skipped, loss_scale=scale_used)
+
+    def memory(self) -> dict[str, int]:
+        """As ``TrainingRecipe.memory`` per rank, with the FP32 shards counted as ``master`` and ``weights`` the working
+        copy: the largest sum of all-gathered (unsharded) parameter bytes seen at a block's forward."""
+        out = super().memory()
+        out["master"], out["weights"] = out["weights"], getattr(self, "working_copy_bytes", 0)
+        return out
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _measure_working_copy(recipe: TrainingRecipe) -> None:
+    """Forward pre-hooks (after FSDP's all-gather) that record in ``recipe.working_copy_bytes`` the largest
+    total of unsharded parameter bytes registered at once during a forward."""
+    recipe.working_copy_bytes = 0
+
+    def hook(module, args):
+        live = sum(p.numel() * p.element_size() for p in recipe.model.parameters() if not is_dtensor(p))
+        recipe.working_copy_bytes = max(recipe.working_copy_bytes, live)
+
+    for m in [*recipe.model.blocks, recipe.model]:
+        m.register_forward_pre_hook(hook)
+
+
+def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, overrides=None,
+                 reduce_dtype: torch.dtype | None = None) -> TrainingRecipe:
+    """Build ``recipe_cls`` over ``model`` (FP32, the same init on every rank) and shard it with FSDP2.
+
+    Returns the recipe, with ``recipe.model`` the sharded module (forward all-gathers) and an optimizer
+    rebuilt over the sharded parameters. Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    why = unsupported(recipe_cls.name, "fsdp")
+    if why:
+        raise ValueError(f"recipe {recipe_cls.name!r} cannot run under FSDP2: {why}")
+    if issubclass(recipe_cls, MasterWeightsRecipe):
+        recipe = ShardedMasterRecipe(recipe_cls, model, optim, overrides)
+        policy = MixedPrecisionPolicy(param_dtype=recipe.model_dtype, reduce_dtype=reduce_dtype or torch.float32)
+    else:
+        recipe = recipe_cls(model, optim, overrides)
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for block in recipe.model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(recipe.model, mp_policy=policy)        # the rest: embeddings (tied head), ln_f
+    recipe.optimizer = recipe.make_optimizer(list(recipe.model.parameters()))   # over the DTensor shards
+    if isinstance(getattr(recipe, "scaler", None), torch.amp.GradScaler):        # torch-amp-fp16
+        old = recipe.scaler
+        recipe.scaler = ShardedGradScaler(next(recipe.model.parameters()).device.type, init_scale=old.get_scale(), growth_factor=old.get_growth_factor(),
+                                          backoff_factor=old.get_backoff_factor(),
+                                          growth_interval=old.get_growth_interval())
+    if isinstance(recipe, ShardedMasterRecipe):
+        _measure_working_copy(recipe)
+    return recipe
