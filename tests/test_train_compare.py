@@ -141,3 +141,30 @@ def test_checkpoint_from_another_recipe_is_refused(corpus):
     sd = Trainer("fp32", corpus, small(1)).state_dict()
     with pytest.raises(ValueError, match="from recipe 'fp32'"):
         Trainer("fp16-pure", corpus, small(1)).load_state_dict(sd)
+
+
+def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeypatch):
+    import contextlib
+
+    from mpcourse.experiment import train as train_mod
+    from mpcourse.experiment.train import Trainer
+    entered, real = [], train_mod.tensor_cores
+
+    @contextlib.contextmanager
+    def counting():
+        entered.append(1)
+        with real():
+            yield
+    monkeypatch.setattr(train_mod, "tensor_cores", counting)
+    t = Trainer("fp16-dynamic", corpus, small(steps=4))
+    before = len(entered)                                  # building the recipe: once
+    seen = []
+    t.train_step(after_backward=lambda step, r: seen.append(("grads", step, all(
+                     p.grad is not None for p in r.model.parameters()))),
+                 after_step=lambda step, r, res: seen.append(("result", step, res.loss_scale)))
+    assert seen == [("grads", 0, True), ("result", 0, 2.0**16)]
+    assert len(entered) == before + 1                      # a lone step enters it itself
+    t.run()                                                # the other three steps and their evaluations
+    assert len(entered) == before + 2 and t.step == 4
+    ref = Trainer("fp16-dynamic", corpus, small(steps=4)).run()
+    assert [h["loss"] for h in t.history] == [h["loss"] for h in ref.history]   # hooks that only look change nothing
