@@ -1,4 +1,5 @@
-"""Number formats: FP32, TF32, FP16, BF16 and FP8 (E4M3, E5M2), their bit fields, and rounding.
+"""Number formats: FP32, TF32, FP16, BF16, FP8 (E4M3, E5M2), the MX element and scale formats
+(FP6 E2M3 / E3M2, FP4 E2M1, E8M0), their bit fields, and rounding. The one source of format facts.
 
 Every function here works on the *bits* of FP32 values with integer arithmetic; none calls torch's
 own cast to the target format, because that cast is what lesson 00 explains (and what the tests
@@ -7,7 +8,10 @@ compare against, with ml_dtypes as a second oracle).
 Sources: IEEE 754-2019 (bit layout, round-to-nearest-even, gradual underflow); Micikevicius et al.
 2022, "FP8 Formats for Deep Learning" (arXiv 2209.05433) and the OCP 8-bit FP spec for E4M3/E5M2
 (E4M3 is `e4m3fn`: no inf, NaN = S.1111.111, max 448); `torch.finfo` and `ml_dtypes` for the
-numbers. TF32 is not a storage type: it is the FP32 range with FP16's 10 mantissa bits, read by
+numbers. OCP Microscaling Formats (MX) v1.0 spec, section 5, for E8M0 (unsigned, 8 exponent bits, bias
+127, values 2^-127 .. 2^127, 0xFF = NaN, no zero, no inf), FP6 E2M3 (max 7.5), FP6 E3M2 (max 28) and
+FP4 E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf, no NaN); `ml_dtypes` (float8_e8m0fnu,
+float6_e2m3fn, float6_e3m2fn, float4_e2m1fn) is the oracle. TF32 is not a storage type: it is the FP32 range with FP16's 10 mantissa bits, read by
 tensor cores from FP32 inputs. PyTorch's notes (docs/source/notes/numerical_accuracy.rst) say
 "only the first 10 bits of the input mantissa are read" (truncation: use rounding="toward_zero");
 TensorFlow's docs say the inputs are "rounded ... to 10 bits", and PTX has both `cvt.rna.tf32.f32`
@@ -19,6 +23,15 @@ Policies (where implementations disagree):
 - saturate=True: every finite overflow AND +-inf go to +-max; this is what torch 2.13's CPU
   `.to(torch.float8_e4m3fn)` does, what torchao's clamp before the cast does, and CUDA's
   `__NV_SATFINITE`. NaN stays NaN always.
+- FP6 / FP4 have neither inf nor NaN: overflow and +-inf saturate to +-max whatever `saturate`
+  says (there is nothing else to encode; the OCP MX spec's conversion saturates; ml_dtypes does
+  this). A NaN input stays NaN in `round_to`'s float32 result (it is not hidden), and `encode`
+  refuses it (ValueError): there is no NaN bit pattern.
+- E8M0 has no sign, no zero, no subnormals: zero, negative values, NaN and (saturate=False)
+  values that round past 2^127 give NaN (0xFF); positive values below 2^-127 give 2^-127, the
+  smallest value (ml_dtypes; torch 2.13's `.to(torch.float8_e8m0fnu)` also maps 0 to 2^-127). A
+  tie between two powers of two (1.5 * 2^k) goes up, and FP32 subnormals in (2^-127, 2^-126)
+  go up to 2^-126, as both torch's and ml_dtypes' casts do.
 - Inputs: float32 tensors; narrower float dtypes (fp16, bf16, fp8) are upcast first, exactly.
   float64 is refused (its cast to fp32 already rounds once). Denormals must not be flushed
   (torch's default, torch.set_flush_denormal(False)).
@@ -31,63 +44,96 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Format", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
+__all__ = ["NumberFormat", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
            "from_bits", "all_values", "neighbours", "ulp"]
 
 
 @dataclass(frozen=True)
-class Format:
-    """A binary floating-point format: 1 sign bit, `exponent_bits`, `mantissa_bits` (stored, no
-    hidden bit). Values are Python floats; `torch_dtype` is None for tf32 (no storage dtype)."""
+class NumberFormat:
+    """A binary floating-point format: an optional sign bit, `exponent_bits`, `mantissa_bits`
+    (stored, no hidden bit). Values are Python floats; `torch_dtype` is None where torch has no
+    one-element-per-byte storage dtype (tf32, FP6, FP4: torch's FP4 is packed two to a byte).
+
+    `nan` says which bit patterns are NaN: "ieee" (exponent all ones, mantissa != 0; all ones with
+    mantissa 0 is inf), "all_ones" (exponent and mantissa all ones, either sign: e4m3, e8m0) or
+    "none" (fp6, fp4). `max` is the spec's largest finite value (not derived from a formula).
+    E8M0 is unsigned and has no zero and no subnormals: its smallest value 2^-127 is code 0."""
     name: str
     exponent_bits: int
     mantissa_bits: int
     bias: int
-    max: float            # largest finite value
-    min_normal: float     # 2**(1 - bias), torch.finfo(...).tiny / smallest_normal
-    min_subnormal: float  # 2**(1 - bias - mantissa_bits)
+    max: float            # largest finite value, from the spec
+    min_normal: float     # smallest positive normal, torch.finfo(...).smallest_normal
+    min_subnormal: float  # smallest positive value (= min_normal where there are no subnormals)
     eps: float            # 2**-mantissa_bits, the gap between 1.0 and the next value
     has_inf: bool
     torch_dtype: torch.dtype | None
-    bits: int             # total width, 1 + exponent_bits + mantissa_bits
-    nan_encoding: str     # which bit patterns are NaN
+    bits: int             # total width, sign bit (if any) + exponent_bits + mantissa_bits
+    nan_encoding: str     # which bit patterns are NaN, in words
+    signed: bool = True
+    nan: str = "ieee"     # "ieee", "all_ones" or "none" (see the class docstring)
+    has_zero: bool = True
+    has_subnormals: bool = True
+
+    @property
+    def has_nan(self) -> bool:
+        return self.nan != "none"
+
+    @property
+    def min_exponent(self) -> int:
+        """Unbiased exponent of the smallest binade: 1 - bias (-bias for e8m0, whose code 0 is 2^-127)."""
+        return 1 - self.bias if self.has_subnormals else -self.bias
 
     def __repr__(self) -> str:
-        return (f"Format({self.name}: E{self.exponent_bits}M{self.mantissa_bits}, bias {self.bias},"
-                f" max {self.max:g}, min_normal {self.min_normal:g}, min_subnormal "
-                f"{self.min_subnormal:g}, eps {self.eps:g}, inf {self.has_inf})")
+        return (f"NumberFormat({self.name}: {'' if self.signed else 'unsigned '}E{self.exponent_bits}M"
+                f"{self.mantissa_bits}, bias {self.bias}, max {self.max:g}, min_normal "
+                f"{self.min_normal:g}, min_subnormal {self.min_subnormal:g}, eps {self.eps:g}, "
+                f"inf {self.has_inf}, nan {self.nan})")
 
 
-def _make(name: str, e: int, m: int, has_inf: bool, dtype, nan: str) -> Format:
+def _make(name: str, e: int, m: int, has_inf: bool, dtype, nan: str, max_: float | None = None,
+          nan_kind: str | None = None) -> NumberFormat:
     bias = 2 ** (e - 1) - 1
-    if has_inf:   # IEEE: the all-ones exponent is reserved for inf/NaN
+    if max_ is None:   # IEEE: the all-ones exponent is reserved for inf/NaN
         max_ = math.ldexp(2 - 2.0 ** -m, 2 ** e - 2 - bias)
-    else:         # e4m3fn: the all-ones exponent holds normal values; only mantissa all-ones is NaN
-        max_ = math.ldexp(2 - 2.0 ** (1 - m), 2 ** e - 1 - bias)
-    return Format(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
-                  2.0 ** -m, has_inf, dtype, 1 + e + m, nan)
+    kind = nan_kind or ("ieee" if has_inf else "all_ones")
+    return NumberFormat(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
+                  2.0 ** -m, has_inf, dtype, 1 + e + m, nan, nan=kind)
 
 
-FORMATS: dict[str, Format] = {
-    "fp32": _make("fp32", 8, 23, True, torch.float32, "exponent all ones, mantissa != 0"),
-    "tf32": _make("tf32", 8, 10, True, None, "exponent all ones, mantissa != 0"),
-    "fp16": _make("fp16", 5, 10, True, torch.float16, "exponent all ones, mantissa != 0"),
-    "bf16": _make("bf16", 8, 7, True, torch.bfloat16, "exponent all ones, mantissa != 0"),
-    "e4m3": _make("e4m3", 4, 3, False, torch.float8_e4m3fn, "S.1111.111 only (0x7F, 0xFF)"),
-    "e5m2": _make("e5m2", 5, 2, True, torch.float8_e5m2, "exponent all ones, mantissa != 0"),
+_IEEE_NAN = "exponent all ones, mantissa != 0"
+FORMATS: dict[str, NumberFormat] = {
+    "fp32": _make("fp32", 8, 23, True, torch.float32, _IEEE_NAN),
+    "tf32": _make("tf32", 8, 10, True, None, _IEEE_NAN),
+    "fp16": _make("fp16", 5, 10, True, torch.float16, _IEEE_NAN),
+    "bf16": _make("bf16", 8, 7, True, torch.bfloat16, _IEEE_NAN),
+    # OCP 8-bit FP spec: e4m3fn keeps the all-ones exponent for normals; only S.1111.111 is NaN.
+    "e4m3": _make("e4m3", 4, 3, False, torch.float8_e4m3fn, "S.1111.111 only (0x7F, 0xFF)", 448.0),
+    "e5m2": _make("e5m2", 5, 2, True, torch.float8_e5m2, _IEEE_NAN),
+    # OCP MX v1.0, section 5.3: element formats with neither inf nor NaN; maxima from the spec's table.
+    "e3m2": _make("e3m2", 3, 2, False, None, "none", 28.0, "none"),
+    "e2m3": _make("e2m3", 2, 3, False, None, "none", 7.5, "none"),
+    "e2m1": _make("e2m1", 2, 1, False, None, "none", 6.0, "none"),
+    # OCP MX v1.0, section 5.4: the shared scale. Unsigned, 2^(code - 127), 0xFF = NaN.
+    "e8m0": NumberFormat("e8m0", 8, 0, 127, 2.0 ** 127, 2.0 ** -127, 2.0 ** -127, 1.0, False,
+                   torch.float8_e8m0fnu, 8, "0xFF only", signed=False, nan="all_ones", has_zero=False,
+                   has_subnormals=False),
 }
 _ALIASES = {"float32": "fp32", "float": "fp32", "tensorfloat32": "tf32", "float16": "fp16",
             "half": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "e4m3fn": "e4m3",
-            "float8_e5m2": "e5m2"}
+            "float8_e5m2": "e5m2", "float8_e8m0fnu": "e8m0", "e8m0fnu": "e8m0", "fp4": "e2m1",
+            "float4_e2m1fn": "e2m1", "e2m1fn": "e2m1", "float6_e2m3fn": "e2m3", "e2m3fn": "e2m3",
+            "float6_e3m2fn": "e3m2", "e3m2fn": "e3m2", "fp4_e2m1": "e2m1", "fp6_e2m3": "e2m3",
+            "fp6_e3m2": "e3m2"}
 _BY_DTYPE = {f.torch_dtype: f for f in FORMATS.values() if f.torch_dtype is not None}
 _ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 
 
-def get_format(fmt) -> Format:
-    """Resolve `fmt` (a Format, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
+def get_format(fmt) -> NumberFormat:
+    """Resolve `fmt` (a NumberFormat, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
 
     Raises ValueError naming the valid formats for an unknown name or dtype, TypeError otherwise."""
-    if isinstance(fmt, Format):
+    if isinstance(fmt, NumberFormat):
         return fmt
     valid = ", ".join(FORMATS)
     if isinstance(fmt, torch.dtype):
@@ -100,7 +146,7 @@ def get_format(fmt) -> Format:
         if key in FORMATS:
             return FORMATS[key]
         raise ValueError(f"unknown format {fmt!r}; valid names: {valid}")
-    raise TypeError(f"fmt must be a format name ({valid}), a Format or a torch dtype, got {fmt!r}")
+    raise TypeError(f"fmt must be a format name ({valid}), a NumberFormat or a torch dtype, got {fmt!r}")
 
 
 def _f32_bits(v: float) -> int:
@@ -125,7 +171,7 @@ def _as_float32(x) -> torch.Tensor:
     raise TypeError(f"expected a float32 tensor, got {x.dtype}; call .float() first{hint}")
 
 
-def _round_magnitude(a: torch.Tensor, f: Format, mode: str, generator) -> torch.Tensor:
+def _round_magnitude(a: torch.Tensor, f: NumberFormat, mode: str, generator) -> torch.Tensor:
     """Round |x| to `f` in bit arithmetic. a: int64 tensor of FP32 bit patterns of |x| (sign bit
     clear, not NaN; inf is fine). Returns int64 FP32 bit patterns of the rounded magnitude, which
     may exceed f.max (the caller applies the overflow policy)."""
@@ -168,8 +214,42 @@ def _round_magnitude(a: torch.Tensor, f: Format, mode: str, generator) -> torch.
     return torch.where(drop < 24, kept, n * _f32_bits(f.min_subnormal))
 
 
-def _round(x: torch.Tensor, f: Format, mode: str, saturate: bool, generator) -> torch.Tensor:
+def _round_e8m0(x: torch.Tensor, mode: str, saturate: bool, generator) -> torch.Tensor:
+    """Round float32 x to E8M0 (a power of two 2^(code - 127), code 0..254), as float32.
+
+    On the FP32 bits: the exponent field e32 is the candidate code, the 23 mantissa bits decide
+    whether it goes up by one. For a normal x (e32 >= 1) that is x in [2^k, 2^(k+1)) with
+    frac = mantissa / 2^23: nearest goes up when frac >= 1/2 (ties up), away_from_zero when
+    frac > 0, stochastic with probability frac (one random integer below 2^23, exact). An FP32
+    subnormal x (e32 = 0) lies below 2^-126 and code 0 means 2^-127: up (to 2^-126) only when
+    x > 2^-127, in every mode but toward_zero, as torch's and ml_dtypes' casts do (they round
+    the whole range (2^-127, 2^-126) up); smaller x give 2^-127."""
+    a = x.view(torch.int32).long() & 0x7FFFFFFF
+    e32, mant = a >> 23, a & 0x7FFFFF
+    half = 1 << 22
+    sub = e32 == 0
+    if mode == "nearest":
+        up = torch.where(sub, mant > half, mant >= half)
+    elif mode == "toward_zero":
+        up = torch.zeros_like(sub)
+    elif mode == "stochastic":
+        r = torch.randint(0, 2 ** 23, x.shape, generator=generator, device=x.device)
+        up = torch.where(sub, r < 2 * (mant - half), r < mant)   # P(up) = (x - 2^-127) / 2^-127 there
+    else:  # away_from_zero
+        up = torch.where(sub, mant > half, mant > 0)
+    code = e32 + up.long()
+    over = code > 254                                   # includes +inf (e32 = 255)
+    val = _pow2_f64(code.clamp(max=254) - 127).float()  # 2^-127 is an fp32 subnormal: exact
+    val = torch.where(over, 2.0 ** 127 if saturate else math.nan, val)
+    return torch.where((x > 0) & ~torch.isnan(x), val, math.nan)   # zero, negative, NaN -> NaN
+
+
+def _round(x: torch.Tensor, f: NumberFormat, mode: str, saturate: bool, generator) -> torch.Tensor:
     x = _as_float32(x)
+    if not f.signed:
+        return _round_e8m0(x, mode, saturate, generator)
+    if not f.has_nan:
+        saturate = True                          # fp6/fp4: no inf, no NaN: overflow saturates
     bits = x.view(torch.int32).long()            # same shape, int64 for headroom
     neg = bits < 0
     mag = _round_magnitude(bits & 0x7FFFFFFF, f, mode, generator)
@@ -190,13 +270,15 @@ def round_to(x: torch.Tensor, fmt, *, rounding: str = "nearest", saturate: bool 
     """The value of each element of `x` after a cast to `fmt`, as float32 (same shape, device).
 
     x: float32 tensor (fp16/bf16/fp8 tensors are upcast exactly; float64 and integers raise
-    TypeError: call .float()). fmt: name, Format or torch dtype (see get_format).
+    TypeError: call .float()). fmt: name, NumberFormat or torch dtype (see get_format).
     rounding: "nearest" (ties to even, IEEE default, what torch casts do), "stochastic" (rounds
     away from zero with probability |x - lower-magnitude neighbour| / gap, drawing from
     `generator`), or "toward_zero" (truncation, e.g. TF32 inputs read as "the first 10 bits").
     Gradual underflow: results below min_normal are subnormals, then +-0 keeping the sign.
-    saturate=False: overflow -> +-inf (NaN for e4m3, which has no inf); saturate=True: finite
-    overflow and +-inf -> +-fmt.max. NaN -> NaN. "fp32" returns x unchanged (up to saturation).
+    saturate=False: overflow -> +-inf (NaN for e4m3 and e8m0, which have no inf); saturate=True:
+    finite overflow and +-inf -> +-fmt.max. NaN -> NaN. "fp32" returns x unchanged (up to
+    saturation). fp6/fp4 always saturate (no inf, no NaN); e8m0 maps zero and negative values to
+    NaN and values below 2^-127 to 2^-127 (see the module docstring).
     Stochastic rounding of a value between max and the overflow point overflows (by the same
     policy) with its round-up probability. Raises ValueError for an unknown rounding or format.
     """
@@ -221,6 +303,13 @@ def encode(x, fmt):
     f = get_format(fmt)
     scalar = not isinstance(x, torch.Tensor) or x.dim() == 0
     v = _round(_scalar(x) if scalar else x, f, "nearest", False, None)
+    if not f.has_nan and bool(torch.isnan(v).any()):
+        raise ValueError(f"{f.name} has no NaN bit pattern: remove NaNs before encoding "
+                         "(round_to keeps them as float32 NaN)")
+    if not f.signed:   # e8m0: code = k + 127 for 2^k, 0xFF for NaN
+        k = torch.frexp(v.double())[1].long() - 1
+        code = torch.where(torch.isnan(v), 0xFF, k + f.bias)
+        return int(code) if scalar else code
     bits = v.view(torch.int32).long()
     a = bits & 0x7FFFFFFF
     e32, m, d = a >> 23, f.mantissa_bits, 23 - f.mantissa_bits
@@ -243,14 +332,17 @@ def from_bits(bits, fmt):
     Only the low fmt.bits bits are used (so int8/int16 views and negative ints work)."""
     f = get_format(fmt)
     c = torch.as_tensor(bits).long() & ((1 << f.bits) - 1)
+    if not f.signed:   # e8m0: 2^(code - 127), 0xFF = NaN
+        val = torch.where(c == 0xFF, math.nan, _pow2_f64(c - f.bias).float())
+        return float(val) if not isinstance(bits, torch.Tensor) else val
     m, top = f.mantissa_bits, 2 ** f.exponent_bits - 1
     field, mant = (c >> m) & top, c & (2 ** m - 1)
     sig = torch.where(field > 0, mant | (1 << m), mant)           # hidden 1 for normals
     k = field.clamp(min=1) - f.bias - m                           # value = sig * 2**k
     val = (sig.double() * _pow2_f64(k)).float()                   # exact: a value of fmt
-    if f.has_inf:
+    if f.nan == "ieee":
         val = torch.where(field == top, torch.where(mant == 0, math.inf, math.nan), val)
-    else:
+    elif f.nan == "all_ones":
         val = torch.where((field == top) & (mant == 2 ** m - 1), math.nan, val)
     val = torch.where((c >> (f.bits - 1)) == 1, -val, val)
     return float(val) if not isinstance(bits, torch.Tensor) else val
@@ -283,6 +375,8 @@ class Decoded:
     def __str__(self) -> str:
         if self.kind in ("inf", "nan"):
             return f"{self.fmt} {self.bit_string} = {self.value} ({self.kind})"
+        if not self.mantissa_str:   # e8m0: a bare power of two
+            return f"{self.fmt} {self.bit_string} = 2^{self.exponent} = {self.value!r} ({self.kind})"
         lead = "1" if self.kind == "normal" else "0"
         return (f"{self.fmt} {self.bit_string} = {'-' if self.sign else '+'}{lead}."
                 f"{self.mantissa_str}b x 2^{self.exponent} = {self.value!r} ({self.kind})")
@@ -294,25 +388,31 @@ def decode(x, fmt) -> Decoded:
     f = get_format(fmt)
     code = encode(_scalar(x), f)
     m, e = f.mantissa_bits, f.exponent_bits
-    sign, field, mant = code >> (f.bits - 1), (code >> m) & (2 ** e - 1), code & (2 ** m - 1)
+    sign = code >> (f.bits - 1) if f.signed else 0
+    field, mant = (code >> m) & (2 ** e - 1), code & (2 ** m - 1)
     value = from_bits(code, f)
     if math.isnan(value):
         kind = "nan"
     elif math.isinf(value):
         kind = "inf"
-    elif field == 0:
+    elif field == 0 and f.has_subnormals:
         kind = "zero" if mant == 0 else "subnormal"
     else:
         kind = "normal"
-    exponent = None if kind in ("inf", "nan") else max(field, 1) - f.bias
-    return Decoded(f.name, value, sign, exponent, field, mant, format(mant, f"0{m}b"), kind,
-                   f"{sign} {field:0{e}b} {mant:0{m}b}", code)
+    if kind in ("inf", "nan"):
+        exponent = None
+    else:
+        exponent = max(field, 1) - f.bias if f.has_subnormals else field - f.bias
+    mant_str = format(mant, f"0{m}b") if m else ""
+    parts = ([str(sign)] if f.signed else []) + [f"{field:0{e}b}"] + ([mant_str] if m else [])
+    return Decoded(f.name, value, sign, exponent, field, mant, mant_str, kind, " ".join(parts), code)
 
 
 def neighbours(x: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi): the representable values of `fmt` with lo <= x <= hi (equal when x is
     representable), float32 tensors of x's shape. Beyond +-max the outer neighbour follows the
-    non-saturating overflow policy (+-inf, or NaN for e4m3). NaN -> (NaN, NaN)."""
+    non-saturating overflow policy (+-inf, NaN for e4m3/e8m0, +-max for fp6/fp4). NaN -> (NaN,
+    NaN). e8m0 has nothing below 2^-127: for 0 < x < 2^-127 both are 2^-127."""
     f = get_format(fmt)
     tz = _round(x, f, "toward_zero", False, None)
     az = _round(x, f, "away_from_zero", False, None)
@@ -326,6 +426,6 @@ def ulp(x: torch.Tensor, fmt) -> torch.Tensor:
     f = get_format(fmt)
     r = _round(x, f, "nearest", False, None)
     e32 = (r.view(torch.int32).long() & 0x7FFFFFFF) >> 23
-    k = (e32 - 127).clamp(min=1 - f.bias) - f.mantissa_bits
+    k = (e32 - 127).clamp(min=f.min_exponent) - f.mantissa_bits
     out = _pow2_f64(k).float()
     return torch.where(torch.isfinite(r), out, math.nan)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .recipes import MasterWeightsRecipe, Recipe, StepResult
+from .recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
 
 PARALLEL_MODES = ("ddp", "fsdp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,7 +105,7 @@ def wrap_ddp(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> nn.Mo
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
-class ShardedMasterRecipe(Recipe):
+class ShardedMasterRecipe(TrainingRecipe):
     """A master-weights recipe under FSDP2: sharded FP32 parameters are the master, FSDP's
     ``MixedPrecisionPolicy(param_dtype=model_dtype)`` makes the FP16/BF16 working copy, block by block.
 
@@ -151,7 +151,7 @@ class ShardedMasterRecipe(Recipe):
         return StepResult(skipped=skipped, loss_scale=scale_used)
 
     def memory(self) -> dict[str, int]:
-        """As ``Recipe.memory`` per rank, with the FP32 shards counted as ``master`` and ``weights`` the working
+        """As ``TrainingRecipe.memory`` per rank, with the FP32 shards counted as ``master`` and ``weights`` the working
         copy: the largest sum of all-gathered (unsharded) parameter bytes seen at a block's forward."""
         out = super().memory()
         out["master"], out["weights"] = out["weights"], getattr(self, "working_copy_bytes", 0)
@@ -169,7 +169,7 @@ class ShardedMasterRecipe(Recipe):
             self.scaler.load_state_dict(state["scaler"])
 
 
-def _measure_working_copy(recipe: Recipe) -> None:
+def _measure_working_copy(recipe: TrainingRecipe) -> None:
     """Forward pre-hooks (after FSDP's all-gather) that record in ``recipe.working_copy_bytes`` the largest
     total of unsharded parameter bytes registered at once during a forward."""
     recipe.working_copy_bytes = 0
@@ -182,8 +182,8 @@ def _measure_working_copy(recipe: Recipe) -> None:
         m.register_forward_pre_hook(hook)
 
 
-def shard_recipe(recipe_cls: type[Recipe], model: nn.Module, optim, overrides=None,
-                 reduce_dtype: torch.dtype | None = None) -> Recipe:
+def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, overrides=None,
+                 reduce_dtype: torch.dtype | None = None) -> TrainingRecipe:
     """Build ``recipe_cls`` over ``model`` (FP32, the same init on every rank) and shard it with FSDP2.
 
     Returns the recipe, with ``recipe.model`` the sharded module (forward all-gathers) and an optimizer

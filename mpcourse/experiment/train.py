@@ -188,7 +188,7 @@ class Trainer:
         return float(loss.detach())
 
     def measure_memory(self) -> dict[str, int]:
-        """Bytes held by kind (``Recipe.memory``), after the step and before ``zero_grad``."""
+        """Bytes held by kind (``TrainingRecipe.memory``), after the step and before ``zero_grad``."""
         return self.recipe.memory()
 
     @property

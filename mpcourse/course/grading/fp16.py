@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ...core.formats import FORMATS
 from . import GradingError, _hex32, call, verdict
 
 ZERO, SUBNORMAL, NORMAL, OVERFLOW = 0, 1, 2, 3
 FATES = ("ZERO", "SUBNORMAL", "NORMAL", "OVERFLOW")
-_MIN_NORMAL = 2.0**-14              # FP16 smallest normal (torch.finfo(torch.float16).smallest_normal)
+_MIN_NORMAL = FORMATS["fp16"].min_normal   # 2**-14, FP16's smallest normal
 
 
 def fate_oracle(x: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ from fractions import Fraction
 
 import torch
 
+from ...core.formats import FORMATS
 from . import GradingError, call, same_bits, verdict
 
-FP32_MAX = torch.finfo(torch.float32).max   # 3.4028234663852886e38
+FP32_MAX = FORMATS["fp32"].max   # 3.4028234663852886e38
 
 
 # ----------------------------------------------------------------------------------------------------------
