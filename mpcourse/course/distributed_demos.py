@@ -39,7 +39,7 @@ def _overflow(group):
         w.grad[0] = float("inf")                               # only rank 1's shard overflows
     scaler.step(opt)
     scaler.update()
-    return {"skipped": scaler.last_step_skipped, "scale": scaler.get_scale(), "w0": float(w[1])}
+    return {"skipped": scaler.last_step_skipped, "scale": scaler.get_scale(), "w0": float(w.detach()[1])}
 
 
 def _amax():
