@@ -74,7 +74,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
       fp8_group:  ``torch.distributed`` process group for the amax all-reduce (None: the default group).
     On exit of the outermost region, pending delayed-scaling states are all-reduced and updated.
     """
-    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling)):
+    from .block_recipes import BLOCK_RECIPES
+    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or CurrentScaling, got {fp8_recipe!r}")
     saved = (_REGION.enabled, _REGION.recipe, _REGION.group)
     _REGION.enabled = bool(enabled)
