@@ -1,4 +1,4 @@
-"""Regression cases from public bug reports: what autocast does and does not protect (issue 4, section 4).
+"""Regression cases from public bug reports: what autocast does and does not protect.
 
 Each test carries the right value (from exact arithmetic, float64, numpy's float16 or torch.autocast run
 side by side) and cites the public report it comes from. The cases:

@@ -1,4 +1,4 @@
-"""Regression cases of issue 4, section 4 (BF16 and Kahan bullets), each with the right value.
+"""Regression cases for BF16 rounding and Kahan-compensated updates, each with the right value.
 
 The arithmetic facts behind them: BF16 keeps 8 significant bits (7 stored), so the step after 1.0 is 2**-7 =
 0.0078125 and the step after 256 is 2; nearest rounding cancels an update below half a step (Zamirai et al.
@@ -72,7 +72,7 @@ def test_kahan_ten_updates_of_1e3():
     assert abs(float(w) + float(comp) - 1.01) < 5e-5
     # the same through the optimizer wrapper (SGD, lr 1e-3, gradient -1)
     p = torch.nn.Parameter(bf16([1.0]))
-    opt = BF16Optimizer(torch.optim.SGD([p], lr=1e-3), update="kahan")
+    opt = BF16Optimizer(torch.optim.SGD([p], lr=1e-3), rounding="nearest", kahan=True)
     for _ in range(10):
         p.grad = bf16([-1.0])
         opt.step()

@@ -172,7 +172,7 @@ def test_update_matches_te_oracle(history, scale, margin, algo, fmt):
 
 @pytest.mark.parametrize("margin, want", [(0, 56.0), (1, 28.0)])
 def test_module_with_amax_8_every_step(margin, want):
-    # Issue 5: history length 4, "max", margin 0 -> scale 448 / 8 = 56; margin 1 halves it.
+    # History length 4, "max", margin 0 -> scale 448 / 8 = 56; margin 1 halves it.
     recipe = DelayedScaling(margin=margin, amax_history_len=4, amax_compute_algo="max")
     layer = Float8Linear(16, 16, recipe=recipe)
     x = torch.full((4, 16), 8.0)

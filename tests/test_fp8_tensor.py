@@ -1,4 +1,4 @@
-"""Scaled FP8 casts (mpcourse.core.quant.tensor) against ml_dtypes and torch.finfo, plus the issue-5 regression cases.
+"""Scaled FP8 casts (mpcourse.core.quant.tensor) against ml_dtypes and torch.finfo, plus saturation/tie regression cases.
 
 Oracles: ml_dtypes' OCP conversions (float8_e4m3fn, float8_e5m2; non-saturating, round-to-nearest-even),
 torch.finfo, and Transformer Engine's published scale rules (transformer_engine/pytorch/quantization.py
@@ -86,7 +86,7 @@ def test_format_table_matches_finfo_and_ml_dtypes():
         fp8_format_name(torch.float16)
 
 
-# -- regression cases from issue 5, section 6 -----------------------------------------------------------
+# -- regression cases: saturation and ties (OCP FP8 spec) ---------------------------------------------------
 
 def test_e4m3_overflow_saturating_and_not():
     # 448 is the largest E4M3; 464 is the tie between 448 and the missing 480 and rounds to even (448);

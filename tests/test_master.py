@@ -21,7 +21,7 @@ def fp16_values(n, seed, scale=1.0):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The issue's cases
+# Regression cases: FP16 gradients, the master copy and the unscaler
 # ----------------------------------------------------------------------------------------------------------
 def test_fp16_gradient_goes_through_the_master_not_the_unscaler():
     """FP16 gradient 1000 with scale 65536: handed to the unscaler directly it is refused with the fix named;

@@ -44,12 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Format", "NumberFormat", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
+__all__ = ["NumberFormat", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
            "from_bits", "all_values", "neighbours", "ulp"]
 
 
 @dataclass(frozen=True)
-class Format:
+class NumberFormat:
     """A binary floating-point format: an optional sign bit, `exponent_bits`, `mantissa_bits`
     (stored, no hidden bit). Values are Python floats; `torch_dtype` is None where torch has no
     one-element-per-byte storage dtype (tf32, FP6, FP4: torch's FP4 is packed two to a byte).
@@ -85,27 +85,24 @@ class Format:
         return 1 - self.bias if self.has_subnormals else -self.bias
 
     def __repr__(self) -> str:
-        return (f"Format({self.name}: {'' if self.signed else 'unsigned '}E{self.exponent_bits}M"
+        return (f"NumberFormat({self.name}: {'' if self.signed else 'unsigned '}E{self.exponent_bits}M"
                 f"{self.mantissa_bits}, bias {self.bias}, max {self.max:g}, min_normal "
                 f"{self.min_normal:g}, min_subnormal {self.min_subnormal:g}, eps {self.eps:g}, "
                 f"inf {self.has_inf}, nan {self.nan})")
 
 
-NumberFormat = Format  # the same class under a name that cannot collide with a recipe's Format enum
-
-
 def _make(name: str, e: int, m: int, has_inf: bool, dtype, nan: str, max_: float | None = None,
-          nan_kind: str | None = None) -> Format:
+          nan_kind: str | None = None) -> NumberFormat:
     bias = 2 ** (e - 1) - 1
     if max_ is None:   # IEEE: the all-ones exponent is reserved for inf/NaN
         max_ = math.ldexp(2 - 2.0 ** -m, 2 ** e - 2 - bias)
     kind = nan_kind or ("ieee" if has_inf else "all_ones")
-    return Format(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
+    return NumberFormat(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
                   2.0 ** -m, has_inf, dtype, 1 + e + m, nan, nan=kind)
 
 
 _IEEE_NAN = "exponent all ones, mantissa != 0"
-FORMATS: dict[str, Format] = {
+FORMATS: dict[str, NumberFormat] = {
     "fp32": _make("fp32", 8, 23, True, torch.float32, _IEEE_NAN),
     "tf32": _make("tf32", 8, 10, True, None, _IEEE_NAN),
     "fp16": _make("fp16", 5, 10, True, torch.float16, _IEEE_NAN),
@@ -118,7 +115,7 @@ FORMATS: dict[str, Format] = {
     "e2m3": _make("e2m3", 2, 3, False, None, "none", 7.5, "none"),
     "e2m1": _make("e2m1", 2, 1, False, None, "none", 6.0, "none"),
     # OCP MX v1.0, section 5.4: the shared scale. Unsigned, 2^(code - 127), 0xFF = NaN.
-    "e8m0": Format("e8m0", 8, 0, 127, 2.0 ** 127, 2.0 ** -127, 2.0 ** -127, 1.0, False,
+    "e8m0": NumberFormat("e8m0", 8, 0, 127, 2.0 ** 127, 2.0 ** -127, 2.0 ** -127, 1.0, False,
                    torch.float8_e8m0fnu, 8, "0xFF only", signed=False, nan="all_ones", has_zero=False,
                    has_subnormals=False),
 }
@@ -132,11 +129,11 @@ _BY_DTYPE = {f.torch_dtype: f for f in FORMATS.values() if f.torch_dtype is not 
 _ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 
 
-def get_format(fmt) -> Format:
-    """Resolve `fmt` (a Format, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
+def get_format(fmt) -> NumberFormat:
+    """Resolve `fmt` (a NumberFormat, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
 
     Raises ValueError naming the valid formats for an unknown name or dtype, TypeError otherwise."""
-    if isinstance(fmt, Format):
+    if isinstance(fmt, NumberFormat):
         return fmt
     valid = ", ".join(FORMATS)
     if isinstance(fmt, torch.dtype):
@@ -149,7 +146,7 @@ def get_format(fmt) -> Format:
         if key in FORMATS:
             return FORMATS[key]
         raise ValueError(f"unknown format {fmt!r}; valid names: {valid}")
-    raise TypeError(f"fmt must be a format name ({valid}), a Format or a torch dtype, got {fmt!r}")
+    raise TypeError(f"fmt must be a format name ({valid}), a NumberFormat or a torch dtype, got {fmt!r}")
 
 
 def _f32_bits(v: float) -> int:
@@ -174,7 +171,7 @@ def _as_float32(x) -> torch.Tensor:
     raise TypeError(f"expected a float32 tensor, got {x.dtype}; call .float() first{hint}")
 
 
-def _round_magnitude(a: torch.Tensor, f: Format, mode: str, generator) -> torch.Tensor:
+def _round_magnitude(a: torch.Tensor, f: NumberFormat, mode: str, generator) -> torch.Tensor:
     """Round |x| to `f` in bit arithmetic. a: int64 tensor of FP32 bit patterns of |x| (sign bit
     clear, not NaN; inf is fine). Returns int64 FP32 bit patterns of the rounded magnitude, which
     may exceed f.max (the caller applies the overflow policy)."""
@@ -247,7 +244,7 @@ def _round_e8m0(x: torch.Tensor, mode: str, saturate: bool, generator) -> torch.
     return torch.where((x > 0) & ~torch.isnan(x), val, math.nan)   # zero, negative, NaN -> NaN
 
 
-def _round(x: torch.Tensor, f: Format, mode: str, saturate: bool, generator) -> torch.Tensor:
+def _round(x: torch.Tensor, f: NumberFormat, mode: str, saturate: bool, generator) -> torch.Tensor:
     x = _as_float32(x)
     if not f.signed:
         return _round_e8m0(x, mode, saturate, generator)
@@ -273,7 +270,7 @@ def round_to(x: torch.Tensor, fmt, *, rounding: str = "nearest", saturate: bool 
     """The value of each element of `x` after a cast to `fmt`, as float32 (same shape, device).
 
     x: float32 tensor (fp16/bf16/fp8 tensors are upcast exactly; float64 and integers raise
-    TypeError: call .float()). fmt: name, Format or torch dtype (see get_format).
+    TypeError: call .float()). fmt: name, NumberFormat or torch dtype (see get_format).
     rounding: "nearest" (ties to even, IEEE default, what torch casts do), "stochastic" (rounds
     away from zero with probability |x - lower-magnitude neighbour| / gap, drawing from
     `generator`), or "toward_zero" (truncation, e.g. TF32 inputs read as "the first 10 bits").

@@ -7,40 +7,35 @@ import time
 from pathlib import Path
 
 from mpcourse.core import emulation
+from .argtypes import comma_list, positive_float, positive_int, ratio, seed
 from .data import CorpusError, load_corpus
 from .recipes import RECIPES, OptimConfig
 from .train import TrainConfig
 
 
-def _recipe_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RECIPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown recipe(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(RECIPES)}")
-    return names
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+# ``--quick``: every recipe, on a sixth of the default's tokens (a first contact, not a measurement:
+# 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
+QUICK = {"steps": 50, "batch_size": 8}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpcourse", description="Mixed-precision training, checked.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
-    c.add_argument("--recipes", type=_recipe_list, default=None,
+    c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
                    help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
-    c.add_argument("--steps", type=_positive, default=TrainConfig.steps, help="optimizer steps per recipe (default %(default)s)")
-    c.add_argument("--batch-size", type=_positive, default=TrainConfig.batch_size, help="sequences per step (default %(default)s)")
-    c.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
-    c.add_argument("--min-lr-ratio", type=float, default=OptimConfig.min_lr_ratio,
+    c.add_argument("--quick", action="store_true",
+                   help=f"a first run in about a minute: {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
+                        "(explicit --steps/--batch-size still win)")
+    c.add_argument("--steps", type=positive_int, default=None,
+                   help=f"optimizer steps per recipe (default {TrainConfig.steps}; {QUICK['steps']} with --quick)")
+    c.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"sequences per step (default {TrainConfig.batch_size}; {QUICK['batch_size']} with --quick)")
+    c.add_argument("--lr", type=positive_float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
+    c.add_argument("--min-lr-ratio", type=ratio, default=OptimConfig.min_lr_ratio,
                    help="cosine decay to lr * this at the last step; 1 keeps the rate constant (default %(default)s)")
     c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
-    c.add_argument("--seed", type=int, default=0, help="seed for the model init and the batch order (default 0)")
+    c.add_argument("--seed", type=seed, default=0, help="seed for the model init and the batch order (default 0)")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     sub.add_parser("recipes", help="list the registered recipes")
@@ -61,8 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
-    if args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1:
-        print("mpcourse compare: error: --lr must be > 0 and --min-lr-ratio within [0, 1]", file=sys.stderr)
+    preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": TrainConfig.batch_size}
+    args.steps = args.steps if args.steps is not None else preset["steps"]
+    args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
+    try:      # fail now, not after minutes of training
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
+              "pass another folder", file=sys.stderr)
         return 2
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio))

@@ -11,9 +11,11 @@ Public API (semantics of ``torch.autocast``, ``torch.amp.custom_fwd``/``custom_b
   ``autocast_dtype_in_effect(device_type)``: the dtype of torch's or this autocast, whichever is on.
   ``torch.is_autocast_enabled`` stays False inside this package's autocast: ask here instead.
 * ``no_autocast(device_type)``: neither autocast casts inside (``mode.py``).
+* ``torch.utils.checkpoint`` inside a region recomputes under the region's state (``checkpoint.py``).
 * The policy as data: ``policy.TABLES["cpu"|"cuda"][policy]``, ``policy_for(device_type, op)``,
   ``op_name(callable)`` (``policy.py``, transcribed from aten/src/ATen/autocast_mode.{h,cpp}).
 """
+from . import checkpoint as _checkpoint
 from . import policy
 from .custom import custom_bwd, custom_fwd
 from .mode import AutocastMode, autocast, no_autocast, op_name
@@ -21,6 +23,8 @@ from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_
                      TABLES, policy_for)
 from .state import (autocast_dtype_in_effect, cache_size, clear_autocast_cache, get_autocast_dtype, is_autocast_cache_enabled,
                     is_autocast_enabled)
+
+_checkpoint.install()      # torch.utils.checkpoint recomputes under this package's state (checkpoint.py)
 
 __all__ = [
     "autocast", "custom_fwd", "custom_bwd", "AutocastMode", "op_name", "policy", "policy_for", "TABLES",

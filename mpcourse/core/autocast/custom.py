@@ -11,6 +11,18 @@ torch 2.13), over ``mpcourse.core.autocast``:
 * ``custom_bwd`` runs backward inside ``autocast(device_type, dtype=<recorded>, enabled=<recorded>)``,
   so backward's ops are cast as forward's were (BF16 matmuls in forward -> BF16 matmuls in backward).
 
+Across the two autocasts:
+
+* These decorators work inside ``torch.autocast`` as ``torch.amp``'s do: forward records which
+  autocast was on (torch's or this package's) and its dtype, ``cast_inputs`` casts under either (then
+  forward runs with both disabled), and backward re-enters the same kind of region.
+* ``torch.amp.custom_fwd``/``custom_bwd`` inside this package's autocast cannot: they ask
+  ``torch.is_autocast_enabled``, which is False here (see ``state.autocast_dtype_in_effect``). So
+  ``cast_inputs`` is ignored, forward's ops are still cast by this autocast (its mode is active), and
+  backward runs with no autocast, so a backward that multiplies forward's BF16 output gradient with
+  the FP32 saved inputs fails with a dtype mismatch. ``tests/test_autocast_trust.py`` pins this; use
+  these decorators with this package's autocast.
+
 Why: the backward of a custom Function runs when ``loss.backward()`` is called, usually after the
 autocast region has exited; without ``custom_bwd`` its matmuls would run in FP32 while forward's ran
 in BF16. Example::
@@ -33,11 +45,12 @@ import functools
 
 import torch
 
-from .mode import autocast
+from .mode import autocast, no_autocast
 from .state import _check_device_type, get_autocast_dtype, is_autocast_enabled
 
 _DTYPE_ATTR = "_mpcourse_autocast_dtype"
 _ENABLED_ATTR = "_mpcourse_fwd_used_autocast"
+_KIND_ATTR = "_mpcourse_autocast_kind"       # "torch" or "mpcourse": whose region forward ran in
 
 
 def _cast_inputs(value, device_type: str, dtype: torch.dtype):
@@ -82,13 +95,16 @@ def custom_fwd(fwd=None, *, device_type: str | None = None, cast_inputs: torch.d
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx, *args, **kwargs):
-        setattr(ctx, _DTYPE_ATTR, get_autocast_dtype(device_type))
-        enabled = is_autocast_enabled(device_type)
+        on_torch = torch.is_autocast_enabled(device_type)
+        setattr(ctx, _KIND_ATTR, "torch" if on_torch else "mpcourse")
+        setattr(ctx, _DTYPE_ATTR, torch.get_autocast_dtype(device_type) if on_torch
+                else get_autocast_dtype(device_type))
+        enabled = on_torch or is_autocast_enabled(device_type)
         if cast_inputs is None or not enabled:
             setattr(ctx, _ENABLED_ATTR, enabled if cast_inputs is None else False)
             return fwd(ctx, *args, **kwargs)
         setattr(ctx, _ENABLED_ATTR, False)
-        with autocast(device_type, enabled=False):
+        with no_autocast(device_type):
             return fwd(ctx, *_cast_inputs(args, device_type, cast_inputs),
                        **_cast_inputs(kwargs, device_type, cast_inputs))
 
@@ -115,7 +131,14 @@ def custom_bwd(bwd=None, *, device_type: str | None = None):
         if not hasattr(ctx, _ENABLED_ATTR):
             raise RuntimeError("custom_bwd found no autocast state on ctx: decorate the Function's "
                                f"forward with @custom_fwd(device_type={device_type!r}) as well")
-        with autocast(device_type, dtype=getattr(ctx, _DTYPE_ATTR), enabled=getattr(ctx, _ENABLED_ATTR)):
+        dtype, enabled = getattr(ctx, _DTYPE_ATTR), getattr(ctx, _ENABLED_ATTR)
+        if not enabled:
+            region = no_autocast(device_type)
+        elif getattr(ctx, _KIND_ATTR) == "torch":
+            region = torch.autocast(device_type, dtype=dtype)
+        else:
+            region = autocast(device_type, dtype=dtype)
+        with region:
             return bwd(ctx, *args, **kwargs)
 
     return decorate_bwd

@@ -30,9 +30,13 @@ Eligible inputs: floating tensors of the op's device type, never float64. ``out=
 methods (``add_``) are not in the tables and run unchanged. The device type whose table applies is
 that of the call's first tensor (the dispatcher picks a key from all of them; same for one device).
 
-Limits: PyTorch machinery that saves and restores *torch's* autocast state does not know this one:
-``torch.utils.checkpoint`` recomputes a segment without it; ``torch.compile`` is untested with it.
-Use torch.autocast there. Example::
+Refused: the RNN family (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells) raises
+NotImplementedError inside an enabled region (``policy.UNSUPPORTED`` says why): torch.autocast casts
+inside their C++ code, out of a Python mode's reach, and FP32 would differ silently.
+
+Limits: ``torch.is_autocast_enabled`` stays False inside this autocast (ask
+``autocast_dtype_in_effect``); ``torch.utils.checkpoint`` is taught to replay this state
+(``checkpoint.py``); ``torch.compile`` is untested with it: use torch.autocast there. Example::
 
     from mpcourse.core.autocast import autocast
     with autocast("cpu"):                 # bf16
@@ -48,11 +52,13 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, redispatch_function
 
+from .policy import UNSUPPORTED
 from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_PRECISION_FP, PROMOTE,
                      policy_for)
 from .state import STATE, _check_device_type, cached_cast
 
 _STEP_INTO = "step_into"
+_REFUSE = "refuse"                 # policy.UNSUPPORTED: the RNN family
 _PY_FUNCTIONS = (types.FunctionType, types.MethodType)
 _GETTER = types.MethodWrapperType     # x.shape, x.grad: property getters, never a listed op
 _DUNDERS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
@@ -79,6 +85,8 @@ def _rule(func):
     name = op_name(func)
     if name is None:
         rule = _STEP_INTO
+    elif name in UNSUPPORTED:
+        rule = {"cpu": _REFUSE, "cuda": _REFUSE}
     else:
         rule = {dev: policy_for(dev, name) for dev in ("cpu", "cuda")}
         rule = rule if any(rule.values()) else None
@@ -171,6 +179,13 @@ def _apply(policy, func, args, kwargs, device_type):
             kwargs = {**kwargs, "dtype": torch.float32}
         elif policy == FP32_APPEND_DTYPE and isinstance(first, torch.Tensor):
             kwargs = {**kwargs, "dtype": first.dtype}
+    elif policy == _REFUSE:
+        if any(_eligible(t, device_type) for t in _tensors(args, kwargs)):
+            raise NotImplementedError(
+                f"torch.{op_name(func)} (nn.LSTM/GRU/RNN and their cells) under mpcourse.core.autocast: "
+                f"torch.autocast casts inside this op's C++ implementation, which this Python autocast "
+                f"cannot reach, so the results would differ silently. Run the RNN under "
+                f"torch.autocast({device_type!r}), or inside autocast({device_type!r}, enabled=False) in FP32.")
     elif policy == BANNED:
         raise RuntimeError(
             f"{op_name(func)} is unsafe to autocast on {device_type} (torch.autocast refuses it too): it "

@@ -165,6 +165,14 @@ COMPOSITES = {
 KNOWN_GAPS = {"cpu": ("einsum", "matrix_power", "linalg_matrix_power", "inner", "pad"), "cuda": ("pad",)}
 
 
+# Refused rather than left to differ: the RNN family. torch.autocast reaches these ops' insides from
+# C++ (on CPU nn.LSTM runs mkldnn_rnn_layer in the region's dtype, RNN/RNNCell run their linears in
+# it and return it, GRU/GRUCell/LSTMCell run low-precision GEMMs but return FP32; on CUDA _cudnn_rnn
+# is lower_precision_fp), where a Python mode sees only the outer call. Running them in FP32 would
+# differ silently from torch.autocast in values and gradients, so mode.py raises, naming the ways out.
+UNSUPPORTED = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+
+
 def base_name(entry: str) -> str:
     """``"softmax.int"`` -> ``"softmax"``: the op name without its overload."""
     return entry.split(".", 1)[0]

@@ -3,8 +3,9 @@
 * ``tensor``: per-tensor scaled casts (``quantize``, ``compute_scale``, ``Float8Tensor``).
 * ``recipe``: ``Format``, ``DelayedScaling``, ``CurrentScaling`` and the delayed-scaling update.
 * ``gemm``: one FP8 GEMM through ``torch._scaled_mm`` with its layout/shape/device rules.
-* ``autocast``: ``fp8_autocast`` and when delayed scales update (plus the amax all-reduce).
-* ``linear``: ``Float8Linear`` and ``convert_to_float8_training``.
+* ``region``: the FP8 region, TE's ``autocast`` (older spelling ``fp8_autocast``), and when delayed
+  scales update (plus the amax all-reduce).
+* ``linear``: ``Float8Linear``, ``convert_to_float8_training`` and torchao's ``Float8LinearConfig``.
 * ``scaled``: ``ScaledTensor``, scales of any granularity (tensorwise, rowwise, 1x128, 128x128, MX, NVFP4).
 * ``block_recipes``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``, ``MXFP8BlockScaling``,
   ``NVFP4BlockScaling`` (TE's names and defaults), each building a quantizer per role and axis.
@@ -15,9 +16,9 @@ Sources: Micikevicius et al. 2022 (arXiv 2209.05433); NVIDIA/TransformerEngine
 ``common/recipe/__init__.py``, ``pytorch/quantization.py``, ``common/recipe/delayed_scaling.cu``;
 pytorch/ao ``torchao/float8``.
 """
-from .autocast import fp8_autocast, get_fp8_recipe, is_fp8_enabled
+from .region import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
 from .gemm import check_fp8_gemm_supported, fp8_gemm, fp8_gemm_support_error
-from .linear import Float8Linear, convert_to_float8_training
+from .linear import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from .recipe import (ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, Float8CurrentScaling, Format,
                      amax_and_scale_update, fp8_format_for)
 from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
@@ -33,8 +34,8 @@ __all__ = [
     "Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "DelayedScalingState",
     "amax_and_scale_update", "fp8_format_for", "ROLES",
     "fp8_gemm", "check_fp8_gemm_supported", "fp8_gemm_support_error",
-    "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled",
-    "Float8Linear", "convert_to_float8_training",
+    "autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled",
+    "Float8Linear", "Float8LinearConfig", "convert_to_float8_training",
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES",

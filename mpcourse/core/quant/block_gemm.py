@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..formats import Format, round_to
+from ..formats import NumberFormat, round_to
 from .scaled import ScaledTensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,10 +101,10 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
     return emulated_gemm(a, b, out_dtype)
 
 
-def accumulator_format(mantissa_bits: int) -> Format:
+def accumulator_format(mantissa_bits: int) -> NumberFormat:
     """An FP32-range format with ``mantissa_bits`` stored bits, the model of a narrow tensor-core accumulator."""
     m = mantissa_bits
-    return Format(f"acc{m}", 8, m, 127, (2 - 2.0 ** -m) * 2.0 ** 127, 2.0 ** -126, 2.0 ** (-126 - m), 2.0 ** -m,
+    return NumberFormat(f"acc{m}", 8, m, 127, (2 - 2.0 ** -m) * 2.0 ** 127, 2.0 ** -126, 2.0 ** (-126 - m), 2.0 ** -m,
                   True, None, 9 + m, "exponent all ones, mantissa != 0")
 
 

@@ -4,10 +4,10 @@ Oracles, none of them ``mpcourse.core.bf16``: torch's BF16 cast and ``torch.next
 neighbours of every input; the binomial distribution gives the mean and spread of stochastic rounding
 (Gupta et al. 2015: round up with probability (x - lo) / (hi - lo)); an FP64 sum of the same FP32 updates is
 the exact value a compensated update must track (Zamirai et al. 2020, "Revisiting BFloat16 Training",
-Algorithm 2), and issue 4's case: ten +1e-3 updates of a BF16 weight 1.0 give 1.0078125 with about 0.0021875
+Algorithm 2), and the classic case: ten +1e-3 updates of a BF16 weight 1.0 give 1.0078125 with about 0.0021875
 held in the compensation.
 
-Statistics. The issue's case (1 + 1e-3, 10,000 draws) must land within 3 sigma of 1.001. Six further values
+Statistics. The case 1 + 1e-3 (10,000 draws) must land within 3 sigma of 1.001. Six further values
 are checked with 100,000 draws at 4 sigma, so a correct implementation fails by chance with probability
 below 1e-3 in all; the planted wrong ones (always down, probability 0.5, round to nearest) miss by tens of
 sigma. Reproducibility with a seed is not graded.
@@ -109,7 +109,7 @@ def _kahan_sequences():
 def check_kahan_add(fn) -> None:
     """Grade ``fn(w: bf16 tensor, comp: bf16 tensor, update: float32 tensor) -> None`` (in place).
 
-    1. Issue 4's case: ten updates of +1e-3 to w = 1.0 leave w == 1.0078125, comp ~ 0.0021875 (within 5e-5)
+    1. The classic case: ten updates of +1e-3 to w = 1.0 leave w == 1.0078125, comp ~ 0.0021875 (within 5e-5)
        and w + comp ~ 1.01 (plain BF16 addition leaves 1.0).
     2. Four fixed sequences of FP32 updates (64 weights each): after every sequence w + comp is within 1% of
        sum(|update|) of the FP64 sum of the same updates (a BF16 compensation has 8 bits: its own rounding

@@ -16,7 +16,8 @@ Oracles, none of them ``mpcourse.core.quant``:
   the amax into slot 0 (max with what is there: micro-batches of one step share the slot), take the amax
   from the whole window (``max``) or slot 0 (``most_recent``) *before* rolling, roll by -1, zero slot 0,
   then a new scale only where that amax is > 0 and finite. Cases: TE's worked example (E4M3, margin 0,
-  L = 4, [5, 1, 2, 3] -> 89.6 and [0, 2, 3, 5]; margin 1 -> 44.8), the regression cases of issue 5, and a
+  L = 4, [5, 1, 2, 3] -> 89.6 and [0, 2, 3, 5]; margin 1 -> 44.8), the overflow/saturation regression values (448, the 464 tie,
+  465, 57344, the 61440 tie), and a
   seeded random sequence with spikes, zeros and infinities.
 
 Sources: Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (arXiv 2209.05433), section 3; NVIDIA
@@ -166,10 +167,10 @@ def quantize_cases(fp8_max: float, seed: int = 0) -> list[tuple[str, torch.Tenso
     rand = torch.randn(2000, generator=g) * torch.exp2(torch.randint(-12, 4, (2000,), generator=g).float())
     rand_scale = float(_f32(fp8_max) / _f32(float(rand.abs().max())))           # a current scale, not a power of 2
     if fp8_max == E4M3_MAX:
-        issue = torch.tensor([448.0, 464.0, 465.0, 1000.0, -1000.0, math.nan])
+        regress = torch.tensor([448.0, 464.0, 465.0, 1000.0, -1000.0, math.nan])
     else:
-        issue = torch.tensor([57344.0, 58000.0, 61439.0, 61440.0, -61440.0])
-    return [("the regression values of issue 5 at scale 1", issue, 1.0),
+        regress = torch.tensor([57344.0, 58000.0, 61439.0, 61440.0, -61440.0])
+    return [("the saturation and tie regression values at scale 1", regress, 1.0),
             ("every FP8 value, the ties between neighbours and the FP32 values beside them, scale 2**-3",
              near * 8, 0.125),
             ("values past fp8_max and +-inf (saturate), scale 1", over, 1.0),
@@ -257,7 +258,7 @@ def te_delayed_update(history: list[float], scale: float, amax: float, fp8_max: 
 
 
 def _fixed_update_cases():
-    """(what, history, scale, amax, fp8_max, margin, algo): TE's worked example and the issue's regressions."""
+    """(what, history, scale, amax, fp8_max, margin, algo): TE's worked example and regression cases."""
     return [
         ("TE's worked example: E4M3, margin 0, L = 4, history [5, 1, 2, 3]", [0.0, 1, 2, 3], 1.0, 5.0, E4M3_MAX, 0,
          "max"),
