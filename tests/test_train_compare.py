@@ -21,8 +21,14 @@ def corpus():
     return load_corpus()
 
 
-def small(steps=6, **kw):
-    return TrainConfig(steps=steps, batch_size=4, eval_interval=3, eval_batches=2, model=SMALL, **kw)
+# 1x128 / 128x128 blocks need widths and token counts in multiples of 128 (4 x 32 tokens, width 128)
+BLOCK_SCALED = ("fp8-block", "mxfp8", "nvfp4")
+SMALL_BLOCKS = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=128)
+
+
+def small(steps=6, recipe=None, **kw):
+    model = SMALL_BLOCKS if recipe in BLOCK_SCALED else SMALL
+    return TrainConfig(steps=steps, batch_size=4, eval_interval=3, eval_batches=2, model=model, **kw)
 
 
 def test_registry_has_the_anchor_recipes_in_order():
@@ -119,7 +125,7 @@ def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
     3 more steps == 6 uninterrupted steps, bit for bit (losses, scales, every parameter)."""
     from mpcourse.experiment.train import Trainer
 
-    cfg = small(6)
+    cfg = small(6, recipe)
     straight = Trainer(recipe, corpus, cfg).run()
     first = Trainer(recipe, corpus, cfg).run(3)
     first.save(tmp_path / "ckpt.pt")                         # torch.save behind a SHA-256 header
