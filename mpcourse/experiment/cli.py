@@ -9,7 +9,15 @@ from pathlib import Path
 from mpcourse.core import emulation
 from .data import CorpusError, load_corpus
 from .recipes import RECIPES, OptimConfig
+from .model import GPTConfig
 from .train import TrainConfig
+
+# model-size presets: "small" is the default every recipe runs in a few minutes on a laptop CPU; "large" has
+# GEMMs (M = 32 x 256 = 8192 tokens, K, N = 1024..4096) past the FP8 break-even on an H100-class GPU
+# (mpcourse.core.breakeven), and is meant for --device cuda.
+PRESETS = {"small": dict(n_layer=5, n_embd=128, n_head=4, block_size=64),
+           "large": dict(n_layer=8, n_embd=1024, n_head=16, block_size=256)}
+PRESET_BATCH = {"small": TrainConfig.batch_size, "large": 32}
 
 
 def _recipe_list(text: str) -> list[str]:
@@ -19,6 +27,16 @@ def _recipe_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown recipe(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(RECIPES)}")
     return names
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs distinct integers such as 0,1,2, got {text!r}")
+    return seeds
 
 
 def _positive(text: str) -> int:
@@ -35,16 +53,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipes", type=_recipe_list, default=None,
                    help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
     c.add_argument("--steps", type=_positive, default=TrainConfig.steps, help="optimizer steps per recipe (default %(default)s)")
-    c.add_argument("--batch-size", type=_positive, default=TrainConfig.batch_size, help="sequences per step (default %(default)s)")
+    c.add_argument("--batch-size", type=_positive, default=None,
+                   help=f"sequences per step (default {TrainConfig.batch_size}; {PRESET_BATCH['large']} with --preset large)")
     c.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
     c.add_argument("--min-lr-ratio", type=float, default=OptimConfig.min_lr_ratio,
                    help="cosine decay to lr * this at the last step; 1 keeps the rate constant (default %(default)s)")
     c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
     c.add_argument("--seed", type=int, default=0, help="seed for the model init and the batch order (default 0)")
+    c.add_argument("--seeds", type=_seed_list, default=None,
+                   help="comma-separated seeds, e.g. 0,1,2: every recipe once per seed; the table shows mean +- std")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default %(default)s)")
+    c.add_argument("--preset", choices=tuple(PRESETS), default="small",
+                   help="model size: small (default, a few minutes on a CPU) or large (for --device cuda)")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     sub.add_parser("recipes", help="list the registered recipes")
     return p
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _peak_flops(device: str) -> float | None:
+    from .speed import gpu_peak, measure_cpu_peak
+
+    if device == "cuda":
+        import torch
+
+        return gpu_peak(torch.cuda.get_device_name())
+    return measure_cpu_peak()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1:
         print("mpcourse compare: error: --lr must be > 0 and --min-lr-ratio within [0, 1]", file=sys.stderr)
         return 2
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
-                      optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio))
+    if args.device == "cuda" and not _cuda_available():
+        print("mpcourse compare: error: --device cuda but no CUDA GPU is visible to torch "
+              "(torch.cuda.is_available() is False); drop --device or install a CUDA build of torch", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size or PRESET_BATCH[args.preset], seed=args.seed,
+                      optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
+                      model=GPTConfig(**PRESETS[args.preset]), device=args.device)
     recipes = args.recipes or list(RECIPES)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(f"tensor cores: {emulation.status()}")
+    peak = _peak_flops(args.device)
+    print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({'dense BF16 datasheet' if args.device == 'cuda' else 'this CPU, measured FP32 GEMM'})"
+          if peak else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
-    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress)
+    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 

@@ -15,7 +15,6 @@ seed gives the same bits.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,9 @@ from tqdm.auto import tqdm
 
 from .data import Corpus
 from mpcourse.core.emulation import tensor_cores
+from .memory import measure_step
 from .model import GPT, GPTConfig
+from .speed import flops_per_token
 from .recipes import OptimConfig, get_recipe
 
 
@@ -41,6 +42,8 @@ class TrainConfig:
         seed: seeds the model init and the batch order (default 0).
         optim: optimizer hyper-parameters (``mpcourse.experiment.recipes.OptimConfig``).
         model: model hyper-parameters; ``vocab_size`` is taken from the corpus.
+        device: where the model and batches live, "cpu" (default) or "cuda" (batches are drawn on the
+            CPU with the same generator, then moved, so every device sees the same batches).
     """
 
     steps: int = 150
@@ -50,10 +53,16 @@ class TrainConfig:
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
+    device: str = "cpu"
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1 (got {self.steps}, {self.batch_size})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False: install a CUDA build of "
+                             "torch on a machine with a GPU, or use device='cpu'")
 
 
 @dataclass
@@ -74,6 +83,8 @@ class RunResult:
     tokens_per_s: float
     bytes_per_param: dict
     activation_bytes: int
+    memory: dict
+    flops_per_token: float
     steps_run: int
     diverged_at: int | None
     history: list = field(default_factory=list)
@@ -104,40 +115,13 @@ def evaluate(recipe, corpus: Corpus, cfg: TrainConfig) -> dict[str, float]:
         g = torch.Generator().manual_seed(10_000 + cfg.seed)
         losses = []
         for _ in range(cfg.eval_batches):
-            x, y = corpus.batch(split, cfg.batch_size, cfg.model.block_size, g)
+            x, y = (t.to(cfg.device) for t in corpus.batch(split, cfg.batch_size, cfg.model.block_size, g))
             with recipe.forward_context():
                 _, loss = recipe.model(x, y)
             losses.append(float(loss))
         out[split] = sum(losses) / len(losses)
     recipe.model.train()
     return out
-
-
-class _SavedTensorBytes:
-    """Context that adds up the bytes of the tensors autograd saves for backward (parameters
-    excluded, each storage counted once): the activation memory of one training step."""
-
-    def __init__(self, model):
-        self.param_ptrs = {p.data_ptr() for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        if t.data_ptr() not in self.param_ptrs:
-            st = t.untyped_storage()
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
 
 
 class Trainer:
@@ -162,12 +146,12 @@ class Trainer:
         self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
         self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
-        model = GPT(self.mcfg)                               # FP32 init, identical for every recipe
+        model = GPT(self.mcfg).to(cfg.device)                # FP32 init, identical for every recipe
         with tensor_cores():
             self.recipe = recipe_cls(model, cfg.optim, overrides)
         self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
-        self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
+        self.step_time, self.timed_steps, self.memory = 0.0, 0, None   # memory: a StepMemory after the first step
 
     @property
     def done(self) -> bool:
@@ -177,19 +161,20 @@ class Trainer:
         """One optimizer step; returns its history record."""
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
+        x, y = x.to(cfg.device), y.to(cfg.device)
         recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps))
         with tensor_cores():
-            t0 = time.perf_counter()
-            first = self.memory is None                      # measure memory on the first step only
-            saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
-            with saved, recipe.forward_context():
-                _, loss = recipe.model(x, y)                 # fp32 ()
-            recipe.backward(loss)
-            result = recipe.step()
-            if first:                                        # after step, before zero_grad: all alive
-                self.memory, self.activation_bytes = recipe.memory(), saved.nbytes
+            if self.memory is None:                          # memory counted on the first step (not timed)
+                loss, result, self.memory = measure_step(recipe, x, y)
+            else:
+                t0 = time.perf_counter()
+                with recipe.forward_context():
+                    _, loss = recipe.model(x, y)             # fp32 ()
+                recipe.backward(loss)
+                result = recipe.step()
+                self.step_time += time.perf_counter() - t0
+                self.timed_steps += 1
             recipe.zero_grad()
-            self.step_time += time.perf_counter() - t0
         loss_value = float(loss.detach())
         self.skipped += int(result.skipped)
         rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped, "loss_scale": result.loss_scale}
@@ -221,16 +206,18 @@ class Trainer:
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
             final = {"train": float("nan"), "val": float("nan")}
-        n_params = sum(p.numel() for p in self.recipe.model.parameters())
         steps_run = len(self.history)
         return RunResult(
             recipe=self.name, description=self.recipe.description,
             final_train_loss=final["train"], final_val_loss=final["val"],
             skipped_steps=self.skipped,
             final_loss_scale=self.history[-1]["loss_scale"] if self.history else None,
-            tokens_per_s=steps_run * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
-            bytes_per_param={k: v / n_params for k, v in (self.memory or {}).items()},
-            activation_bytes=self.activation_bytes, steps_run=steps_run, diverged_at=self.diverged_at,
+            tokens_per_s=self.timed_steps * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
+            bytes_per_param=self.memory.bytes_per_param() if self.memory else {},
+            activation_bytes=self.memory.activations + self.memory.fp8_cache if self.memory else 0,
+            memory=self.memory.to_dict() if self.memory else {},
+            flops_per_token=flops_per_token(self.mcfg.n_layer, self.mcfg.n_embd, self.mcfg.block_size,
+                                            self.mcfg.vocab_size), steps_run=steps_run, diverged_at=self.diverged_at,
             history=list(self.history))
 
     def state_dict(self) -> dict:

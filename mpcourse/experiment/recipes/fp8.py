@@ -50,7 +50,7 @@ Under ``torch.no_grad()`` (evaluation) the layers use their scales and record no
 
 Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra state, so
 ``model.state_dict()`` (part of ``Recipe.state_dict``) carries them and a run resumes bit for bit.
-``memory()['extra']`` counts that state: per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
+``memory()['extra']`` counts that state (``memory_tensors``): per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
 """
 from __future__ import annotations
 
@@ -86,12 +86,11 @@ class _FP8Recipe(Recipe):
         """The model's FP8 layers by fully qualified name."""
         return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
 
-    def extra_bytes(self) -> int:
-        """Bytes of FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; 0 for current
-        scaling, whose scales live only during one cast."""
-        return sum(t.numel() * t.element_size()
-                   for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
-                   for t in (state.scale, state.amax_history))
+    def memory_tensors(self):
+        """FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; none for current scaling,
+        whose scales live only during one cast."""
+        return {"extra": [t for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
+                          for t in (state.scale, state.amax_history)]}
 
 
 @register
