@@ -9,7 +9,7 @@ from mpcourse.experiment.train import lr_at
 
 
 def make_recipe(name, corpus, model_cfg: GPTConfig, seed=0, optim=None):
-    """Recipe ``name`` on a freshly seeded FP32 GPT of ``model_cfg`` (vocabulary from ``corpus``)."""
+    """TrainingRecipe ``name`` on a freshly seeded FP32 GPT of ``model_cfg`` (vocabulary from ``corpus``)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**{**model_cfg.__dict__, "vocab_size": corpus.vocab_size}))   # fp32 init
     return get_recipe(name)(model, optim or OptimConfig())

@@ -113,21 +113,25 @@ def set_grads(params, seed):
         p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(torch.bfloat16)
 
 
-def test_refuses_fp32_params_unknown_update_and_closures():
+def test_refuses_fp32_params_unknown_rounding_and_closures():
     with pytest.raises(ValueError, match="bfloat16"):
         BF16Optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
-    with pytest.raises(ValueError, match="update must be"):
-        BF16Optimizer(torch.optim.AdamW(bf16_params()), update="truncate")
+    with pytest.raises(ValueError, match="rounding must be"):
+        BF16Optimizer(torch.optim.AdamW(bf16_params()), rounding="truncate")
     opt = BF16Optimizer(torch.optim.AdamW(bf16_params()))
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
+    with pytest.raises(ValueError, match="kahan=True with rounding='nearest'"):
+        BF16Optimizer(torch.optim.AdamW(bf16_params()), rounding="kahan")
+    with pytest.raises(ValueError, match="rounding='nearest'"):
+        BF16Optimizer(torch.optim.AdamW(bf16_params()), kahan=True)      # default rounding is stochastic
 
 
 def test_nearest_step_equals_fp32_adamw_then_torch_cast():
     """Oracle: torch.optim.AdamW on FP32 copies, one step, weights and state cast to BF16 by torch."""
     params = bf16_params()
     ref = [torch.nn.Parameter(p.detach().float()) for p in params]
-    opt = BF16Optimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), update="nearest")
+    opt = BF16Optimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), rounding="nearest")
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
     set_grads(params, 0)
     for p, r in zip(params, ref):
@@ -145,7 +149,7 @@ def test_nearest_step_equals_fp32_adamw_then_torch_cast():
 def test_stochastic_step_lands_on_a_neighbour_of_the_fp32_result():
     params = bf16_params()
     ref = [torch.nn.Parameter(p.detach().float()) for p in params]
-    opt = BF16Optimizer(torch.optim.SGD(params, lr=1e-2, momentum=0.9), update="stochastic", seed=3)
+    opt = BF16Optimizer(torch.optim.SGD(params, lr=1e-2, momentum=0.9), rounding="stochastic", seed=3)
     ref_opt = torch.optim.SGD(ref, lr=1e-2, momentum=0.9)
     set_grads(params, 0)
     for p, r in zip(params, ref):
@@ -162,9 +166,9 @@ def test_stochastic_step_lands_on_a_neighbour_of_the_fp32_result():
 def test_kahan_step_keeps_weight_plus_compensation_on_the_fp32_trajectory():
     """SGD without momentum: the FP32 trajectory is w0 - lr * sum(g). Kahan keeps w + comp on it."""
     p = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
-    opt = BF16Optimizer(torch.optim.SGD([p], lr=1.0), update="kahan")
+    opt = BF16Optimizer(torch.optim.SGD([p], lr=1.0), rounding="nearest", kahan=True)
     nearest_p = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
-    nearest = BF16Optimizer(torch.optim.SGD([nearest_p], lr=1.0), update="nearest")
+    nearest = BF16Optimizer(torch.optim.SGD([nearest_p], lr=1.0), rounding="nearest")
     exact = torch.ones(256, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
@@ -205,7 +209,7 @@ def test_fp32_grad_accumulation_and_clipping_match_torch():
 
 def test_bf16_grads_when_asked():
     params = bf16_params()
-    opt = BF16Optimizer(torch.optim.SGD(params, lr=1.0), update="nearest", fp32_grads=False)
+    opt = BF16Optimizer(torch.optim.SGD(params, lr=1.0), rounding="nearest", fp32_grads=False)
     set_grads(params, 0)
     before = [p.detach().clone() for p in params]
     grads = [p.grad.clone() for p in params]
@@ -215,12 +219,12 @@ def test_bf16_grads_when_asked():
         assert torch.equal(p.detach(), (b.float() - g.float()).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("update", ["nearest", "stochastic", "kahan"])
+@pytest.mark.parametrize("rounding,kahan", [("nearest", False), ("stochastic", False), ("nearest", True)])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_state_dict_resumes_bit_for_bit(update, state_dtype):
+def test_state_dict_resumes_bit_for_bit(rounding, kahan, state_dtype):
     def build(seed):
         params = bf16_params(seed)
-        return params, BF16Optimizer(torch.optim.AdamW(params, lr=1e-3), update=update, seed=seed,
+        return params, BF16Optimizer(torch.optim.AdamW(params, lr=1e-3), rounding=rounding, kahan=kahan, seed=seed,
                                      state_dtype=state_dtype)
 
     def run(params, opt, steps, start):
@@ -245,8 +249,8 @@ def test_state_dict_resumes_bit_for_bit(update, state_dtype):
     for p, q in zip(b_p, full_p):
         for k in ("exp_avg", "exp_avg_sq"):
             assert b.state[p][k].dtype == state_dtype and torch.equal(b.state[p][k], full.state[q][k])
-    if update == "kahan":
+    if kahan:
         assert all(torch.equal(x, y) for x, y in zip(b.comp, full.comp))
-    with pytest.raises(ValueError, match="update="):
-        BF16Optimizer(torch.optim.AdamW(bf16_params()), update="nearest" if update != "nearest"
-                      else "kahan").load_state_dict(ckpt["opt"])
+    other = dict(rounding="stochastic") if (rounding, kahan) == ("nearest", False) else dict(rounding="nearest")
+    with pytest.raises(ValueError, match="rounding="):
+        BF16Optimizer(torch.optim.AdamW(bf16_params()), **other).load_state_dict(ckpt["opt"])

@@ -72,7 +72,7 @@ def test_kahan_ten_updates_of_1e3():
     assert abs(float(w) + float(comp) - 1.01) < 5e-5
     # the same through the optimizer wrapper (SGD, lr 1e-3, gradient -1)
     p = torch.nn.Parameter(bf16([1.0]))
-    opt = BF16Optimizer(torch.optim.SGD([p], lr=1e-3), update="kahan")
+    opt = BF16Optimizer(torch.optim.SGD([p], lr=1e-3), rounding="nearest", kahan=True)
     for _ in range(10):
         p.grad = bf16([-1.0])
         opt.step()

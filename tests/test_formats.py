@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mpcourse.core.formats import (FORMATS, Decoded, Format, all_values, decode, encode, from_bits,
+from mpcourse.core.formats import (FORMATS, Decoded, NumberFormat, all_values, decode, encode, from_bits,
                               get_format, neighbours, round_to, ulp)
 
 SMALL = ["fp16", "bf16", "e4m3", "e5m2"]
@@ -97,7 +97,7 @@ def pool() -> torch.Tensor:
     return torch.cat(parts)
 
 
-# ---------------------------------------------------------------- Format fields
+# ---------------------------------------------------------------- NumberFormat fields
 REFERENCE_TABLE = {  # /work/shared/REFERENCE.md (Micikevicius et al. 2022; OCP FP8 spec; IEEE 754)
     "fp32": (8, 23, 127, 3.4028234663852886e38, 2.0 ** -126, 2.0 ** -149, True),
     "fp16": (5, 10, 15, 65504.0, 2.0 ** -14, 2.0 ** -24, True),
@@ -111,7 +111,7 @@ REFERENCE_TABLE = {  # /work/shared/REFERENCE.md (Micikevicius et al. 2022; OCP 
 @pytest.mark.parametrize("name", list(REFERENCE_TABLE))
 def test_fields_match_reference_table(name):
     f = FORMATS[name]
-    assert f.name == name and isinstance(f, Format)
+    assert f.name == name and isinstance(f, NumberFormat)
     got = (f.exponent_bits, f.mantissa_bits, f.bias, f.max, f.min_normal, f.min_subnormal, f.has_inf)
     assert got == REFERENCE_TABLE[name]
     assert f.bits == 1 + f.exponent_bits + f.mantissa_bits and f.eps == 2.0 ** -f.mantissa_bits

@@ -164,11 +164,10 @@ def test_outside_any_region_each_call_updates_and_no_grad_records_nothing():
     layer = _layer()
     layer(torch.full((4, 16), 4.0))
     assert float(layer.fp8_state["input"].scale) == 112.0
-    state = copy.deepcopy(layer.get_extra_state())
+    state = layer.get_extra_state().clone()  # (3 roles, 1 + history) fp32: [scale, *amax_history] per row
     with torch.no_grad():
         layer(torch.full((4, 16), 100.0))  # evaluation must not change the training state
-    after = layer.get_extra_state()
-    assert all(torch.equal(state[r][k], after[r][k]) for r in ("input", "weight", "grad_output") for k in state[r])
+    assert torch.equal(layer.get_extra_state(), state)
 
 
 def test_disabled_region_runs_high_precision():
@@ -222,10 +221,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
     opt2.load_state_dict(ckpt["opt"])
     assert _train(resumed, opt2, recipe, 4, seed=1) == want
     for a, b in zip(model.state_dict().values(), resumed.state_dict().values()):
-        if isinstance(a, dict):
-            assert all(torch.equal(a[r][k], b[r][k]) for r in ("input", "weight", "grad_output") for k in a[r])
-        else:
-            assert torch.equal(a, b)
+        assert torch.equal(a, b)  # parameters and the FP8 extra state (a tensor)
 
 
 def test_state_survives_dtype_casts_and_checks_history_length():

@@ -19,7 +19,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torchao_float8 = pytest.importorskip("torchao.float8")
 
-from mpcourse.core.quant import CurrentScaling, Format, convert_to_float8_training  # noqa: E402
+from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8LinearConfig, Format,  # noqa: E402
+                                  convert_to_float8_training)
 
 
 def _pair(K, N, bias=True):
@@ -69,3 +70,34 @@ def test_random_data_matches_torchao_to_rounding(dtype):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                    atol=1e-6 * want.float().abs().max().item())
+
+
+def test_config_keyword_matches_torchao_config_bit_for_bit():
+    """torchao's spelling ``config=Float8LinearConfig(round_scales_to_power_of_2=True)`` on both sides:
+    power-of-two scales make every cast and GEMM exact, so arbitrary data must agree bit for bit."""
+    torch.manual_seed(2)
+    M, K, N = 32, 48, 64
+    ref = nn.Sequential(nn.Linear(K, N))
+    ours = convert_to_float8_training(copy.deepcopy(ref), config=Float8LinearConfig(round_scales_to_power_of_2=True))
+    ao = torchao_float8.convert_to_float8_training(
+        copy.deepcopy(ref), config=torchao_float8.Float8LinearConfig(emulate=True, round_scales_to_power_of_2=True))
+    assert ours[0].recipe == CurrentScaling(fp8_format=Format.HYBRID, use_power_2_scales=True)
+    x, gy = torch.randn(M, K) * 3, torch.randn(M, N) * 1e-3
+    for got, want in zip(_run(ours, x, gy), _run(ao, x, gy)):
+        assert torch.equal(got, want)
+
+
+def test_config_keyword_equals_the_recipe_it_means_and_refuses_contradictions():
+    ref = nn.Sequential(nn.Linear(32, 16))
+    a = convert_to_float8_training(copy.deepcopy(ref), config=Float8LinearConfig(pad_inner_dim=True))
+    b = convert_to_float8_training(copy.deepcopy(ref), recipe=CurrentScaling(), pad_inner_dim=True)
+    assert a[0].recipe == b[0].recipe and a[0].pad_inner_dim and b[0].pad_inner_dim
+    x = torch.randn(8, 32)
+    assert torch.equal(a(x), b(x))
+    with pytest.raises(ValueError, match="one place"):
+        convert_to_float8_training(copy.deepcopy(ref), config=Float8LinearConfig(), pad_inner_dim=True)
+    with pytest.raises(ValueError, match="use_power_2_scales"):
+        convert_to_float8_training(copy.deepcopy(ref), config=Float8LinearConfig(round_scales_to_power_of_2=True),
+                                   recipe=DelayedScaling())
+    with pytest.raises(TypeError, match="Float8LinearConfig"):
+        convert_to_float8_training(copy.deepcopy(ref), config=torchao_float8.Float8LinearConfig())

@@ -61,7 +61,7 @@ def test_registered_in_order_with_one_line_descriptions():
 ])
 def test_bytes_per_param(name, want, corpus):
     """Pure rows: bf16 weights (2), fp32 grad buffers (4; the bf16 grads are moved there and freed), bf16 Adam
-    moments (4), and for Kahan a bf16 compensation buffer (2, listed by Recipe.memory_tensors)."""
+    moments (4), and for Kahan a bf16 compensation buffer (2, listed by TrainingRecipe.memory_tensors)."""
     res = train(name, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), progress=False)
     assert res.bytes_per_param == want
 
@@ -73,8 +73,9 @@ def test_pure_recipes_keep_everything_in_bf16(name, corpus):
     assert all(p.dtype == torch.bfloat16 for p in r.model.parameters())
     for st in r.optimizer.state.values():
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
-    assert r.optimizer.update == {"bf16-pure": "nearest", "bf16-pure-sr": "stochastic",
-                                  "bf16-pure-kahan": "kahan"}[name]
+    assert (r.optimizer.rounding, r.optimizer.kahan) == {"bf16-pure": ("nearest", False),
+                                                         "bf16-pure-sr": ("stochastic", False),
+                                                         "bf16-pure-kahan": ("nearest", True)}[name]
 
 
 def test_bf16_autocast_equals_torch_autocast_recipe_bit_for_bit(corpus):

@@ -101,8 +101,8 @@ def test_trajectory_matches_grad_scaler_12000_steps():
 def test_trajectory_pure_torch_fallbacks(monkeypatch):
     """The documented fallbacks (no fused ATen kernels) give the same trajectory, as does the general
     update rule (forced by a floor/cap that the run never reaches)."""
-    monkeypatch.setattr(scaling, "_HAS_FUSED_UNSCALE", False)
-    monkeypatch.setattr(scaling, "_HAS_FUSED_UPDATE", False)
+    monkeypatch.setattr(scaling.check, "HAS_FUSED_UNSCALE", False)
+    monkeypatch.setattr(scaling.dynamic, "HAS_FUSED_UPDATE", False)
     run_side_by_side(CONFIGS[0], 1500, seed=10, roundtrip_at=700)
     run_side_by_side(CONFIGS[2], 1500, seed=11, roundtrip_at=700)
     monkeypatch.undo()

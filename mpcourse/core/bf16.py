@@ -12,7 +12,9 @@ Why: a BF16 weight keeps 8 significant bits, so ``w + u`` rounds back to ``w`` w
 |w| * 2**-9 and |w| * 2**-8 (1 + 1e-3 == 1 in BF16). ``BF16Optimizer`` wraps any ``torch.optim`` optimizer
 built over BF16 parameters: storage stays BF16, the arithmetic of a step runs in FP32 (what a fused optimizer
 kernel on BF16 storage does: load, compute in FP32 registers, round once on store), and the new weight is
-written back by ``update``: "nearest" (round to nearest even: the stagnation case), "stochastic" or "kahan".
+written back rounded by ``rounding``: "nearest" (round to nearest even: the stagnation case) or "stochastic";
+``kahan=True`` instead adds each step's update with Kahan compensation (round to nearest, plus a BF16 buffer
+of what the weight still owes).
 
 Where each dtype lives (bytes per parameter, persistent unless noted)::
 
@@ -20,15 +22,15 @@ Where each dtype lives (bytes per parameter, persistent unless noted)::
     param.grad                 bf16 (2)  written by backward; accumulate_grads() moves it into the FP32 buffer
     FP32 gradient buffer       fp32  4   sums micro-batch grads exactly (BF16 would stall: 256 + 1 = 256)
     optimizer state            bf16  4   Adam's exp_avg, exp_avg_sq; rounded to nearest after each step
-    Kahan compensation         bf16  2   update="kahan" only: what the weight still owes, w + comp ~ exact
+    Kahan compensation         bf16  2   kahan=True only:   what the weight still owes, w + comp ~ exact
     step() temporaries         fp32  4 + 4 per state tensor, alive only inside step()
-    -> 10 B/param ("nearest", "stochastic"), 12 B ("kahan"); an FP32 master copy (mpcourse.core.master) needs 20 B.
+    -> 10 B/param (rounding only), 12 B (kahan=True); an FP32 master copy (mpcourse.core.master) needs 20 B.
 """
 from __future__ import annotations
 
 import torch
 
-UPDATES = ("nearest", "stochastic", "kahan")
+ROUNDINGS = ("nearest", "stochastic")   # how BF16Optimizer rounds the new FP32 weight into BF16
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -82,8 +84,10 @@ class BF16Optimizer:
     Args:
         optimizer: any torch.optim.Optimizer built over bfloat16 parameters (e.g. ``AdamW(model.parameters())``
             after ``model.bfloat16()``). It runs unchanged, on FP32 temporaries of the params, grads and state.
-        update: "nearest" (round to nearest even), "stochastic" (``stochastic_round_bf16``) or "kahan"
-            (``kahan_add_`` with one BF16 compensation buffer per parameter). Default "stochastic".
+        rounding: how the new FP32 weight is rounded into BF16: "nearest" (round to nearest even) or
+            "stochastic" (``stochastic_round_bf16``). Default "stochastic".
+        kahan: add each step's update with ``kahan_add_`` (one BF16 compensation buffer per parameter) instead
+            of rounding the new weight; it rounds to nearest, so it needs ``rounding="nearest"``. Default False.
         seed: seeds the stochastic-rounding generator (default 0; on the params' device).
         fp32_grads: accumulate micro-batch gradients in FP32 buffers (default True); False keeps autograd's BF16
             accumulation in ``param.grad``.
@@ -92,16 +96,23 @@ class BF16Optimizer:
     Use: ``backward(); opt.accumulate_grads()`` per micro-batch, then ``opt.clip_grad_norm_(max_norm)`` (optional),
     ``opt.step()``, ``opt.zero_grad()``. ``param_groups`` and ``state`` are the wrapped optimizer's.
     ``lost``/``changed`` count, for the last step, the elements whose FP32 step changed the weight (changed) but
-    whose stored BF16 weight did not (lost). Raises ValueError for non-BF16 params or an unknown update.
+    whose stored BF16 weight did not (lost). Raises ValueError for non-BF16 params, an unknown rounding, or
+    kahan=True with stochastic rounding.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, update: str = "stochastic", seed: int = 0,
-                 fp32_grads: bool = True, state_dtype: torch.dtype = torch.bfloat16):
-        if update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    def __init__(self, optimizer: torch.optim.Optimizer, rounding: str = "stochastic", seed: int = 0,
+                 fp32_grads: bool = True, state_dtype: torch.dtype = torch.bfloat16, kahan: bool = False):
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}"
+                             + (" (Kahan compensation is kahan=True with rounding='nearest')"
+                                if rounding == "kahan" else ""))
+        if kahan and rounding != "nearest":
+            raise ValueError("kahan=True rounds to nearest (Zamirai et al. 2020, Algorithm 2): pass "
+                             "rounding='nearest' with it")
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}")
-        self.optimizer, self.update, self.fp32_grads, self.state_dtype = optimizer, update, fp32_grads, state_dtype
+        self.optimizer, self.fp32_grads, self.state_dtype = optimizer, fp32_grads, state_dtype
+        self.rounding, self.kahan = rounding, bool(kahan)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         bad = [p.dtype for p in self.params if p.dtype != torch.bfloat16]
         if bad:
@@ -109,7 +120,7 @@ class BF16Optimizer:
                              "cast_model(model, torch.bfloat16)) before building the optimizer; for FP32 master "
                              "weights use mpcourse.core.master.MasterWeights")
         self.generator = torch.Generator(device=self.params[0].device).manual_seed(seed)
-        self.comp = [torch.zeros_like(p) for p in self.params] if update == "kahan" else None  # (shape) bf16
+        self.comp = [torch.zeros_like(p) for p in self.params] if kahan else None  # (shape) bf16
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)                    # (shape) fp32
         self.lost = self.changed = 0
 
@@ -156,7 +167,7 @@ class BF16Optimizer:
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step: FP32 temporaries in, the wrapped ``optimizer.step()``, BF16 written back by
-        ``update``. Closures are not supported (as torch.amp.GradScaler.step). Grads are kept until zero_grad()."""
+        ``rounding`` (or ``kahan``). Closures are not supported (as torch.amp.GradScaler.step). Grads are kept until zero_grad()."""
         if closure is not None:
             raise ValueError("BF16Optimizer.step does not take a closure: run forward/backward before step()")
         self.accumulate_grads()
@@ -173,12 +184,12 @@ class BF16Optimizer:
         for i, (p, w16, g16) in enumerate(saved):
             w32 = p.data                                    # the exact new weight, fp32
             old = w16.clone()
-            if self.update == "nearest":
-                w16.copy_(w32)
-            elif self.update == "stochastic":
-                w16.copy_(stochastic_round_bf16(w32, self.generator))
-            else:
+            if self.kahan:
                 kahan_add_(w16, self.comp[i], w32 - old.float())
+            elif self.rounding == "nearest":
+                w16.copy_(w32)
+            else:
+                w16.copy_(stochastic_round_bf16(w32, self.generator))
             wanted = w32 != old.float()
             self.changed += int(wanted.sum())
             self.lost += int((wanted & (w16 == old)).sum())
@@ -193,7 +204,7 @@ class BF16Optimizer:
         self.grads = [None if set_to_none or g is None else g.zero_() for g in self.grads]
 
     def extra_bytes(self) -> int:
-        """Bytes of the Kahan compensation buffers (0 for the other updates)."""
+        """Bytes of the Kahan compensation buffers (0 without kahan)."""
         return sum(c.numel() * c.element_size() for c in self.comp or [])
 
     def grad_bytes(self) -> int:
@@ -201,18 +212,19 @@ class BF16Optimizer:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
 
     def state_dict(self) -> dict:
-        """{"optimizer", "update", "generator" (SR state), "compensation" (bf16 tensors or None)}: everything to
+        """{"optimizer", "rounding", "kahan", "generator" (SR state), "compensation" (bf16 tensors or None)}: everything to
         resume bit for bit. Take it at a step boundary (after zero_grad): FP32 grad buffers are not saved."""
-        return {"optimizer": self.optimizer.state_dict(), "update": self.update,
+        return {"optimizer": self.optimizer.state_dict(), "rounding": self.rounding, "kahan": self.kahan,
                 "generator": self.generator.get_state(),
                 "compensation": None if self.comp is None else [c.clone() for c in self.comp]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load a ``state_dict()``. Raises ValueError if it was saved with another ``update``."""
-        if state["update"] != self.update:
-            raise ValueError(f"checkpoint was saved with update={state['update']!r}, this optimizer uses "
-                             f"{self.update!r}: build it with the same update")
+        """Load a ``state_dict()``. Raises ValueError if it was saved with another ``rounding`` or ``kahan``."""
+        saved_mode, mode = (state["rounding"], state["kahan"]), (self.rounding, self.kahan)
+        if saved_mode != mode:
+            raise ValueError(f"checkpoint was saved with rounding={saved_mode[0]!r}, kahan={saved_mode[1]}; this "
+                             f"optimizer uses rounding={mode[0]!r}, kahan={mode[1]}: build it with the same ones")
         saved = [p.data for p in self.params]
         for p in self.params:                               # torch casts loaded state to the param dtype:
             p.data = p.data.float()                         # fp32 params make that cast exact

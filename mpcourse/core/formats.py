@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Format", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
+__all__ = ["NumberFormat", "FORMATS", "get_format", "round_to", "Decoded", "decode", "encode",
            "from_bits", "all_values", "neighbours", "ulp"]
 
 
 @dataclass(frozen=True)
-class Format:
+class NumberFormat:
     """A binary floating-point format: 1 sign bit, `exponent_bits`, `mantissa_bits` (stored, no
     hidden bit). Values are Python floats; `torch_dtype` is None for tf32 (no storage dtype)."""
     name: str
@@ -53,22 +53,22 @@ class Format:
     nan_encoding: str     # which bit patterns are NaN
 
     def __repr__(self) -> str:
-        return (f"Format({self.name}: E{self.exponent_bits}M{self.mantissa_bits}, bias {self.bias},"
+        return (f"NumberFormat({self.name}: E{self.exponent_bits}M{self.mantissa_bits}, bias {self.bias},"
                 f" max {self.max:g}, min_normal {self.min_normal:g}, min_subnormal "
                 f"{self.min_subnormal:g}, eps {self.eps:g}, inf {self.has_inf})")
 
 
-def _make(name: str, e: int, m: int, has_inf: bool, dtype, nan: str) -> Format:
+def _make(name: str, e: int, m: int, has_inf: bool, dtype, nan: str) -> NumberFormat:
     bias = 2 ** (e - 1) - 1
     if has_inf:   # IEEE: the all-ones exponent is reserved for inf/NaN
         max_ = math.ldexp(2 - 2.0 ** -m, 2 ** e - 2 - bias)
     else:         # e4m3fn: the all-ones exponent holds normal values; only mantissa all-ones is NaN
         max_ = math.ldexp(2 - 2.0 ** (1 - m), 2 ** e - 1 - bias)
-    return Format(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
+    return NumberFormat(name, e, m, bias, max_, math.ldexp(1.0, 1 - bias), math.ldexp(1.0, 1 - bias - m),
                   2.0 ** -m, has_inf, dtype, 1 + e + m, nan)
 
 
-FORMATS: dict[str, Format] = {
+FORMATS: dict[str, NumberFormat] = {
     "fp32": _make("fp32", 8, 23, True, torch.float32, "exponent all ones, mantissa != 0"),
     "tf32": _make("tf32", 8, 10, True, None, "exponent all ones, mantissa != 0"),
     "fp16": _make("fp16", 5, 10, True, torch.float16, "exponent all ones, mantissa != 0"),
@@ -83,11 +83,11 @@ _BY_DTYPE = {f.torch_dtype: f for f in FORMATS.values() if f.torch_dtype is not 
 _ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 
 
-def get_format(fmt) -> Format:
-    """Resolve `fmt` (a Format, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
+def get_format(fmt) -> NumberFormat:
+    """Resolve `fmt` (a NumberFormat, a name such as "bf16"/"bfloat16"/"E4M3", or a torch dtype).
 
     Raises ValueError naming the valid formats for an unknown name or dtype, TypeError otherwise."""
-    if isinstance(fmt, Format):
+    if isinstance(fmt, NumberFormat):
         return fmt
     valid = ", ".join(FORMATS)
     if isinstance(fmt, torch.dtype):
@@ -100,7 +100,7 @@ def get_format(fmt) -> Format:
         if key in FORMATS:
             return FORMATS[key]
         raise ValueError(f"unknown format {fmt!r}; valid names: {valid}")
-    raise TypeError(f"fmt must be a format name ({valid}), a Format or a torch dtype, got {fmt!r}")
+    raise TypeError(f"fmt must be a format name ({valid}), a NumberFormat or a torch dtype, got {fmt!r}")
 
 
 def _f32_bits(v: float) -> int:
@@ -125,7 +125,7 @@ def _as_float32(x) -> torch.Tensor:
     raise TypeError(f"expected a float32 tensor, got {x.dtype}; call .float() first{hint}")
 
 
-def _round_magnitude(a: torch.Tensor, f: Format, mode: str, generator) -> torch.Tensor:
+def _round_magnitude(a: torch.Tensor, f: NumberFormat, mode: str, generator) -> torch.Tensor:
     """Round |x| to `f` in bit arithmetic. a: int64 tensor of FP32 bit patterns of |x| (sign bit
     clear, not NaN; inf is fine). Returns int64 FP32 bit patterns of the rounded magnitude, which
     may exceed f.max (the caller applies the overflow policy)."""
@@ -168,7 +168,7 @@ def _round_magnitude(a: torch.Tensor, f: Format, mode: str, generator) -> torch.
     return torch.where(drop < 24, kept, n * _f32_bits(f.min_subnormal))
 
 
-def _round(x: torch.Tensor, f: Format, mode: str, saturate: bool, generator) -> torch.Tensor:
+def _round(x: torch.Tensor, f: NumberFormat, mode: str, saturate: bool, generator) -> torch.Tensor:
     x = _as_float32(x)
     bits = x.view(torch.int32).long()            # same shape, int64 for headroom
     neg = bits < 0
@@ -190,7 +190,7 @@ def round_to(x: torch.Tensor, fmt, *, rounding: str = "nearest", saturate: bool 
     """The value of each element of `x` after a cast to `fmt`, as float32 (same shape, device).
 
     x: float32 tensor (fp16/bf16/fp8 tensors are upcast exactly; float64 and integers raise
-    TypeError: call .float()). fmt: name, Format or torch dtype (see get_format).
+    TypeError: call .float()). fmt: name, NumberFormat or torch dtype (see get_format).
     rounding: "nearest" (ties to even, IEEE default, what torch casts do), "stochastic" (rounds
     away from zero with probability |x - lower-magnitude neighbour| / gap, drawing from
     `generator`), or "toward_zero" (truncation, e.g. TF32 inputs read as "the first 10 bits").

@@ -7,64 +7,57 @@ import time
 from pathlib import Path
 
 from mpcourse.core import emulation
+from .argtypes import comma_list, positive_float, positive_int, ratio, seed
 from .data import CorpusError, load_corpus
-from .recipes import RECIPES, OptimConfig
 from .model import GPTConfig
+from .recipes import RECIPES, OptimConfig
 from .train import TrainConfig
 
 # model-size presets: "small" is the default every recipe runs in a few minutes on a laptop CPU; "large" has
-# GEMMs (M = 32 x 256 = 8192 tokens, K, N = 1024..4096) past the FP8 break-even on an H100-class GPU
+# GEMMs (M = 32 x 256 = 8192 tokens, K, N = 1024..4096) near or past the FP8 break-even on an H100-class GPU
 # (mpcourse.core.breakeven), and is meant for --device cuda.
 PRESETS = {"small": dict(n_layer=5, n_embd=128, n_head=4, block_size=64),
            "large": dict(n_layer=8, n_embd=1024, n_head=16, block_size=256)}
 PRESET_BATCH = {"small": TrainConfig.batch_size, "large": 32}
 
 
-def _recipe_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RECIPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown recipe(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(RECIPES)}")
-    return names
-
-
 def _seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}") from None
+    """An argparse type: comma-separated distinct seeds, each a valid ``--seed``."""
+    seeds = [seed(s) for s in text.split(",") if s.strip()]
     if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"--seeds needs distinct integers such as 0,1,2, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be distinct comma-separated seeds such as 0,1,2, got {text!r}")
     return seeds
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+# ``--quick``: every recipe, on a sixth of the default's tokens (a first contact, not a measurement:
+# 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
+QUICK = {"steps": 50, "batch_size": 8}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpcourse", description="Mixed-precision training, checked.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
-    c.add_argument("--recipes", type=_recipe_list, default=None,
+    c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
                    help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
-    c.add_argument("--steps", type=_positive, default=TrainConfig.steps, help="optimizer steps per recipe (default %(default)s)")
-    c.add_argument("--batch-size", type=_positive, default=None,
-                   help=f"sequences per step (default {TrainConfig.batch_size}; {PRESET_BATCH['large']} with --preset large)")
-    c.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
-    c.add_argument("--min-lr-ratio", type=float, default=OptimConfig.min_lr_ratio,
+    c.add_argument("--quick", action="store_true",
+                   help=f"a first run in about a minute: {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
+                        "(explicit --steps/--batch-size still win)")
+    c.add_argument("--steps", type=positive_int, default=None,
+                   help=f"optimizer steps per recipe (default {TrainConfig.steps}; {QUICK['steps']} with --quick)")
+    c.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"sequences per step (default {TrainConfig.batch_size}; {QUICK['batch_size']} with --quick)")
+    c.add_argument("--lr", type=positive_float, default=OptimConfig.lr, help="peak learning rate (default %(default)s)")
+    c.add_argument("--min-lr-ratio", type=ratio, default=OptimConfig.min_lr_ratio,
                    help="cosine decay to lr * this at the last step; 1 keeps the rate constant (default %(default)s)")
     c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
-    c.add_argument("--seed", type=int, default=0, help="seed for the model init and the batch order (default 0)")
+    c.add_argument("--seed", type=seed, default=0, help="seed for the model init and the batch order (default 0)")
     c.add_argument("--seeds", type=_seed_list, default=None,
                    help="comma-separated seeds, e.g. 0,1,2: every recipe once per seed; the table shows mean +- std")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default %(default)s)")
     c.add_argument("--preset", choices=tuple(PRESETS), default="small",
-                   help="model size: small (default, a few minutes on a CPU) or large (for --device cuda)")
+                   help=f"model size: small (default, a few minutes on a CPU) or large (for --device cuda; "
+                        f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     sub.add_parser("recipes", help="list the registered recipes")
@@ -78,6 +71,7 @@ def _cuda_available() -> bool:
 
 
 def _peak_flops(device: str) -> float | None:
+    """The peak for the %peak column: the GPU's dense BF16 datasheet peak, or this CPU's measured FP32 GEMM."""
     from .speed import gpu_peak, measure_cpu_peak
 
     if device == "cuda":
@@ -101,14 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
-    if args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1:
-        print("mpcourse compare: error: --lr must be > 0 and --min-lr-ratio within [0, 1]", file=sys.stderr)
+    preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
+    args.steps = args.steps if args.steps is not None else preset["steps"]
+    args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
+    try:      # fail now, not after minutes of training
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
+              "pass another folder", file=sys.stderr)
         return 2
     if args.device == "cuda" and not _cuda_available():
         print("mpcourse compare: error: --device cuda but no CUDA GPU is visible to torch "
               "(torch.cuda.is_available() is False); drop --device or install a CUDA build of torch", file=sys.stderr)
         return 2
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size or PRESET_BATCH[args.preset], seed=args.seed,
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
                       model=GPTConfig(**PRESETS[args.preset]), device=args.device)
     recipes = args.recipes or list(RECIPES)
@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(f"tensor cores: {emulation.status()}")
     peak = _peak_flops(args.device)
-    print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({'dense BF16 datasheet' if args.device == 'cuda' else 'this CPU, measured FP32 GEMM'})"
-          if peak else "peak FLOP/s: unknown GPU, %peak not shown")
+    where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
+    print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
+          else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
     run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")

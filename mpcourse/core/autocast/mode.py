@@ -40,6 +40,7 @@ Use torch.autocast there. Example::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -204,6 +205,16 @@ class AutocastMode(TorchFunctionMode):
         if policy is None:
             return func(*args, **kwargs)
         return _apply(policy, func, args, kwargs, device_type)
+
+
+@contextlib.contextmanager
+def no_autocast(device_type: str):
+    """A region where neither ``torch.autocast`` nor this package's ``autocast`` casts ``device_type``.
+
+    For library code that computes its own dtypes (an FP8 GEMM) and must not be cast by either.
+    """
+    with torch.autocast(device_type, enabled=False), autocast(device_type, enabled=False):
+        yield
 
 
 class autocast:

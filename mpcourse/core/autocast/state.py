@@ -20,6 +20,14 @@ Three choices, documented:
   ``autocast("cpu", dtype=torch.float16)``) gets the weight cast cached by the other region, in the
   other dtype: in torch 2.13, ``mm(x, w)`` after an inner fp16 region returns float16 inside a bf16
   region. Here each region gets casts in its own dtype.
+* A cached cast is reused only while its source is unchanged: the cache stores the weight's version
+  counter (``t._version``, bumped by every in-place write to ``t`` or a view of it:
+  ``optimizer.step()``, ``w.add_`` or ``w.copy_`` under ``no_grad``) and recasts when it moved.
+  torch 2.13 keys by the tensor alone and serves the old cast for the rest of the region after an
+  in-place update (the failure NVIDIA/apex#132 describes for apex's cache). A write through
+  ``w.data`` is not seen: ``.data`` is a tensor with its own version counter (that is its documented
+  difference from ``w.detach()``), so write under ``torch.no_grad()`` instead, or call
+  ``clear_autocast_cache()``.
 * A cacheable cast is made with grad mode on and is not cached under ``torch.inference_mode``, as in
   torch since pytorch/pytorch#165068 (fixing #158232, #112583, #65766): a forward under ``no_grad``
   inside a region then a forward with grad must not reuse a cast that has no autograd history.
@@ -42,7 +50,7 @@ class _State(threading.local):
         self.dtype = dict(DEFAULT_DTYPE)
         self.cache_enabled = True
         self.nesting = 0
-        self.cache: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}  # (id(leaf), dtype) -> (ref, cast)
+        self.cache: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}  # (id(leaf), dtype) -> (ref, version, cast)
         self.mode = None            # the TorchFunctionMode pushed by the outermost region
 
 
@@ -73,6 +81,20 @@ def get_autocast_dtype(device_type: str) -> torch.dtype:
     return STATE.dtype[device_type]
 
 
+def autocast_dtype_in_effect(device_type: str) -> torch.dtype | None:
+    """The lower-precision dtype of whichever autocast is enabled for ``device_type``, else None.
+
+    Either ``torch.autocast`` or this package's ``autocast``: code that must behave the same under
+    both (``mpcourse.core.quant.Float8Linear``'s output dtype) asks here. ``torch.is_autocast_enabled``
+    cannot answer for this package: its flag switches on torch's own casting, so it stays False inside
+    ``mpcourse.core.autocast.autocast`` (a test pins this).
+    """
+    _check_device_type(device_type)
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return STATE.dtype[device_type] if STATE.enabled[device_type] else None
+
+
 def is_autocast_cache_enabled() -> bool:
     """Whether casts of weights are cached in the current region (default True)."""
     return STATE.cache_enabled
@@ -99,6 +121,8 @@ def cached_cast(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> torc
     """``t.to(to_type)``, reusing this region's earlier cast of the same weight when allowed.
 
     ``t`` must already be eligible (floating, of ``device_type``, not float64) and not of ``to_type``.
+    A cached cast is served only if ``t`` is the same object and its version counter is the one
+    recorded at the cast (no in-place write since); otherwise ``t`` is cast again and the entry replaced.
     The cast is recorded by autograd (``ToCopyBackward0``), so the gradient flows back to ``t`` in
     FP32, as with ``torch.autocast``.
     """
@@ -106,9 +130,10 @@ def cached_cast(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> torc
         return t.to(to_type)
     key = (id(t), to_type)
     hit = STATE.cache.get(key)
-    if hit is not None and hit[0]() is t:
-        return hit[1]
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    version = t._version                 # read before the cast: the cast itself does not write t
     with torch.enable_grad():            # keep autograd history even under no_grad (pytorch#165068)
         cast = t.to(to_type)
-    STATE.cache[key] = (weakref.ref(t), cast)
+    STATE.cache[key] = (weakref.ref(t), version, cast)
     return cast

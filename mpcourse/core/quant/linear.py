@@ -9,29 +9,48 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
 
 Scales come from the recipe: ``DelayedScaling`` keeps a ``DelayedScalingState`` (scale, amax_history)
 per role ("input", "weight", "grad_output") and uses scales from earlier steps (see ``recipe.py`` and,
-for when they update, ``autocast.py``); ``CurrentScaling`` computes each scale from the tensor itself.
+for when they update, ``region.py``); ``CurrentScaling`` computes each scale from the tensor itself.
 The bias is added after the GEMM in the output dtype (TE fuses it into the GEMM epilogue, a single
 rounding; here a BF16 output is rounded twice), and its gradient is summed in FP32.
 
-The output dtype is ``torch.autocast``'s dtype inside an autocast region, else the input's dtype
+The output dtype is the autocast dtype inside a ``torch.autocast`` or ``mpcourse.core.autocast``
+region, else the input's dtype
 (float32, bfloat16 or float16). The input gradient has the input's dtype, the weight gradient the
-weight's dtype. The delayed-scaling states are saved in the module's extra state
+weight's dtype.
+
+Checkpoints. The delayed-scaling states are saved in the module's extra state
 (``state_dict()['..._extra_state']``, as TE does), in FP32 whatever ``model.to(dtype)`` does to the
-parameters, so a checkpoint resumes bit for bit.
+parameters, so a checkpoint resumes bit for bit. The extra state is one float32 tensor of shape
+(3, 1 + amax_history_len), a row per role (input, weight, grad_output): ``[scale, *amax_history]``
+((0, 1) under ``CurrentScaling``, which keeps no state). Being a plain tensor, a converted model's
+``state_dict`` saves with ``safetensors`` as well as ``torch.save`` (TE serialises its extra state into a
+byte tensor for the same reason). Loading checks every scale is finite and > 0 before changing anything
+(a checkpoint is refused at load time, on any device). A checkpoint of the model *before* conversion
+loads into the converted model, ``strict=True`` included: its layers then start their FP8 state fresh
+(scale 1, empty history), as a newly converted model does.
+
+Inputs. Any shape (..., in_features) that ``nn.Linear`` takes, transposed or non-contiguous ones too
+(they are made contiguous first, one copy), empty batches and zero features (computed exactly in high
+precision: there is nothing to quantize); a wrong feature size or device raises ValueError naming the fix.
+A meta input gives a meta output of the right shape and dtype (nothing is recorded).
 
 ``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
-for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``).
+for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
+torchao's ``config=Float8LinearConfig(...)`` keyword works too (the fields of torchao's
+``torchao/float8/config.py`` this layer supports).
 Not supported: activation checkpointing (the recomputed forward would record amaxes twice).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .autocast import get_fp8_recipe, is_fp8_enabled, schedule_update
+from ..autocast import autocast_dtype_in_effect, no_autocast
+from .region import get_fp8_recipe, is_fp8_enabled, schedule_update
 from .gemm import fp8_gemm
 from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
 from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_current
@@ -39,7 +58,7 @@ from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_curr
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
+class _FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T (+ b) with FP8 forward, input-gradient and weight-gradient GEMMs."""
 
     @staticmethod
@@ -132,36 +151,85 @@ class Float8Linear(nn.Linear):
         x8 = quantize(x, fmt, state.scale)  # the scale from earlier steps
         if record:
             state.record(compute_amax(x))
-            schedule_update(state, fp8_max(fmt), self.recipe)
+            # The key lets the amax all-reduce check that every rank ran the same layers in the same order.
+            key = f"Float8Linear({self.in_features}, {self.out_features}).{role}:{fmt}"
+            schedule_update(state, fp8_max(fmt), self.recipe, key=key)
         return x8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HIGH_PRECISION:
             raise TypeError(f"Float8Linear takes float32/bfloat16/float16 inputs, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Float8Linear(in_features={self.in_features}) takes inputs of shape "
+                             f"(..., {self.in_features}), got {tuple(x.shape)}: reshape the input or build the "
+                             "layer with the input's last dimension as in_features")
+        if x.device != self.weight.device:
+            raise ValueError(f"input on {x.device} but the layer's weight on {self.weight.device}: move one of "
+                             f"them, e.g. x.to({str(self.weight.device)!r}) or layer.to({str(x.device)!r})")
+
+    def _high_precision(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         if not is_fp8_enabled():  # inside fp8_autocast(enabled=False): plain high-precision linear
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(x, self.weight.to(x.dtype), bias)
+            return self._high_precision(x, x.dtype)
         region_recipe = get_fp8_recipe()
         if region_recipe is not None and region_recipe != self.recipe:
-            raise ValueError(f"fp8_autocast's recipe {region_recipe} differs from this layer's {self.recipe}: "
+            raise ValueError(f"the FP8 region's recipe {region_recipe} differs from this layer's {self.recipe}: "
                              "pass the recipe given to convert_to_float8_training (or fp8_recipe=None)")
         device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x2d = x.reshape(-1, self.in_features)  # (M, K), M = all leading dims
-        with torch.autocast(device, enabled=False):
-            y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        if device == "meta":  # shapes only: the FP8 path's output shape and dtype, nothing recorded
+            return self._high_precision(x, x.dtype)
+        out_dtype = autocast_dtype_in_effect(device) or x.dtype  # torch's or mpcourse's autocast
+        if x.numel() == 0 or self.out_features == 0:
+            # Nothing to quantize (an empty batch, zero features): the exact result is empty or the bias.
+            return self._high_precision(x, out_dtype)
+        # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
+        x2d = x.reshape(-1, self.in_features).contiguous()
+        with no_autocast(device):
+            y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    # -- checkpointing: scales and amax histories live in the extra state, in FP32 ----------------------
-    def get_extra_state(self) -> dict:
-        return {"recipe": repr(self.recipe), **{role: s.state_dict() for role, s in self.fp8_state.items()}}
+    # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------
+    def get_extra_state(self) -> torch.Tensor:
+        """(n_roles, 1 + amax_history_len) float32: row i is ``[scale, *amax_history]`` of ``ROLES[i]``."""
+        if not self.fp8_state:  # CurrentScaling: no state
+            return torch.zeros(0, 1, dtype=torch.float32, device=self.weight.device)
+        return torch.stack([torch.cat([s.scale.reshape(1), s.amax_history]) for s in self.fp8_state.values()])
 
-    def set_extra_state(self, state: dict) -> None:
-        for role, s in self.fp8_state.items():
-            if role not in state:
-                raise ValueError(f"checkpoint has no delayed-scaling state for {role!r} (it was saved with "
+    def set_extra_state(self, state) -> None:
+        if not self.fp8_state:
+            return  # CurrentScaling keeps no state: a delayed-scaling checkpoint's scales are not needed
+        if isinstance(state, dict):  # the earlier format: {"recipe": str, role: {"scale", "amax_history"}}
+            missing = [role for role in self.fp8_state if role not in state]
+            if missing:
+                raise ValueError(f"checkpoint has no delayed-scaling state for {missing} (it was saved with "
                                  f"{state.get('recipe')}): convert the model with the checkpoint's recipe")
-            s.load_state_dict(state[role])
+            rows = {role: state[role] for role in self.fp8_state}
+        else:
+            state = torch.as_tensor(state)
+            if state.dim() != 2 or state.shape[0] != len(self.fp8_state):
+                raise ValueError(f"checkpoint has no delayed-scaling state for this layer (its FP8 state has shape "
+                                 f"{tuple(state.shape)}; it was saved with another recipe, e.g. CurrentScaling): "
+                                 "convert the model with the checkpoint's recipe")
+            rows = {role: {"scale": row[0], "amax_history": row[1:]} for role, row in zip(self.fp8_state, state)}
+        for role, row in rows.items():  # check everything before changing anything
+            self.fp8_state[role].check_state_dict(row, role)
+        for role, row in rows.items():
+            self.fp8_state[role].load_state_dict(row)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """As ``nn.Module``'s, but a checkpoint without FP8 state (saved before conversion) starts it fresh."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict:
+            if key in missing_keys:
+                missing_keys.remove(key)
+            self._reset_fp8_state()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -173,26 +241,75 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+@dataclass(frozen=True)
+class Float8LinearConfig:
+    """torchao's ``Float8LinearConfig`` (``torchao/float8/config.py``), the fields this library supports.
+
+    torchao's default recipe is tensorwise dynamic scaling (our ``CurrentScaling`` with ``Format.HYBRID``),
+    so a config alone means that recipe.
+
+    Fields (torchao's names and defaults):
+      pad_inner_dim: bool = False              pad the GEMMs' inner dimensions to multiples of 16
+      round_scales_to_power_of_2: bool = False round every scale down to a power of two
+                                               (``CurrentScaling(use_power_2_scales=True)``)
+    """
+
+    pad_inner_dim: bool = False
+    round_scales_to_power_of_2: bool = False
+
+    def recipe(self) -> CurrentScaling:
+        """The recipe this config means: current per-tensor scaling, power-of-two scales if asked."""
+        return CurrentScaling(use_power_2_scales=self.round_scales_to_power_of_2)
+
+
+def _resolve_config(config, recipe, pad_inner_dim):
+    """(recipe, pad_inner_dim) from torchao's ``config`` and/or our ``recipe``/``pad_inner_dim`` keywords."""
+    if config is None:
+        return recipe, bool(pad_inner_dim)
+    if not isinstance(config, Float8LinearConfig):
+        raise TypeError(f"config must be mpcourse.core.quant.Float8LinearConfig, got {type(config).__name__}")
+    if pad_inner_dim is not None and bool(pad_inner_dim) != config.pad_inner_dim:
+        raise ValueError(f"pad_inner_dim={pad_inner_dim} contradicts config.pad_inner_dim={config.pad_inner_dim}: "
+                         "give it in one place")
+    if recipe is None:
+        return config.recipe(), config.pad_inner_dim
+    if config.round_scales_to_power_of_2 and not (isinstance(recipe, CurrentScaling) and recipe.use_power_2_scales):
+        raise ValueError(f"config.round_scales_to_power_of_2=True needs CurrentScaling(use_power_2_scales=True), "
+                         f"got recipe={recipe}: drop the recipe or make it agree")
+    return recipe, config.pad_inner_dim
+
+
 def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-                               recipe=None, pad_inner_dim: bool = False) -> nn.Module:
+                               config: Optional[Float8LinearConfig] = None,
+                               recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
 
     Args:
-      module: the model; changed in place (a bare ``nn.Linear`` is returned converted instead).
+      module: the model; changed in place (a bare ``nn.Linear`` is returned converted instead; one with
+              child modules raises ValueError, as torchao's function refuses it).
       module_filter_fn: ``fn(linear, fqn) -> bool``; only linears for which it returns True are swapped
               (fqn is the dotted name, e.g. "blocks.0.mlp.fc"; "" for the root). Keep the output head
               out, e.g. ``lambda m, fqn: fqn != "lm_head"``.
-      recipe: ``DelayedScaling`` (default) or ``CurrentScaling``, shared by all swapped layers.
-      pad_inner_dim: passed to every ``Float8Linear``.
+      config: torchao's spelling, a ``Float8LinearConfig``: without ``recipe`` it means current scaling
+              (torchao's tensorwise default) and sets ``pad_inner_dim``.
+      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers.
+      pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
+    Raises TypeError for a config of another type, ValueError where config and keywords disagree.
     """
+    recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
+
     def wanted(m: nn.Module, fqn: str) -> bool:
         return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
                 and (module_filter_fn is None or module_filter_fn(m, fqn)))
 
     if wanted(module, ""):
+        if len(module._modules) > 0:  # torchao refuses this too: the children would be dropped
+            raise ValueError(f"cannot convert a root nn.Linear that has child modules ({list(module._modules)}): "
+                             "its children would be lost. Convert the children separately, or wrap the layer in a "
+                             "parent module (e.g. nn.Sequential) and keep it out with module_filter_fn")
         return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
 

@@ -28,6 +28,7 @@ Where TE's two implementations disagree we follow the unfused PyTorch code above
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
@@ -212,14 +213,33 @@ class DelayedScalingState:
     def state_dict(self) -> dict:
         return {"scale": self.scale.detach().clone(), "amax_history": self.amax_history.detach().clone()}
 
-    def load_state_dict(self, state: dict) -> None:
-        history = state["amax_history"]
+    def check_state_dict(self, state: dict, name: str = "") -> None:
+        """Raise ValueError unless ``state`` fits this state: history length, one scale, finite and > 0.
+
+        Runs on the host (one sync per tensor: at load time, not per step), so a checkpoint with a scale of 0,
+        inf or NaN is refused when it is loaded, on every device, instead of poisoning the first FP8 cast.
+        """
+        what = f" for {name!r}" if name else ""
+        history, scale = torch.as_tensor(state["amax_history"]), torch.as_tensor(state["scale"])
         if history.shape != self.amax_history.shape:
-            raise ValueError(f"checkpoint amax_history has length {history.shape[0]} but the recipe's "
+            raise ValueError(f"checkpoint amax_history{what} has length {history.numel()} but the recipe's "
                              f"amax_history_len is {self.amax_history.shape[0]}: convert the model with the "
                              "recipe the checkpoint was trained with")
-        self.amax_history.copy_(history)
-        self.scale.copy_(state["scale"].reshape(()))
+        if scale.numel() != 1:
+            raise ValueError(f"checkpoint scale{what} must have one element, got shape {tuple(scale.shape)}")
+        if scale.device.type == "meta":
+            return  # shapes only: no value to check
+        value = float(scale.detach().reshape(()).float().cpu())
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"checkpoint scale{what} is {value}: an FP8 scale must be finite and > 0. The "
+                             "checkpoint is damaged; load an earlier one, or reset the FP8 state by loading the "
+                             "model's weights without its '_extra_state' entries")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load ``{"scale", "amax_history"}`` after ``check_state_dict`` (nothing changes if it raises)."""
+        self.check_state_dict(state)
+        self.amax_history.copy_(torch.as_tensor(state["amax_history"]))
+        self.scale.copy_(torch.as_tensor(state["scale"]).reshape(()))
 
     def __repr__(self) -> str:
         return f"DelayedScalingState(scale={float(self.scale):.6g}, amax_history_len={self.amax_history.numel()})"

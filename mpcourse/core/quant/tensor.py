@@ -30,7 +30,8 @@ shows up in the GEMM output instead of being hidden.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -106,11 +107,19 @@ class Float8Tensor:
 
     A plain container (not a tensor subclass, unlike torchao's ``Float8TrainingTensor``) so that
     every FP8 step in this library is visible in the code that uses it.
+
+    Gradients: ``data`` never carries autograd history (an FP8 gradient would be rounded to FP8).
+    When ``quantize`` gets an input that requires grad, it keeps it in ``source``, and
+    ``dequantize()`` passes the gradient straight through to it unchanged: the backward of
+    ``quantize(x).dequantize()`` is the identity, saturated elements included, as in torchao
+    (``torchao/float8/float8_training_tensor.py``: ``_ToFloat8ConstrFunc`` and ``_FromFloat8ConstrFunc``
+    both return the incoming gradient).
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     orig_dtype: torch.dtype = torch.float32
+    source: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.data.dtype not in FP8_DTYPES.values():
@@ -130,12 +139,32 @@ class Float8Tensor:
 
     def t(self) -> "Float8Tensor":
         """Transposed *view* of a 2-D tensor (no copy: a row-major tensor becomes column-major)."""
-        return Float8Tensor(self.data.t(), self.scale_inv, self.orig_dtype)
+        return Float8Tensor(self.data.t(), self.scale_inv, self.orig_dtype,
+                            None if self.source is None else self.source.t())
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``float32(data) * scale_inv``, rounded to ``dtype`` (default: ``orig_dtype``)."""
+        """``float32(data) * scale_inv``, rounded to ``dtype`` (default: ``orig_dtype``).
+
+        Differentiable with respect to the tensor that was quantized (``source``): straight-through.
+        """
         x = self.data.float() * self.scale_inv  # (...) fp32; exact when scale_inv is a power of two
-        return x.to(self.orig_dtype if dtype is None else dtype)
+        x = x.to(self.orig_dtype if dtype is None else dtype)
+        if self.source is not None and torch.is_grad_enabled():
+            x = _StraightThrough.apply(self.source, x)
+        return x
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the dequantized value. Backward: the gradient, unchanged, to the quantized source."""
+
+    @staticmethod
+    def forward(ctx, source, value):
+        ctx.source_dtype = source.dtype
+        return value.view_as(value)  # a new tensor object carrying this node
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.source_dtype), None
 
 
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +243,7 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
                   +-fp8_max. False: OCP non-saturating conversion, overflow -> NaN (E4M3) / +-inf (E5M2).
     Returns: ``Float8Tensor`` with ``data`` of x's shape and ``scale_inv = 1 / scale`` (fp32, shape ()).
     NaN in x stays NaN in ``data`` (both formats have a NaN). Rounding is round-to-nearest-even.
+    Gradient: ``quantize(x).dequantize()`` is straight-through (identity backward), see ``Float8Tensor``.
     Raises TypeError for non-float inputs, ValueError for a bad format or scale.
     """
     if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
@@ -222,7 +252,7 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
     name = fp8_format_name(fp8_format)
     dtype, top = FP8_DTYPES[name], fp8_max(name)
     scale = _as_scale(scale, x.device)
-    y = x.float() * scale  # (...) fp32; the product is rounded once, in fp32, as TE's cast kernels do
+    y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
     y_clamped = y.clamp(-top, top)  # torch.clamp lets NaN through
     if not saturate:
         midpoint, tie_rounds_up = _overflow_threshold(name)
@@ -234,8 +264,9 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
         y_clamped = torch.where(overflow, special, y_clamped)
     # Every value is now in range (or NaN / an E5M2 inf, which are representable): the cast below only
     # rounds, so its overflow behaviour, which differs between torch versions, never matters.
-    data = y_clamped.to(dtype)
-    return Float8Tensor(data, scale.reciprocal(), x.dtype)
+    data = y_clamped.to(dtype)  # no autograd through FP8: see Float8Tensor (straight-through)
+    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
+    return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
 
 
 def quantize_current(x: torch.Tensor, fp8_format, margin: int = 0, power_2_scale: bool = False,

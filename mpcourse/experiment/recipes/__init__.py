@@ -4,7 +4,7 @@ Importing this package registers every recipe. ``TABLE_ORDER`` below is the one 
 the order of the compare table and of ``mpcourse recipes`` (import order decides nothing); a
 registered recipe missing from it, or a name in it that is not registered, is an error at import.
 """
-from .base import RECIPES, MasterWeightsRecipe, OptimConfig, Recipe, StepResult, get_recipe, register
+from .base import RECIPES, MasterWeightsRecipe, OptimConfig, TrainingRecipe, StepResult, get_recipe, register
 from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
 from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments
@@ -36,5 +36,5 @@ def _apply_table_order() -> None:
 
 _apply_table_order()
 
-__all__ = ["RECIPES", "TABLE_ORDER", "MasterWeightsRecipe", "OptimConfig", "Recipe", "StepResult", "get_recipe",
+__all__ = ["RECIPES", "TABLE_ORDER", "MasterWeightsRecipe", "OptimConfig", "TrainingRecipe", "StepResult", "get_recipe",
            "register"]

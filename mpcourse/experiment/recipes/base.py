@@ -10,7 +10,7 @@ precision:
                                     skip/update, stochastic rounding, Kahan compensation)
 
 The training loop (``mpcourse.experiment.train``) calls only these methods, so a new recipe is one small
-class: subclass ``Recipe``, override what differs, decorate it with ``@register``. Every recipe
+class: subclass ``TrainingRecipe``, override what differs, decorate it with ``@register``. Every recipe
 gets the same FP32-initialised model, the same batches and the same optimizer hyper-parameters;
 only precision differs. ``mpcourse recipes`` lists the registry.
 """
@@ -25,10 +25,10 @@ import torch.nn as nn
 
 from mpcourse.core.master import MasterWeights, cast_model
 
-RECIPES: dict[str, type["Recipe"]] = {}
+RECIPES: dict[str, type["TrainingRecipe"]] = {}
 
 
-def register(cls: type["Recipe"]) -> type["Recipe"]:
+def register(cls: type["TrainingRecipe"]) -> type["TrainingRecipe"]:
     """Class decorator: add a recipe to ``RECIPES`` under ``cls.name`` (``recipes.TABLE_ORDER`` sets the table order)."""
     if not cls.name or cls.name in RECIPES:
         raise ValueError(f"recipe name {cls.name!r} is empty or already registered")
@@ -36,7 +36,7 @@ def register(cls: type["Recipe"]) -> type["Recipe"]:
     return cls
 
 
-def get_recipe(name: str) -> type["Recipe"]:
+def get_recipe(name: str) -> type["TrainingRecipe"]:
     """The recipe class registered as ``name``; ``KeyError`` listing the known names otherwise."""
     try:
         return RECIPES[name]
@@ -45,7 +45,7 @@ def get_recipe(name: str) -> type["Recipe"]:
                        "(run `mpcourse recipes`)") from None
 
 
-def check_overrides(recipe_cls: type["Recipe"], overrides: Mapping[str, Callable] | None) -> dict:
+def check_overrides(recipe_cls: type["TrainingRecipe"], overrides: Mapping[str, Callable] | None) -> dict:
     """Validate a recipe's ``overrides`` (a learner's functions put in place of the library's).
 
     Returns a plain dict (empty for None). Raises ``ValueError`` naming the names ``recipe_cls``
@@ -96,7 +96,7 @@ class StepResult:
     loss_scale: float | None = None
 
 
-class Recipe:
+class TrainingRecipe:
     """Base recipe: plain FP32 training with AdamW. Subclasses override what differs.
 
     Args:
@@ -179,7 +179,7 @@ class Recipe:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-class MasterWeightsRecipe(Recipe):
+class MasterWeightsRecipe(TrainingRecipe):
     """Low-precision model (``model_dtype``: fp16 or bf16) with an FP32 master copy stepped by AdamW; no
     loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from .base import Recipe, StepResult, register
+from .base import TrainingRecipe, StepResult, register
 
 
 @register
-class FP32(Recipe):
+class FP32Reference(TrainingRecipe):
     name = "fp32"
     description = "FP32 weights, activations, gradients and optimizer: the reference"
 
 
 @register
-class TorchAmpBF16(Recipe):
+class TorchAmpBF16(TrainingRecipe):
     name = "torch-amp-bf16"
     description = "PyTorch anchor: torch.autocast(bfloat16), FP32 weights, no loss scaling"
 
@@ -33,7 +33,7 @@ class TorchAmpBF16(Recipe):
 
 
 @register
-class TorchAmpFP16(Recipe):
+class TorchAmpFP16(TrainingRecipe):
     name = "torch-amp-fp16"
     description = "PyTorch anchor: torch.autocast(float16) + torch.amp.GradScaler, FP32 weights"
 
@@ -65,7 +65,7 @@ class TorchAmpFP16(Recipe):
 
 
 @register
-class FP16Pure(Recipe):
+class FP16Pure(TrainingRecipe):
     name = "fp16-pure"
     description = "naive: FP16 weights and AdamW state, no master copy, no loss scaling (breaks)"
 

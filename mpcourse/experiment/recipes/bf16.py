@@ -30,13 +30,13 @@ from mpcourse.core.autocast import autocast
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.master import MasterWeights
 from mpcourse.core.optim_state import LowPrecisionState
-from .base import MasterWeightsRecipe, Recipe, StepResult, register
+from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)
 
 
 @register
-class BF16Autocast(Recipe):
+class BF16Autocast(TrainingRecipe):
     name = "bf16-autocast"
     description = "course autocast (mpcourse.core.autocast, bfloat16), FP32 weights, no loss scaling"
 
@@ -53,16 +53,18 @@ class BF16Master(MasterWeightsRecipe):
     model_dtype = torch.bfloat16
 
 
-class _BF16Pure(Recipe):
-    """BF16 model + ``BF16Optimizer(AdamW, update=self.update)``; ``self.optimizer`` is the wrapper."""
+class _BF16Pure(TrainingRecipe):
+    """BF16 model + ``BF16Optimizer(AdamW, rounding=self.rounding, kahan=self.kahan)``; ``self.optimizer`` is
+    the wrapper."""
 
-    update = "nearest"
+    rounding, kahan = "nearest", False
 
     def prepare_model(self, model):
         return model.to(torch.bfloat16)                                # every param (N,) bf16; ids stay int64
 
     def make_optimizer(self, params):
-        return BF16Optimizer(super().make_optimizer(params), update=self.update, seed=SR_SEED)
+        return BF16Optimizer(super().make_optimizer(params), rounding=self.rounding, kahan=self.kahan,
+                             seed=SR_SEED)
 
     def step(self) -> StepResult:
         self.optimizer.accumulate_grads()                              # bf16 grads -> fp32 buffers
@@ -80,21 +82,21 @@ class _BF16Pure(Recipe):
 class BF16Pure(_BF16Pure):
     name = "bf16-pure"
     description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (small updates are lost)"
-    update = "nearest"
+    rounding = "nearest"
 
 
 @register
 class BF16PureSR(_BF16Pure):
     name = "bf16-pure-sr"
     description = "BF16 weights and AdamW state, no master copy, stochastic rounding of the updated weights"
-    update = "stochastic"
+    rounding = "stochastic"
 
 
 @register
 class BF16PureKahan(_BF16Pure):
     name = "bf16-pure-kahan"
     description = "BF16 weights and AdamW state, no master copy, Kahan-compensated updates (BF16 buffer)"
-    update = "kahan"
+    rounding, kahan = "nearest", True
 
 
 @register

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
-from .base import MasterWeightsRecipe, Recipe, StepResult, register
+from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 STATIC_LOSS_SCALE = 2.0**12          # fp16-static: see the module docstring for why
 DYNAMIC_INIT_SCALE = 2.0**16         # torch.amp.GradScaler's default

@@ -30,7 +30,7 @@ as TE is usually run on GPUs (BF16 activations around FP8 GEMMs)? So that the ga
 ``fp32`` is the effect of FP8 alone: everything that is not one of the four FP8 GEMMs per block runs
 exactly as in the ``fp32`` row, and the ``torch-amp-bf16`` row shows the BF16 effect on its own. (It also
 avoids emulated BF16 matmuls on CPUs without BF16 units.) To run as TE usually does on a GPU, put
-``torch.autocast(dtype=torch.bfloat16)`` around ``fp8_autocast``: ``Float8Linear`` then returns BF16.
+``torch.autocast(dtype=torch.bfloat16)`` around ``quant.autocast``: ``Float8Linear`` then returns BF16.
 
 Delayed scaling uses TE's ``DelayedScaling`` defaults except ``amax_history_len=16`` (default 1024),
 the value of TE's own examples (``docs/examples/quickstart.ipynb``, "Enabling FP8":
@@ -41,23 +41,24 @@ where 1024 steps are a small part of the run. Sixteen steps still cover the step
 run (1 thread): final validation loss 2.282 with 16, 2.274 with 1024, fp32 2.286; the choice is about
 behaving like delayed scaling, not about the loss.
 
-How the state moves through a step (``mpcourse.core.quant.autocast``): the forward runs inside
-``fp8_autocast(enabled=True, fp8_recipe=...)`` (``forward_context``); each layer records the amaxes of
-its input and weight, and when the region exits, the forward states of every layer update once. The
+How the state moves through a step (``mpcourse.core.quant.region``): the forward runs inside
+``quant.autocast(enabled=True, recipe=...)`` (``forward_context``; TE 1.x spelled it ``fp8_autocast``); each
+layer records the amaxes of its input and weight, and when the region exits, the forward states of every layer update once. The
 backward (``loss.backward()``) runs after the region has exited, as TE requires; each layer's backward
 quantizes its output gradient with the layer's own recipe and updates that state right after using it.
 Under ``torch.no_grad()`` (evaluation) the layers use their scales and record nothing.
 
 Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra state, so
-``model.state_dict()`` (part of ``Recipe.state_dict``) carries them and a run resumes bit for bit.
-``memory()['extra']`` counts that state (``memory_tensors``): per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
+``model.state_dict()`` (part of ``TrainingRecipe.state_dict``) carries them and a run resumes bit for bit.
+``memory()['extra']`` counts that state: per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
 """
 from __future__ import annotations
 
 import torch.nn as nn
 
-from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training, fp8_autocast
-from .base import Recipe, register
+from mpcourse.core import quant
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
+from .base import TrainingRecipe, register
 
 FP8_FORMAT = Format.HYBRID               # E4M3 forward, E5M2 gradients (TE's default)
 AMAX_HISTORY_LEN = 16                    # TE default 1024; 16 as in TE's quickstart example (see above)
@@ -69,8 +70,8 @@ def keep_linear_in_fp8(module: nn.Module, fqn: str) -> bool:
     return fqn not in HIGH_PRECISION_MODULES
 
 
-class _FP8Recipe(Recipe):
-    """FP32 model whose linear layers (not the head) are ``Float8Linear``; forward inside ``fp8_autocast``."""
+class _FP8Recipe(TrainingRecipe):
+    """FP32 model whose linear layers (not the head) are ``Float8Linear``; forward inside TE's FP8 ``autocast``."""
 
     fp8_recipe: DelayedScaling | CurrentScaling
 
@@ -80,7 +81,7 @@ class _FP8Recipe(Recipe):
         return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe)
 
     def forward_context(self):
-        return fp8_autocast(enabled=True, fp8_recipe=self.fp8_recipe)
+        return quant.autocast(enabled=True, recipe=self.fp8_recipe)   # TE's FP8 region (older name: fp8_autocast)
 
     def fp8_layers(self) -> dict[str, Float8Linear]:
         """The model's FP8 layers by fully qualified name."""

@@ -1,0 +1,102 @@
+"""The command line rejects every bad value with a message naming the flag and the valid range.
+
+Exit code 2 and no traceback, as argparse does for its own errors. Most cases parse in-process
+(fast); one subprocess run per kind of failure checks what a person actually sees.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from mpcourse.experiment import argtypes
+from mpcourse.experiment.cli import QUICK, build_parser, main
+from mpcourse.experiment.train import TrainConfig
+
+# flag -> (bad values, what the message must say)
+BAD = {
+    "--steps": (["abc", "0", "-3", "1.5", "", "nan"], "positive integer"),
+    "--batch-size": (["0", "x", "2.0", "-1"], "positive integer"),
+    "--lr": (["nan", "inf", "-inf", "0", "-1e-3", "abc", "1e400"], "finite number > 0"),
+    "--min-lr-ratio": (["2", "-0.1", "nan", "inf", "1.0001", "half"], "finite number in [0, 1]"),
+    "--seed": (["-1", "1.5", "abc", str(2**32)], "integer from 0 to 4294967295"),
+    "--recipes": (["nope", "fp32,nope", ",", ""], "unknown recipe"),
+}
+
+
+def _compare_flags():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["compare"]._actions
+
+
+@pytest.mark.parametrize("flag,value,msg", [(f, v, m) for f, (vals, m) in BAD.items() for v in vals])
+def test_bad_value_exits_2_naming_flag_and_range(flag, value, msg, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and msg in err, err
+    assert repr(value) in err or flag == "--recipes"           # the offending text is echoed
+
+
+def test_every_typed_flag_uses_a_checking_type():
+    """A flag typed as bare int/float would accept nan/inf/negatives or print an internal name."""
+    typed = [a for a in _compare_flags() if a.type is not None]
+    assert typed, "compare has no typed flags?"
+    for a in typed:
+        assert a.type not in (int, float), f"{a.option_strings}: use a type from mpcourse.experiment.argtypes"
+    covered = {a.option_strings[-1] for a in typed if a.type is not argparse.FileType and a.type.__module__ == argtypes.__name__}
+    assert set(BAD) - {"--recipes"} <= covered
+
+
+@pytest.mark.parametrize("parse,good,bad", [
+    (argtypes.positive_int, ["1", " 7 ", "150"], ["0", "-1", "1e3", "0x10"]),
+    (argtypes.nonneg_int, ["0", "5"], ["-1", "a"]),
+    (argtypes.positive_float, ["1e-300", "3e-3", "5"], ["0", "-0.0", "nan", "inf"]),
+    (argtypes.nonneg_float, ["0", "0.0", "2.5"], ["-1e-9", "nan", "-inf"]),
+    (argtypes.ratio, ["0", "1", "0.1", "1.0"], ["1.0000001", "-0.5", "nan"]),
+    (argtypes.seed, ["0", str(2**32 - 1)], ["-1", str(2**32)]),
+    (argtypes.int_in(2, 4), ["2", "4"], ["1", "5"]),
+    (argtypes.float_in(0.0, 1.0, lo_open=True), ["1", "0.5"], ["0", "1.5"]),
+])
+def test_argtypes_boundaries(parse, good, bad):
+    for text in good:
+        parse(text)
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match="must be"):
+            parse(text)
+
+
+def test_quick_preset_and_explicit_flags_win(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(recipes, corpus, cfg, out, **kw):
+        seen.update(steps=cfg.steps, batch_size=cfg.batch_size, recipes=recipes)
+
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", fake_run)
+    assert main(["compare", "--quick", "--out", str(tmp_path)]) == 0
+    assert (seen["steps"], seen["batch_size"]) == (QUICK["steps"], QUICK["batch_size"])
+    assert main(["compare", "--quick", "--steps", "7", "--out", str(tmp_path)]) == 0
+    assert (seen["steps"], seen["batch_size"]) == (7, QUICK["batch_size"])
+    assert main(["compare", "--out", str(tmp_path)]) == 0
+    assert (seen["steps"], seen["batch_size"]) == (TrainConfig.steps, TrainConfig.batch_size)
+
+
+def test_out_that_is_a_file_fails_before_training(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert main(["compare", "--out", str(f)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--steps", "abc"], "argument --steps: must be a positive integer"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+])
+def test_what_a_person_sees(args, msg):
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and msg in proc.stderr
+    assert "Traceback" not in proc.stderr and "_positive" not in proc.stderr
