@@ -5,7 +5,7 @@ training loop does and reports the bytes held, by kind:
 
     weights       the model's parameters (a tied head counted once)
     grads         every gradient alive after ``step()``: ``param.grad`` of model and master params, and
-                  a recipe's own gradient buffers (``Recipe.memory_tensors()['grads']``)
+                  a recipe's own gradient buffers (``TrainingRecipe.memory_tensors()['grads']``)
     master        optimizer parameters that are not model parameters (the FP32 master copy)
     optimizer     optimizer state tensors (Adam's two moments; scalar step counters not counted)
     extra         recipe state outside those: FP8 scales and amax histories, Kahan compensation
