@@ -162,7 +162,8 @@ def plot_heatmap(records: list[dict], path, role: str = "output_grad", fmt: str 
 
     layers, steps, grid = underflow_grid(records, role, fmt, kind)
     fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), 0.3 * len(layers) + 1.8))
-    im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=max(1e-9, max(max(r) for r in grid)))
+    im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0,
+                   vmax=max((v for row in grid for v in row if v == v), default=0.0) or 1.0)
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
     ax.set_xticks(range(len(steps)), steps, fontsize=7)
     ax.set_xlabel("step")

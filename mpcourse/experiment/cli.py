@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--preset", choices=tuple(PRESETS), default="small",
                    help=f"model size: small (default, a few minutes on a CPU) or large (for --device cuda; "
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
+    c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
+                   help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     sub.add_parser("recipes", help="list the registered recipes")
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
           else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
-    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak)
+    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak,
+                inspect_every=args.inspect or 0)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from .data import Corpus
-from .train import RunResult, TrainConfig, train
+from .train import RunResult, TrainConfig, Trainer, train
 
 
 def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
@@ -148,17 +148,35 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: int, progress: bool) -> RunResult:
+    from mpcourse.core.inspect import plot_heatmap
+
+    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress)
+    trainer.inspector.to_json(out / f"inspect-{name}.json")
+    if trainer.inspector.records:
+        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
+                     kind="subnormal")
+    trainer.inspector.remove()
+    return trainer.result()
+
+
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
-                peak_flops: float | None = None) -> list[RunResult]:
+                peak_flops: float | None = None, inspect_every: int = 0) -> list[RunResult]:
     """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
-    the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column."""
+    the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column.
+    ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
+    ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
+    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``)."""
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(seeds) if seeds else [cfg.seed]
     runs: dict[int, list[RunResult]] = {}
     for seed in seeds:
         scfg = dataclasses.replace(cfg, seed=seed)
-        runs[seed] = [train(name, corpus, scfg, progress=progress) for name in recipes]
+        if inspect_every and seed == seeds[0]:
+            runs[seed] = [_inspected(name, corpus, scfg, out, inspect_every, progress) for name in recipes]
+        else:
+            runs[seed] = [train(name, corpus, scfg, progress=progress) for name in recipes]
     if len(seeds) == 1:
         echo(format_table(runs[seeds[0]], peak_flops))
     else:

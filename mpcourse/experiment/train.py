@@ -136,12 +136,15 @@ class Trainer:
     ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
     the library's (``mpcourse.experiment.recipes.base.check_overrides``).
 
+    ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
+    (``self.inspector.records``); its time is part of the step time.
+
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
         ValueError: an override the recipe does not accept (the message lists those it does).
     """
 
-    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None):
+    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None, inspect_every: int = 0):
         recipe_cls = get_recipe(recipe_name)
         self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
         self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
@@ -152,6 +155,13 @@ class Trainer:
         self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
         self.step_time, self.timed_steps, self.memory = 0.0, 0, None   # memory: a StepMemory after the first step
+        # the numerics inspector (mpcourse.core.inspect), off unless inspect_every > 0
+        self.inspector = None
+        if inspect_every:
+            from mpcourse.core.inspect import Inspector
+            scaler = getattr(self.recipe, "scaler", None)
+            self.inspector = Inspector(self.recipe.model, every=inspect_every,
+                                       loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
 
     @property
     def done(self) -> bool:
@@ -162,6 +172,8 @@ class Trainer:
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
         x, y = x.to(cfg.device), y.to(cfg.device)
+        if self.inspector is not None:
+            self.inspector.set_step(self.step)
         recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps))
         with tensor_cores():
             if self.memory is None:                          # memory counted on the first step (not timed)
