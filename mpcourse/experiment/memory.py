@@ -43,7 +43,9 @@ STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")
 
 
 def _storage(t: torch.Tensor):
-    """The tensor's untyped storage, or None for an empty one / a tensor without storage."""
+    """The tensor's untyped storage (a DTensor's local shard's), or None for an empty one / no storage."""
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
