@@ -24,8 +24,11 @@ def run(name, losses, diverged_at=None):
     if diverged_at is None:
         hist[-1]["val_loss"] = losses[-1] * 0.9
     final = losses[-1] if diverged_at is None else math.nan
-    return RunResult(name, "", final, final * 0.9 if diverged_at is None else math.nan, 0, None, 1000.0,
-                     {"weights": 4, "grads": 4, "master": 0, "optimizer": 8}, 1024, len(losses), diverged_at, hist)
+    return RunResult(recipe=name, description="", final_train_loss=final,
+                     final_val_loss=final * 0.9 if diverged_at is None else math.nan, skipped_steps=0,
+                     final_loss_scale=None, tokens_per_s=1000.0,
+                     bytes_per_param={"weights": 4, "grads": 4, "master": 0, "optimizer": 8}, activation_bytes=1024,
+                     memory={}, flops_per_token=0.0, steps_run=len(losses), diverged_at=diverged_at, history=hist)
 
 
 SMOOTH = [4.6 - 0.04 * i for i in range(50)]                       # 4.6 -> 2.64, steady
