@@ -1,31 +1,37 @@
 """The training loop every recipe runs: same model init, same batches, same schedule.
 
-``Trainer`` runs one recipe; ``train`` is the one-call form. One step (the recipe decides the
-precision of each line; see ``mpcourse.experiment.recipes.base``)::
+``Trainer`` runs one recipe; ``train`` is the one-call form. ``Trainer.train_step`` is the one
+training step of the project (the tests' recipe loop and the benchmarks call it too); the recipe
+decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
 
     with recipe.forward_context():          # autocast / FP8 autocast / nothing
         _, loss = recipe.model(x, y)        # loss: fp32 ()
     recipe.backward(loss)                   # loss.backward(), or scaler.scale(loss).backward()
+    after_backward(step, recipe)            # optional hook: look at (or change) the gradients
     result = recipe.step()                  # clip, optimizer step (maybe skipped), scaler update
+    after_step(step, recipe, result)        # optional hook: look at the updated state
     recipe.zero_grad()
 
-All of it runs inside ``mpcourse.core.emulation.tensor_cores()``, so low-precision matmuls on a CPU
-without BF16/FP16 units are computed as tensor cores compute them. Runs are seeded: on CPU the same
-seed gives the same bits.
+A run enters ``mpcourse.core.emulation.tensor_cores()`` once (``Trainer.emulation()``; ``run`` and
+``result`` do it), so low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor
+cores compute them. Runs are seeded: on CPU the same seed gives the same bits.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from .data import Corpus
 from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .memory import STATE_KINDS, measure_step
 from .model import GPT, GPTConfig
+from .speed import flops_per_token
 from .recipes import OptimConfig, get_recipe
 
 
@@ -41,6 +47,8 @@ class TrainConfig:
         seed: seeds the model init and the batch order (default 0).
         optim: optimizer hyper-parameters (``mpcourse.experiment.recipes.OptimConfig``).
         model: model hyper-parameters; ``vocab_size`` is taken from the corpus.
+        device: where the model and batches live, "cpu" (default) or "cuda" (batches are drawn on the
+            CPU with the same generator, then moved, so every device sees the same batches).
     """
 
     steps: int = 150
@@ -50,10 +58,16 @@ class TrainConfig:
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
+    device: str = "cpu"
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1 (got {self.steps}, {self.batch_size})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False: install a CUDA build of "
+                             "torch on a machine with a GPU, or use device='cpu'")
 
 
 @dataclass
@@ -74,6 +88,8 @@ class RunResult:
     tokens_per_s: float
     bytes_per_param: dict
     activation_bytes: int
+    memory: dict
+    flops_per_token: float
     steps_run: int
     diverged_at: int | None
     history: list = field(default_factory=list)
@@ -104,45 +120,13 @@ def evaluate(recipe, corpus: Corpus, cfg: TrainConfig) -> dict[str, float]:
         g = torch.Generator().manual_seed(10_000 + cfg.seed)
         losses = []
         for _ in range(cfg.eval_batches):
-            x, y = corpus.batch(split, cfg.batch_size, cfg.model.block_size, g)
+            x, y = (t.to(cfg.device) for t in corpus.batch(split, cfg.batch_size, cfg.model.block_size, g))
             with recipe.forward_context():
                 _, loss = recipe.model(x, y)
             losses.append(float(loss))
         out[split] = sum(losses) / len(losses)
     recipe.model.train()
     return out
-
-
-class _SavedTensorBytes:
-    """Context that adds up the bytes of the tensors autograd saves for backward (parameters
-    excluded, each storage counted once): the activation memory of one training step."""
-
-    def __init__(self, model):
-        self.model = model
-        self.storages: dict[int, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _param_ptrs(self) -> set[int]:
-        # Read at pack time: under FSDP2 the parameters registered during forward are the all-gathered
-        # (unsharded) ones, not the sharded DTensors held between steps.
-        return {p.data_ptr() for p in self.model.parameters() if type(p).__name__ != "DTensor"}
-
-    def _pack(self, t):
-        if t.data_ptr() not in self._param_ptrs():
-            st = t.untyped_storage()
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
 
 
 class Trainer:
@@ -157,22 +141,60 @@ class Trainer:
     ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
     the library's (``mpcourse.experiment.recipes.base.check_overrides``).
 
+    ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
+    (``self.inspector.records``); its time is part of the step time.
+
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
         ValueError: an override the recipe does not accept (the message lists those it does).
     """
 
-    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None):
+    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None, inspect_every: int = 0):
         recipe_cls = get_recipe(recipe_name)
-        self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
-        self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
+        mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
-        model = GPT(self.mcfg)                               # FP32 init, identical for every recipe
+        model = GPT(mcfg).to(cfg.device)                     # FP32 init, identical for every recipe
         with tensor_cores():
-            self.recipe = self.build_recipe(recipe_cls, model, overrides)
-        self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
+            self.cfg = cfg
+            recipe = self.build_recipe(recipe_cls, model, overrides)
+        self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
+
+    @classmethod
+    def wrap(cls, recipe, corpus: Corpus, cfg: TrainConfig, batches: torch.Generator | None = None, *,
+             start_step: int = 0, lr_decay: bool = True, evaluate: bool = True) -> "Trainer":
+        """A Trainer around a recipe built elsewhere (tests and benchmarks that build or inspect it).
+
+        ``batches`` draws the training batches (default: seeded with ``cfg.seed``); ``start_step`` is
+        the step the first ``train_step`` runs; ``lr_decay=False`` keeps the rate constant after warm-up
+        (``lr_at(step, optim)``); ``evaluate=False`` skips the periodic validation. The recipe's own
+        ``optim`` sets the learning rate.
+        """
+        self = cls.__new__(cls)
+        cfg = replace(cfg, optim=recipe.optim)
+        self._setup(recipe.name or type(recipe).__name__, recipe, corpus, cfg,
+                    batches if batches is not None else torch.Generator().manual_seed(cfg.seed))
+        self.step, self.lr_decay, self.evaluate_during = start_step, lr_decay, evaluate
+        return self
+
+    def _setup(self, name, recipe, corpus, cfg, batches) -> None:
+        self.name, self.recipe, self.corpus, self.cfg = name, recipe, corpus, cfg
+        self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
+        self.batches = batches                               # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
-        self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
+        self.step_time, self.timed_steps = 0.0, 0
+        self.memory = None            # state bytes by kind (TrainingRecipe.memory) after the first step
+        self.step_memory = None       # that step's StepMemory (state, activations, FP8 copies, peak)
+        self.lr_decay, self.evaluate_during, self._emulating = True, True, False
+        self.inspector = None         # the numerics inspector (mpcourse.core.inspect), see ``inspect``
+
+    def inspect(self, every: int) -> None:
+        """Record numerics statistics every ``every`` steps (``mpcourse.core.inspect.Inspector``); 0: off."""
+        self.inspector = None
+        if every:
+            from mpcourse.core.inspect import Inspector
+            scaler = getattr(self.recipe, "scaler", None)
+            self.inspector = Inspector(self.recipe.model, every=every,
+                                       loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
 
     # -- what a data-parallel trainer (mpcourse.experiment.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model, overrides):
@@ -195,30 +217,59 @@ class Trainer:
     def done(self) -> bool:
         return self.step >= self.cfg.steps or self.diverged_at is not None
 
-    def train_step(self) -> dict:
-        """One optimizer step; returns its history record."""
+    @contextlib.contextmanager
+    def emulation(self):
+        """Enter ``tensor_cores()`` for everything inside, once; nested calls (each step's) do nothing more."""
+        if self._emulating:
+            yield
+            return
+        with tensor_cores():
+            self._emulating = True
+            try:
+                yield
+            finally:
+                self._emulating = False
+
+    def train_step(self, *, after_backward=None, after_step=None) -> dict:
+        """The training step: one batch, one optimizer step; returns its history record.
+
+        Hooks, for tests and tools that look inside: ``after_backward(step, recipe)`` runs after the
+        backward, before ``recipe.step()`` (the gradients are there); ``after_step(step, recipe, result)``
+        after it (``result``: the ``StepResult``), before the gradients are freed.
+        """
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
-        recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps))
-        with tensor_cores():
-            t0 = time.perf_counter()
-            first = self.memory is None                      # measure memory on the first step only
-            saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
-            with saved, recipe.forward_context():
-                loss = self.forward_loss(x, y)               # fp32 ()
-            recipe.backward(loss)
-            result = recipe.step()
-            if first:                                        # after step, before zero_grad: all alive
-                self.memory, self.activation_bytes = self.measure_memory(), saved.nbytes
+        x, y = x.to(cfg.device), y.to(cfg.device)
+        if self.inspector is not None:
+            self.inspector.set_step(self.step)
+        recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps if self.lr_decay else None))
+        ab = (lambda r: after_backward(self.step, r)) if after_backward is not None else None
+        with self.emulation():
+            if self.step_memory is None:                     # memory counted on the first step (not timed)
+                loss, result, self.step_memory = measure_step(
+                    recipe, x, y, forward_loss=self.forward_loss, after_backward=ab,
+                    after_step=(lambda r, res: after_step(self.step, r, res)) if after_step is not None else None)
+                self.memory = {k: getattr(self.step_memory, k) for k in STATE_KINDS}
+            else:
+                t0 = time.perf_counter()
+                with recipe.forward_context():
+                    loss = self.forward_loss(x, y)           # fp32 ()
+                recipe.backward(loss)
+                if ab is not None:
+                    ab(recipe)
+                result = recipe.step()
+                if after_step is not None:
+                    after_step(self.step, recipe, result)
+                self.step_time += time.perf_counter() - t0
+                self.timed_steps += 1
             recipe.zero_grad()
-            self.step_time += time.perf_counter() - t0
-        loss_value = self.loss_value(loss)
-        self.skipped += int(result.skipped)
-        rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped, "loss_scale": result.loss_scale}
-        if not math.isfinite(loss_value):
-            self.diverged_at = self.step
-        elif (self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps:
-            with tensor_cores():
+            loss_value = self.loss_value(loss)
+            self.skipped += int(result.skipped)
+            rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
+                   "loss_scale": result.loss_scale}
+            if not math.isfinite(loss_value):
+                self.diverged_at = self.step
+            elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):
                 rec["val_loss"] = evaluate(recipe, self.corpus, cfg)["val"]
         self.history.append(rec)
         self.step += 1
@@ -229,30 +280,33 @@ class Trainer:
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)
-        while self.step < stop and self.diverged_at is None:
-            rec = self.train_step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+        with self.emulation():                               # once for the whole run
+            while self.step < stop and self.diverged_at is None:
+                rec = self.train_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
         bar.close()
         return self
 
     def result(self) -> RunResult:
         """Final evaluation and report (losses NaN if the run diverged: nothing is averaged away)."""
         if self.diverged_at is None:
-            with tensor_cores():
+            with self.emulation():
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
             final = {"train": float("nan"), "val": float("nan")}
-        n_params = sum(p.numel() for p in self.recipe.model.parameters())
         steps_run = len(self.history)
         return RunResult(
             recipe=self.name, description=self.recipe.description,
             final_train_loss=final["train"], final_val_loss=final["val"],
             skipped_steps=self.skipped,
             final_loss_scale=self.history[-1]["loss_scale"] if self.history else None,
-            tokens_per_s=steps_run * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
-            bytes_per_param={k: v / n_params for k, v in (self.memory or {}).items()},
-            activation_bytes=self.activation_bytes, steps_run=steps_run, diverged_at=self.diverged_at,
+            tokens_per_s=self.timed_steps * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
+            bytes_per_param=self.step_memory.bytes_per_param() if self.step_memory else {},
+            activation_bytes=self.step_memory.activations + self.step_memory.fp8_cache if self.step_memory else 0,
+            memory=self.step_memory.to_dict() if self.step_memory else {},
+            flops_per_token=flops_per_token(self.mcfg.n_layer, self.mcfg.n_embd, self.mcfg.block_size,
+                                            self.mcfg.vocab_size), steps_run=steps_run, diverged_at=self.diverged_at,
             history=list(self.history))
 
     def state_dict(self) -> dict:
@@ -262,7 +316,12 @@ class Trainer:
                 "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``. Raises ValueError if it was saved under another recipe."""
+        """Resume from ``state_dict()``. Raises ValueError (``CheckpointError``) if it was saved under another
+        recipe or does not have a Trainer checkpoint's keys; the recipe checks its own state before loading."""
+        keys = {"recipe_name", "recipe", "step", "history", "skipped", "diverged_at", "batch_rng", "torch_rng"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"not a Trainer checkpoint: expected the keys {sorted(keys)}, got {got}")
         if state["recipe_name"] != self.name:
             raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
@@ -271,6 +330,17 @@ class Trainer:
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
         self.batches.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
+
+    def save(self, path) -> str:
+        """Write ``state_dict()`` to ``path`` with a SHA-256 checksum (``mpcourse.core.checkpoint``); returns it."""
+        return save_checkpoint(self.state_dict(), path)
+
+    def load(self, path) -> "Trainer":
+        """Resume from a file written by ``save``. A damaged file (checksum or length mismatch) raises
+        ``CheckpointError`` before any state is touched, instead of resuming with damaged weights or optimizer
+        state."""
+        self.load_state_dict(load_checkpoint(path))
+        return self
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
