@@ -11,3 +11,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_report_header(config):
+    """Say up front which torch release the exact autocast-table tests need (they skip on others)."""
+    import re
+
+    from mpcourse.core.autocast import policy
+    m = re.match(r"(\d+\.\d+)", torch.__version__)
+    line = (f"mpcourse: torch {torch.__version__}; the exact autocast-table tests were checked against "
+            f"torch {policy.TORCH_VERSION}")
+    if not m or m.group(1) != policy.TORCH_VERSION:
+        line += (f" -- on this torch they are SKIPPED (reasons listed at the end); install torch=="
+                 f"{policy.TORCH_VERSION}.* to run them")
+    return line

@@ -4,6 +4,7 @@ Built from hand-made ``RunResult`` histories (a spike, a divergence), so each ca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -24,11 +25,14 @@ def run(name, losses, diverged_at=None):
     if diverged_at is None:
         hist[-1]["val_loss"] = losses[-1] * 0.9
     final = losses[-1] if diverged_at is None else math.nan
-    return RunResult(recipe=name, description="", final_train_loss=final,
-                     final_val_loss=final * 0.9 if diverged_at is None else math.nan, skipped_steps=0,
-                     final_loss_scale=None, tokens_per_s=1000.0,
-                     bytes_per_param={"weights": 4, "grads": 4, "master": 0, "optimizer": 8}, activation_bytes=1024,
-                     memory={}, flops_per_token=0.0, steps_run=len(losses), diverged_at=diverged_at, history=hist)
+    fields = {f.name for f in dataclasses.fields(RunResult)}
+    values = dict(recipe=name, description="", final_train_loss=final,
+                  final_val_loss=final * 0.9 if diverged_at is None else math.nan, skipped_steps=0,
+                  final_loss_scale=None, tokens_per_s=1000.0,
+                  bytes_per_param={"weights": 4, "grads": 4, "master": 0, "optimizer": 8},
+                  activation_bytes=1024, memory={}, flops_per_token=1.0, steps_run=len(losses),
+                  diverged_at=diverged_at, history=hist)
+    return RunResult(**{k: v for k, v in values.items() if k in fields})
 
 
 SMOOTH = [4.6 - 0.04 * i for i in range(50)]                       # 4.6 -> 2.64, steady
