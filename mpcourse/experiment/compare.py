@@ -12,6 +12,10 @@ import math
 from pathlib import Path
 
 from .data import Corpus
+from mpcourse.core.seams import SeamError
+from .learner import overrides_for
+from .recipes import get_recipe
+from .recipes.base import OverrideError
 from .train import RunResult, TrainConfig, train
 
 
@@ -86,13 +90,50 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def yours(name: str) -> str:
+    """The row name of recipe ``name`` trained with a learner's functions."""
+    return f"{name} [yours]"
+
+
+def train_with_learner(name: str, corpus: Corpus, cfg: TrainConfig, functions: dict, *, progress: bool = False,
+                       echo=print) -> RunResult | None:
+    """Recipe ``name`` trained with those of ``functions`` it accepts, as the row ``"name [yours]"``.
+
+    Returns None, after one line through ``echo``, when the recipe accepts none of them or when one of
+    them fails (it raised, e.g. NotImplementedError, or returned something the library cannot use): the
+    line names the function and why, never a traceback from inside the training step.
+    """
+    recipe_cls = get_recipe(name)
+    overrides = overrides_for(recipe_cls, functions)
+    if not overrides:
+        accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
+        echo(f"{name}: cannot use any of {', '.join(sorted(functions)) or 'no functions'} "
+             f"(it accepts: {accepted})")
+        return None
+    try:
+        return train(name, corpus, cfg, progress=progress, overrides=overrides, label=yours(name))
+    except (OverrideError, SeamError) as e:
+        echo(f"{yours(name)}: {e}")
+    except (TypeError, ValueError) as e:                  # a library check on what a function returned
+        echo(f"{yours(name)}: {', '.join(overrides)}: {e}")
+    return None
+
+
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
-                progress: bool = True, echo=print) -> list[RunResult]:
-    """Train every recipe in ``recipes`` on ``corpus``; print the table; write JSON and plot to ``out``."""
+                progress: bool = True, echo=print, learner: dict | None = None) -> list[RunResult]:
+    """Train every recipe in ``recipes`` on ``corpus``; print the table; write JSON and plot to ``out``.
+
+    ``learner``: functions loaded from exercise notebooks (``mpcourse.experiment.learner``); each recipe
+    that accepts some of them gets a second row, ``"name [yours]"``, trained with them.
+    """
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in recipes:
         results.append(train(name, corpus, cfg, progress=progress))
+        if learner:
+            mine = train_with_learner(name, corpus, cfg, learner, progress=progress, echo=echo)
+            if mine is not None:
+                results.append(mine)
     echo(format_table(results))
     write_outputs(results, corpus, cfg, out)
     return results
