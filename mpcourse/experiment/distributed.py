@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +119,12 @@ def run_rank(job: Job) -> list | None:
             continue
         trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype)
         if job.fail_rank == rank:
-            raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank})")
+            raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank}) at time {time.time():.3f}")
         trainer.run(progress=job.progress and rank == 0)
         results.append(trainer.result())
     if rank != 0:
         return None
-    print(format_table(results))
+    print(format_table(results, job.cfg.optim.warmup_steps))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
@@ -146,12 +147,10 @@ def _spawned_rank(rank: int, nproc: int, port: int, job: Job, result_dir: str) -
     torch.set_num_threads(_threads_per_rank(nproc))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
                             timeout=datetime.timedelta(seconds=job.timeout_s))
-    try:
-        results = run_rank(job)
-        if results is not None:
-            torch.save([r.to_dict() for r in results], os.path.join(result_dir, "results.pt"))
-    finally:
-        dist.destroy_process_group()
+    results = run_rank(job)   # on an exception: no destroy_process_group, which would wait for the other ranks
+    if results is not None:
+        torch.save([r.to_dict() for r in results], os.path.join(result_dir, "results.pt"))
+    dist.destroy_process_group()
 
 
 def spawn(fn, nproc: int, args: tuple = (), *, poll_s: float = 0.2) -> None:

@@ -40,6 +40,8 @@ Rajbhandari et al. 2020, "ZeRO" (bytes per parameter by stage).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -97,7 +99,9 @@ def _cast_allreduce_hook(dtype: torch.dtype):
 def wrap_ddp(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``DistributedDataParallel(model)`` with gradients as bucket views (no second gradient copy), buffers not
     re-broadcast (they are constant masks), and a cast hook when ``reduce_dtype`` differs from the gradients'."""
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    with warnings.catch_warnings():   # torch 2.13 deprecates broadcast_buffers, but its successor still syncs at init
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
     grad_dtype = next(model.parameters()).dtype
     if reduce_dtype is not None and reduce_dtype != grad_dtype:
         ddp.register_comm_hook(None, _cast_allreduce_hook(reduce_dtype))

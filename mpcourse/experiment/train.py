@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .data import Corpus
 from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .model import GPT, GPTConfig
 from .recipes import OptimConfig, get_recipe
 
@@ -311,7 +312,12 @@ class Trainer:
                 "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``. Raises ValueError if it was saved under another recipe."""
+        """Resume from ``state_dict()``. Raises ValueError (``CheckpointError``) if it was saved under another
+        recipe or does not have a Trainer checkpoint's keys; the recipe checks its own state before loading."""
+        keys = {"recipe_name", "recipe", "step", "history", "skipped", "diverged_at", "batch_rng", "torch_rng"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"not a Trainer checkpoint: expected the keys {sorted(keys)}, got {got}")
         if state["recipe_name"] != self.name:
             raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
@@ -320,6 +326,17 @@ class Trainer:
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
         self.batches.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
+
+    def save(self, path) -> str:
+        """Write ``state_dict()`` to ``path`` with a SHA-256 checksum (``mpcourse.core.checkpoint``); returns it."""
+        return save_checkpoint(self.state_dict(), path)
+
+    def load(self, path) -> "Trainer":
+        """Resume from a file written by ``save``. A damaged file (checksum or length mismatch) raises
+        ``CheckpointError`` before any state is touched, instead of resuming with damaged weights or optimizer
+        state."""
+        self.load_state_dict(load_checkpoint(path))
+        return self
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,

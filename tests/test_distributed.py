@@ -1,0 +1,200 @@
+"""Data-parallel training over two gloo ranks on the CPU, against single-process runs (the oracle).
+
+One job of two spawned ranks (``_worker``) runs every distributed case and saves what each rank saw; the
+tests compare that with runs in this process. Starting ranks is the slow part, so there is one job for the
+correct runs and one for the failing rank.
+
+Tolerances, and why they are not zero: with two ranks each computes the mean loss of 8 rows and the
+gradients are averaged over the ranks, where one process sums 16 rows at once; the same numbers are added
+in another order (and the matmuls see another M), so FP32 results differ in the last bits (~1e-7 relative)
+and AdamW, which divides by sqrt(v), carries that on. Measured over 5 steps of the small GPT below: the
+loss curves of DDP and one process agree to about 1e-6 relative for ``fp32``; FP16 rounds every
+activation to 11 bits, so a last-bit difference can flip one rounding and the ``fp16-master`` curves agree
+to about 1e-4. The asserted tolerances (``RTOL``) leave a margin of about 10x over those measurements.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.distributed import DataParallelTrainer, Job, RankFailed, run_distributed_compare, spawn
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.parallel import local
+from mpcourse.experiment.train import Trainer, TrainConfig
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+STEPS = 5
+CFG = TrainConfig(steps=STEPS, batch_size=16, eval_interval=1000, eval_batches=1,
+                  model=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64))
+RTOL = {"fp32": 1e-5, "fp16-master": 1e-3}
+CASES = [("ddp", "fp32"), ("ddp", "fp16-master"), ("fsdp", "fp32"), ("fsdp", "fp16-master")]
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.history]
+
+
+def _plant_inf_on_rank(recipe, rank):
+    """Make ``recipe.step`` see one inf in this rank's gradient shard (before the loss scaler's check)."""
+    step = recipe.step
+
+    def planted():
+        if dist.get_rank() == rank:
+            p = next(p for p in recipe.optimizer.param_groups[0]["params"] if p.grad is not None)
+            local(p.grad).view(-1)[0] = float("inf")           # this rank's shard only
+        return step()
+
+    recipe.step = planted
+
+
+def _overflow_case(name, corpus):
+    """Two clean steps, then one where only rank 1's shard overflows; what each rank did and holds."""
+    t = DataParallelTrainer(name, corpus, CFG, "fsdp")
+    t.run(steps=2)
+    _plant_inf_on_rank(t.recipe, 1)
+    before = [local(p).detach().clone() for p in t.recipe.optimizer.param_groups[0]["params"]]
+    rec = t.train_step()
+    after = [local(p).detach() for p in t.recipe.optimizer.param_groups[0]["params"]]
+    return {"skipped": rec["skipped"], "scale_after": t.recipe.scaler.get_scale(),
+            "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+def _plain_shard_case(group):
+    """A rank holding its gradient shard as a plain tensor (ZeRO-style, no DTensor): rank 1's overflows.
+    ``group`` is the scaler's process group (a one-rank group: each rank decides alone)."""
+    from mpcourse.core.scaling import DynamicLossScaler
+
+    w = torch.nn.Parameter(torch.ones(4))                      # this rank's shard, fp32
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**16, process_group=group)
+    scaler.scale((w * 1.0).sum()).backward()                  # grad = S everywhere
+    if dist.get_rank() == 1:
+        w.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    return {"skipped": scaler.last_step_skipped, "scale_after": scaler.get_scale()}
+
+
+def _worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        corpus = load_corpus(None)
+        res = {}
+        for parallel, name in CASES:
+            reduce_dtype = torch.float32 if parallel == "fsdp" else None
+            t = DataParallelTrainer(name, corpus, CFG, parallel, reduce_dtype).run()
+            res[(parallel, name)] = {"losses": _losses(t), "memory": t.memory,
+                                     "n_params": sum(p.numel() for p in t.recipe.model.parameters())}
+        for name in ("fp16-dynamic", "torch-amp-fp16"):
+            res[("overflow", name)] = _overflow_case(name, corpus)
+        solo = [dist.new_group([r]) for r in range(2)][rank]  # every rank creates every group
+        res[("plain", "all-reduce")] = _plain_shard_case(None)
+        res[("plain", "alone")] = _plain_shard_case(solo)
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """What each of the two ranks saw: [rank 0's dict, rank 1's dict]."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, 2, (_free_port(), d))
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The same recipes in one process, the whole batch at once: losses and bytes."""
+    corpus = load_corpus(None)
+    out = {}
+    for name in ("fp32", "fp16-master"):
+        t = Trainer(name, corpus, CFG).run()
+        out[name] = {"losses": _losses(t), "memory": t.memory}
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16-master"])
+def test_ddp_equals_one_process_up_to_reduction_order(ranks, single, name):
+    ddp = ranks[0][("ddp", name)]["losses"]
+    assert ddp == ranks[1][("ddp", name)]["losses"]            # every rank reports the same (global) loss
+    torch.testing.assert_close(torch.tensor(ddp), torch.tensor(single[name]["losses"]), rtol=RTOL[name], atol=0)
+    assert ddp != single[name]["losses"] or name == "fp16-master"  # not bitwise: the tolerance is needed
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16-master"])
+def test_fsdp_fp32_reduce_matches_ddp(ranks, name):
+    fsdp = ranks[0][("fsdp", name)]["losses"]
+    assert fsdp == ranks[1][("fsdp", name)]["losses"]
+    torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ranks[0][("ddp", name)]["losses"]),
+                               rtol=RTOL[name], atol=0)
+
+
+def test_one_rank_overflow_all_ranks_skip_with_the_same_scale(ranks):
+    """FSDP2: only rank 1's gradient shard holds an inf; both ranks skip, back off once, keep their weights.
+    (The gradients are DTensors, and torch's DTensor dispatch of the fused inf check already reduces the
+    flag with MAX over the mesh; the course's scaler all-reduces it as well.)"""
+    for name in ("fp16-dynamic", "torch-amp-fp16"):            # course scaler; torch's ShardedGradScaler
+        seen = [r[("overflow", name)] for r in ranks]
+        assert [s["skipped"] for s in seen] == [True, True], name
+        assert seen[0]["scale_after"] == seen[1]["scale_after"] == 2.0**15, name   # 2**16 backed off once
+        assert all(s["weights_unchanged"] for s in seen), name
+
+
+def test_plain_shards_need_the_all_reduce(ranks):
+    """Gradient shards as plain tensors: with the all-reduce both ranks skip; each rank alone (the control),
+    only rank 1 skips and the scales drift apart."""
+    assert [r[("plain", "all-reduce")] for r in ranks] == [{"skipped": True, "scale_after": 2.0**15}] * 2
+    assert [r[("plain", "alone")] for r in ranks] == [{"skipped": False, "scale_after": 2.0**16},
+                                                      {"skipped": True, "scale_after": 2.0**15}]
+
+
+def test_bytes_per_param_per_rank(ranks, single):
+    """DDP: each rank holds the single-process bytes. FSDP2: the shards of the two ranks add up to the
+    single-process bytes of the sharded kinds (each rank about half), plus the all-gathered working copy."""
+    for name in ("fp32", "fp16-master"):
+        one = single[name]["memory"]
+        for r in ranks:
+            assert r[("ddp", name)]["memory"] == one
+    mem = [r[("fsdp", "fp32")]["memory"] for r in ranks]
+    for kind in ("weights", "grads", "optimizer"):             # 4 + 4 + 8 = 16 B/param -> 16/2 per rank
+        assert mem[0][kind] + mem[1][kind] == single["fp32"]["memory"][kind]
+        assert abs(mem[0][kind] - mem[1][kind]) <= 0.02 * mem[0][kind]   # uneven rows (vocab 103) only
+    n = ranks[0][("fsdp", "fp32")]["n_params"]
+    assert 7.9 < sum(mem[0][k] for k in ("weights", "grads", "optimizer")) / n < 8.1
+    # fp16-master: the fp32 master (4), its fp32 grads (4) and AdamW (8) sharded: 16/2 per rank;
+    # the fp16 working copy is gathered block by block, so it is less than the full 2 B/param
+    one = single["fp16-master"]["memory"]
+    mem = [r[("fsdp", "fp16-master")]["memory"] for r in ranks]
+    assert mem[0]["master"] + mem[1]["master"] == one["master"]          # 4 B/param in total
+    assert mem[0]["optimizer"] + mem[1]["optimizer"] == one["optimizer"]  # 8 B/param in total
+    assert mem[0]["grads"] + mem[1]["grads"] == 4 * n                    # fp32 grad shards only
+    assert 0 < mem[0]["weights"] < 2 * n
+
+
+def test_a_raising_rank_stops_the_job_with_its_message():
+    job = Job(recipes=["fp32"], corpus=load_corpus(None), cfg=CFG, out=None, parallel="ddp",
+              timeout_s=300, fail_rank=1)
+    with pytest.raises(RankFailed, match="rank 1 failed: .*planted failure on rank 1") as info:
+        run_distributed_compare(job, 2)
+    stopped = time.time()
+    raised_at = float(info.value.message.rsplit("at time ", 1)[1])
+    assert info.value.rank == 1
+    assert stopped - raised_at < 10, stopped - raised_at   # rank 0 waits in a collective: terminated, not timed out
