@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
+from .seams import SeamError, check_rounded
 
 ROUNDINGS = ("nearest", "stochastic")   # how BF16Optimizer rounds the new FP32 weight into BF16
 
@@ -93,6 +94,10 @@ class BF16Optimizer:
         seed: seeds the stochastic-rounding generator (default 0; on the params' device).
         fp32_grads: accumulate micro-batch gradients in FP32 buffers (default True); False keeps autograd's BF16
             accumulation in ``param.grad``.
+        round_to_bf16, stochastic_round_bf16, kahan_add_: optional functions with the signatures of lesson 00's
+            ``round_to_bf16(x)`` and lesson 06's ``stochastic_round_bf16(x, generator)`` / ``kahan_add_(w, comp,
+            update)``, used for the write-back in place of the library's (None, the default: the library's,
+            with the fused cast for round to nearest). Their results are checked (``mpcourse.core.seams``).
         state_dtype: dtype the optimizer state is stored in between steps, torch.bfloat16 (default, rounded to
             nearest) or torch.float32. State tensors with the parameter's shape are converted; "step" is not.
     Use: ``backward(); opt.accumulate_grads()`` per micro-batch, then ``opt.clip_grad_norm_(max_norm)`` (optional),
@@ -103,7 +108,8 @@ class BF16Optimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, rounding: str = "stochastic", seed: int = 0,
-                 fp32_grads: bool = True, state_dtype: torch.dtype = torch.bfloat16, kahan: bool = False):
+                 fp32_grads: bool = True, state_dtype: torch.dtype = torch.bfloat16, kahan: bool = False, *,
+                 round_to_bf16=None, stochastic_round_bf16=None, kahan_add_=None):
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}"
                              + (" (Kahan compensation is kahan=True with rounding='nearest')"
@@ -115,6 +121,7 @@ class BF16Optimizer:
             raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}")
         self.optimizer, self.fp32_grads, self.state_dtype = optimizer, fp32_grads, state_dtype
         self.rounding, self.kahan = rounding, bool(kahan)
+        self.round_to_bf16, self.stochastic_round_bf16, self.kahan_add_ = round_to_bf16, stochastic_round_bf16, kahan_add_
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         bad = [p.dtype for p in self.params if p.dtype != torch.bfloat16]
         if bad:
@@ -186,12 +193,7 @@ class BF16Optimizer:
         for i, (p, w16, g16) in enumerate(saved):
             w32 = p.data                                    # the exact new weight, fp32
             old = w16.clone()
-            if self.kahan:
-                kahan_add_(w16, self.comp[i], w32 - old.float())
-            elif self.rounding == "nearest":
-                w16.copy_(w32)
-            else:
-                w16.copy_(stochastic_round_bf16(w32, self.generator))
+            self._write_back(w16, w32, old, i)
             wanted = w32 != old.float()
             self.changed += int(wanted.sum())
             self.lost += int((wanted & (w16 == old)).sum())
@@ -199,6 +201,30 @@ class BF16Optimizer:
             p.data = w16
             p.grad = g16
             self._state_to(p, self.state_dtype)
+
+    def _write_back(self, w16, w32, old, i) -> None:
+        """w16 (bf16) := the new weight w32 (fp32), by the chosen rule (a given function, else the library's)."""
+        if self.kahan:
+            if self.kahan_add_ is None:
+                kahan_add_(w16, self.comp[i], w32 - old.float())
+                return
+            w, comp = w16.clone(), self.comp[i].clone()       # the learner's function works on copies
+            out = self.kahan_add_(w, comp, w32 - old.float())
+            if out is not None and not (out is w):
+                raise SeamError(f"kahan_add_ returned {type(out).__name__}: it should update w and comp in place "
+                                "and return None")
+            if w.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16 or w.shape != w16.shape:
+                raise SeamError("kahan_add_ changed the dtype or shape of w or comp: update them in place")
+            w16.copy_(w)
+            self.comp[i].copy_(comp)
+        elif self.rounding == "nearest":
+            if self.round_to_bf16 is None:
+                w16.copy_(w32)                                 # fused cast: round to nearest even
+            else:
+                w16.copy_(check_rounded("round_to_bf16", w32, self.round_to_bf16(w32.clone()), torch.bfloat16))
+        else:
+            fn = self.stochastic_round_bf16 or stochastic_round_bf16
+            w16.copy_(check_rounded("stochastic_round_bf16", w32, fn(w32.clone(), self.generator), torch.bfloat16))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` and the FP32 buffers (freed with set_to_none=True, the default)."""

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
+from .seams import check_rounded
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + (
@@ -140,13 +141,15 @@ class MasterWeights:
             param-group dicts (options such as lr are kept per group, as torch.optim).
         optimizer_cls: any torch.optim.Optimizer class (or callable `(param_groups, **kw) -> Optimizer`),
             built over the FP32 master params.
+        round_to_model: optional fn(fp32 tensor) -> the same values rounded to the model dtype (float32 or that
+            dtype), used by copy_master_to_model in place of the cast; None (default): the cast.
         **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
     FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
     are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
     (aligned lists). Raises ValueError for non-floating or non-leaf params.
     """
 
-    def __init__(self, params, optimizer_cls=torch.optim.SGD, **optimizer_kwargs):
+    def __init__(self, params, optimizer_cls=torch.optim.SGD, *, round_to_model=None, **optimizer_kwargs):
         self.model_params, self.master_params, master_groups, seen = [], [], [], set()
         for group in _param_groups(params):
             masters = []
@@ -164,6 +167,7 @@ class MasterWeights:
             master_groups.append({**group, "params": masters})
         self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
         self._grads_copied = False
+        self.round_to_model = round_to_model     # fn(fp32 tensor) -> its values rounded to the model dtype
         self._record_versions()
 
     def _record_versions(self):
@@ -224,9 +228,14 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_master_to_model(self) -> None:
-        """model.param (fp16/bf16) := master (fp32) rounded to nearest even."""
+        """model.param (fp16/bf16) := master (fp32) rounded to nearest even, by ``round_to_model`` when one
+        was given (e.g. lesson 00's ``round_to_bf16``; checked by ``mpcourse.core.seams.check_rounded``)."""
         for p, m in self._pairs():
-            p.copy_(m)
+            if self.round_to_model is None:
+                p.copy_(m)                           # fp32 -> fp16/bf16, nearest even (fused cast)
+            else:
+                p.copy_(check_rounded(getattr(self.round_to_model, "__name__", "round_to_model"), m,
+                                      self.round_to_model(m.detach()), p.dtype))
         self._record_versions()
 
     def step(self, scaler=None):

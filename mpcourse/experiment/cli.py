@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    c.add_argument("--with", dest="with_notebooks", action="append", default=[], metavar="NOTEBOOK",
+                   help="an exercise notebook whose functions (e.g. update_scale) train a second row per recipe, "
+                        "'NAME [yours]'; repeat for several notebooks")
     d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.distributed)")
     d.add_argument("--nproc", type=positive_int, default=1,
                    help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
@@ -128,18 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipes or list(RECIPES)
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
+        if args.with_notebooks:
+            print("mpcourse compare: error: --with runs in one process; drop --nproc/--parallel", file=sys.stderr)
+            return 2
         return _main_distributed(args, corpus, cfg, recipes)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(f"tensor cores: {emulation.status()}")
+    learner = {}
+    if args.with_notebooks:
+        from .learner import LearnerLoadError, load_functions
+        try:
+            for nb in args.with_notebooks:
+                learner.update(load_functions(nb))
+        except LearnerLoadError as e:
+            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            return 2
+        print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     peak = _peak_flops(args.device)
     where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
     print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
           else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
     run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak,
-                inspect_every=args.inspect or 0)
+                inspect_every=args.inspect or 0, learner=learner)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 

@@ -23,6 +23,10 @@ import statistics
 from pathlib import Path
 
 from .data import Corpus
+from mpcourse.core.seams import SeamError
+from .learner import overrides_for
+from .recipes import get_recipe
+from .recipes.base import OverrideError
 from .train import RunResult, TrainConfig, Trainer, train
 
 
@@ -218,6 +222,35 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def yours(name: str) -> str:
+    """The row name of recipe ``name`` trained with a learner's functions."""
+    return f"{name} [yours]"
+
+
+def train_with_learner(name: str, corpus: Corpus, cfg: TrainConfig, functions: dict, *, progress: bool = False,
+                       echo=print) -> RunResult | None:
+    """Recipe ``name`` trained with those of ``functions`` it accepts, as the row ``"name [yours]"``.
+
+    Returns None, after one line through ``echo``, when the recipe accepts none of them or when one of
+    them fails (it raised, e.g. NotImplementedError, or returned something the library cannot use): the
+    line names the function and why, never a traceback from inside the training step.
+    """
+    recipe_cls = get_recipe(name)
+    overrides = overrides_for(recipe_cls, functions)
+    if not overrides:
+        accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
+        echo(f"{name}: cannot use any of {', '.join(sorted(functions)) or 'no functions'} "
+             f"(it accepts: {accepted})")
+        return None
+    try:
+        return train(name, corpus, cfg, progress=progress, overrides=overrides, label=yours(name))
+    except (OverrideError, SeamError) as e:
+        echo(f"{yours(name)}: {e}")
+    except (TypeError, ValueError) as e:                  # a library check on what a function returned
+        echo(f"{yours(name)}: {', '.join(overrides)}: {e}")
+    return None
+
+
 def strict_json(obj):
     """``obj`` with every non-finite float replaced by None, named in its object's ``"nonfinite"``."""
     if isinstance(obj, dict):
@@ -284,48 +317,47 @@ def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: in
 
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
-                peak_flops: float | None = None, inspect_every: int = 0) -> list[RunResult]:
+                peak_flops: float | None = None, inspect_every: int = 0,
+                learner: dict | None = None) -> list[RunResult]:
     """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
     the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column.
     ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
     ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
-    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``)."""
+    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``).
+    ``learner``: functions loaded from exercise notebooks (``mpcourse.experiment.learner``); each recipe
+    that accepts some of them gets a second row, ``"name [yours]"``, trained with them (every seed).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in recipes:
-        results.append(train(name, corpus, cfg, progress=progress))
-    echo(format_table(results, cfg.optim.warmup_steps))
-    write_outputs(results, corpus, cfg, out)
-    return results
-
-
-def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None) -> None:
-    """Write ``out/results.json`` (strict JSON: config, ``extra`` keys, environment, one object per
-    recipe) and ``out/loss_curves.png``."""
-    out.mkdir(parents=True, exist_ok=True)
-    payload = results_payload(results, corpus, cfg, extra)
-    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
-    plot_curves(results, out / "loss_curves.png")
-
-
     seeds = list(seeds) if seeds else [cfg.seed]
     runs: dict[int, list[RunResult]] = {}
     for seed in seeds:
         scfg = dataclasses.replace(cfg, seed=seed)
-        if inspect_every and seed == seeds[0]:
-            runs[seed] = [_inspected(name, corpus, scfg, out, inspect_every, progress) for name in recipes]
-        else:
-            runs[seed] = [train(name, corpus, scfg, progress=progress) for name in recipes]
+        rows = []
+        for name in recipes:
+            if inspect_every and seed == seeds[0]:
+                rows.append(_inspected(name, corpus, scfg, out, inspect_every, progress))
+            else:
+                rows.append(train(name, corpus, scfg, progress=progress))
+            if learner:
+                mine = train_with_learner(name, corpus, scfg, learner, progress=progress, echo=echo)
+                if mine is not None:
+                    rows.append(mine)
+        runs[seed] = rows
     if len(seeds) == 1:
-        echo(format_table(runs[seeds[0]], peak_flops))
+        echo(format_table(runs[seeds[0]], cfg.optim.warmup_steps, peak_flops))
     else:
         echo(format_seed_table(runs, peak_flops))
-    payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
-               "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seeds": seeds,
-                          "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
-                          "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr},
-               "peak_flops": peak_flops,
-               "results": [{**r.to_dict(), "seed": s} for s, rs in runs.items() for r in rs]}
-    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
-    plot_curves(runs[seeds[0]], out / "loss_curves.png")
-    return [r for rs in runs.values() for r in rs]
+    flat = [(s, r) for s, rs in runs.items() for r in rs]
+    write_outputs([r for _, r in flat], corpus, cfg, out, extra={"seeds": seeds, "peak_flops": peak_flops},
+                  seeds=[s for s, _ in flat], plot_results=runs[seeds[0]])
+    return [r for _, r in flat]
+
+
+def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None,
+                  seeds: list[int] | None = None, plot_results: list[RunResult] | None = None) -> None:
+    """Write ``out/results.json`` (strict JSON: config, ``extra`` keys, environment, one object per
+    run) and ``out/loss_curves.png`` (``plot_results``, default all ``results``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = results_payload(results, corpus, cfg, extra, seeds)
+    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
+    plot_curves(plot_results if plot_results is not None else results, out / "loss_curves.png")

@@ -344,13 +344,17 @@ class Trainer:
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
-          position: int = 0) -> RunResult:
+          position: int = 0, overrides=None, label: str | None = None) -> RunResult:
     """Train a fresh GPT on ``corpus`` under recipe ``recipe_name`` and report the outcome.
 
     A run whose training loss becomes inf or NaN stops there (``diverged_at``), and its final
-    losses are NaN: nothing is silently averaged away.
+    losses are NaN: nothing is silently averaged away. ``overrides``: a learner's functions in place
+    of the library's (see ``Trainer``); ``label``: the name of the result's row (default the recipe's).
 
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
     """
-    return Trainer(recipe_name, corpus, cfg).run(progress=progress, position=position).result()
+    trainer = Trainer(recipe_name, corpus, cfg, overrides)
+    if label is not None:
+        trainer.name = label                                 # the row's name, e.g. "fp16-dynamic [yours]"
+    return trainer.run(progress=progress, position=position).result()

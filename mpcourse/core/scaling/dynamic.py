@@ -7,6 +7,8 @@ in its order (`DynamicLossScaler("cuda", init_scale=...)`) and the same getters 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import validate
@@ -62,6 +64,10 @@ class DynamicLossScaler(LossScalerBase):
         max_scale: cap on growth. None: no cap.
         process_group: the torch.distributed group whose ranks share one inf/NaN decision (None: the default
             group). Ignored unless torch.distributed is initialized with more than one rank.
+        update_scale: optional rule with lesson 04's signature, ``update_scale(scale, growth_tracker, found_inf,
+            growth_factor, backoff_factor, growth_interval) -> (new_scale, new_growth_tracker)`` on Python
+            numbers, used by ``update()`` in place of the library's (one host sync per step). Only with
+            hysteresis=1 and no min_scale/max_scale (the lesson's rule has neither).
     With hysteresis=1 and no floor/cap the trajectory equals torch.amp.GradScaler's bit for bit (the fused
     `torch._amp_update_scale_` is used then; the general rule is plain tensor ops, no host sync).
     State: scale fp32 (), growth tracker int32 (), hysteresis tracker int32 (), on the loss's device.
@@ -71,7 +77,11 @@ class DynamicLossScaler(LossScalerBase):
 
     def __init__(self, device=None, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  enabled=True, *, hysteresis=1, consecutive_hysteresis=False, min_scale=None, max_scale=None,
-                 process_group=None):
+                 process_group=None, update_scale=None):
+        if update_scale is not None and (hysteresis != 1 or min_scale is not None or max_scale is not None):
+            raise ValueError("update_scale= is the rule without hysteresis, floor or cap: use it with hysteresis=1, "
+                             "min_scale=None, max_scale=None")
+        self.update_scale = update_scale
         if device is not None and not isinstance(device, (str, torch.device)):
             raise TypeError(f"the first argument is the device type, as torch.amp.GradScaler's, got {device!r}; "
                             "pass the scale by name: DynamicLossScaler(init_scale=...)")
@@ -143,6 +153,9 @@ class DynamicLossScaler(LossScalerBase):
                     "MasterWeights.zero_grad() every iteration, also after a skipped step), or the model/data "
                     "produce inf/NaN even in FP32 (check inputs and loss with torch.isfinite; try "
                     "torch.autograd.set_detect_anomaly(True)).")
+        if self.update_scale is not None:
+            self._update_with_rule(found_inf)
+            return
         if HAS_FUSED_UPDATE and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None:
             torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor, self._backoff_factor,
                                      self._growth_interval)
@@ -163,6 +176,22 @@ class DynamicLossScaler(LossScalerBase):
         scale.copy_(torch.where(backoff, backed_off, torch.where(grow, grown, scale)))
         tracker.copy_(torch.where(ovf | grow, 0, clean_run))
         hyst.copy_(torch.where(spend, hyst - 1, torch.where(refill, self.hysteresis, hyst)))
+
+    def _update_with_rule(self, found_inf) -> None:
+        """The given ``update_scale`` on Python numbers; its result is checked and written back in FP32."""
+        out = self.update_scale(float(self._scale), int(self._growth_tracker), bool(found_inf > 0),
+                                self._growth_factor, self._backoff_factor, self._growth_interval)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"update_scale returned {type(out).__name__}, expected a tuple (new_scale, "
+                            "new_growth_tracker)")
+        new_scale, new_tracker = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in out)
+        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) \
+                or not (math.isfinite(new_scale) and new_scale > 0):
+            raise TypeError(f"update_scale returned scale {new_scale!r}, expected a positive finite number")
+        if isinstance(new_tracker, bool) or not isinstance(new_tracker, int) or new_tracker < 0:
+            raise TypeError(f"update_scale returned growth_tracker {new_tracker!r}, expected an int >= 0")
+        self._scale.fill_(new_scale)                                     # fp32, rounded to nearest
+        self._growth_tracker.fill_(new_tracker)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -17,6 +17,7 @@ only precision differs. ``mpcourse recipes`` lists the registry.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -46,10 +47,34 @@ def get_recipe(name: str) -> type["TrainingRecipe"]:
                        "(run `mpcourse recipes`)") from None
 
 
+class OverrideError(RuntimeError):
+    """A function given in ``overrides`` raised: the message names it and what it raised."""
+
+    def __init__(self, name: str, error: BaseException):
+        what = "is not implemented yet (it raises NotImplementedError)" if isinstance(error, NotImplementedError) \
+            else f"raised {type(error).__name__}: {error}"
+        super().__init__(f"your {name} {what}")
+        self.name, self.error = name, error
+
+
+def _guarded(name: str, fn: Callable) -> Callable:
+    """``fn`` whose exceptions become one ``OverrideError`` naming ``name`` (no traceback from deep inside)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OverrideError:
+            raise
+        except Exception as e:                                        # the learner's bug, whatever it is
+            raise OverrideError(name, e) from None
+    return call
+
+
 def check_overrides(recipe_cls: type["TrainingRecipe"], overrides: Mapping[str, Callable] | None) -> dict:
     """Validate a recipe's ``overrides`` (a learner's functions put in place of the library's).
 
-    Returns a plain dict (empty for None). Raises ``ValueError`` naming the names ``recipe_cls``
+    Returns a plain dict (empty for None) of the functions wrapped so that an exception they raise
+    becomes an ``OverrideError`` naming the function. Raises ``ValueError`` naming the names ``recipe_cls``
     accepts when a name is unknown to it, and ``TypeError`` when a value is not callable.
     """
     overrides = dict(overrides or {})
@@ -60,7 +85,7 @@ def check_overrides(recipe_cls: type["TrainingRecipe"], overrides: Mapping[str, 
     bad = [n for n, f in overrides.items() if not callable(f)]
     if bad:
         raise TypeError(f"overrides {', '.join(bad)} must be functions")
-    return overrides
+    return {n: _guarded(n, f) for n, f in overrides.items()}
 
 
 @dataclass
@@ -198,6 +223,10 @@ class MasterWeightsRecipe(TrainingRecipe):
     loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
 
     model_dtype = torch.float16
+    OVERRIDABLE = ("round_to_fp16",)          # lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16)
+
+    def round_name(self) -> str:
+        return {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}[self.model_dtype]
 
     def prepare_model(self, model):
         return cast_model(model, self.model_dtype)                    # every param (N,) fp16 / bf16
@@ -206,7 +235,7 @@ class MasterWeightsRecipe(TrainingRecipe):
         o = self.optim
         # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
         self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
-                                    weight_decay=o.weight_decay)
+                                    weight_decay=o.weight_decay, round_to_model=self.overrides.get(self.round_name()))
         return self.master.optimizer                                   # steps the fp32 master params
 
     def step(self) -> StepResult:

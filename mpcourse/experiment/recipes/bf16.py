@@ -51,6 +51,7 @@ class BF16Master(MasterWeightsRecipe):
     name = "bf16-master"
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.bfloat16
+    OVERRIDABLE = ("round_to_bf16",)                   # lesson 00: the master -> model rounding
 
 
 class _BF16Pure(TrainingRecipe):
@@ -64,7 +65,7 @@ class _BF16Pure(TrainingRecipe):
 
     def make_optimizer(self, params):
         return BF16Optimizer(super().make_optimizer(params), rounding=self.rounding, kahan=self.kahan,
-                             seed=SR_SEED)
+                             seed=SR_SEED, **self.overrides)          # names in OVERRIDABLE = its keywords
 
     def step(self) -> StepResult:
         self.optimizer.accumulate_grads()                              # bf16 grads -> fp32 buffers
@@ -83,6 +84,7 @@ class BF16Pure(_BF16Pure):
     name = "bf16-pure"
     description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (small updates are lost)"
     rounding = "nearest"
+    OVERRIDABLE = ("round_to_bf16",)                   # lesson 00
 
 
 @register
@@ -90,6 +92,7 @@ class BF16PureSR(_BF16Pure):
     name = "bf16-pure-sr"
     description = "BF16 weights and AdamW state, no master copy, stochastic rounding of the updated weights"
     rounding = "stochastic"
+    OVERRIDABLE = ("stochastic_round_bf16",)           # lesson 06
 
 
 @register
@@ -97,6 +100,7 @@ class BF16PureKahan(_BF16Pure):
     name = "bf16-pure-kahan"
     description = "BF16 weights and AdamW state, no master copy, Kahan-compensated updates (BF16 buffer)"
     rounding, kahan = "nearest", True
+    OVERRIDABLE = ("kahan_add_",)                      # lesson 06
 
 
 @register
@@ -106,6 +110,7 @@ class BF16MasterBF16Moments(BF16Master):
 
     name = "bf16-master-bf16-moments"
     description = "BF16 model, FP32 master weights, AdamW moments stored in BF16 (DeepSeek-V3)"
+    OVERRIDABLE = ()                                   # its MasterWeights is built here, without the seam
 
     def make_optimizer(self, params):
         o = self.optim

@@ -116,6 +116,8 @@ class FP16Static(_ScaledFP16):
 class FP16Dynamic(_ScaledFP16):
     name = "fp16-dynamic"
     description = "FP16 model, FP32 master weights, dynamic loss scaling (DynamicLossScaler, growth_interval 50)"
+    OVERRIDABLE = ("round_to_fp16", "update_scale")     # lessons 00 and 04
 
     def make_scaler(self):
-        return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL)
+        return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL,
+                                 update_scale=self.overrides.get("update_scale"))

@@ -1,0 +1,67 @@
+"""A learner's functions, loaded from an exercise notebook, to train the course's GPT with them.
+
+``load_functions(path)`` reads a notebook (``exercises/NN_*.ipynb`` or ``solutions/NN_*.ipynb``) and runs
+only what *defines* things: top-level ``import`` statements, ``def`` and ``class`` statements and
+assignments to UPPER_CASE names, from every code cell except the check cells (tagged ``check``) and the
+cell that trains with the learner's code (tagged ``train-yours``). Nothing else runs: no training, no
+plots, no prints. The result maps function names to functions; ``overrides_for(recipe_cls, functions)``
+keeps those a recipe accepts (its ``OVERRIDABLE``), and ``mpcourse compare --with NB`` adds a row per
+recipe trained with them (``mpcourse.experiment.compare``).
+"""
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from pathlib import Path
+
+SKIP_TAGS = ("check", "train-yours")   # cells never run when loading
+
+
+class LearnerLoadError(ValueError):
+    """A notebook whose definitions cannot be loaded (missing file, syntax error, failing import)."""
+
+
+def _keep(node: ast.stmt) -> bool:
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return all(isinstance(t, ast.Name) and t.id.isupper() for t in targets)
+    return False
+
+
+def load_functions(path: str | Path) -> dict[str, Callable]:
+    """The functions (and classes) a notebook defines at top level, by name; see the module docstring.
+
+    Raises ``LearnerLoadError`` naming the notebook and the cell when the file is missing, a cell does
+    not parse, or running the definitions fails (e.g. an import of a module that is not installed).
+    """
+    import nbformat
+
+    path = Path(path)
+    if not path.is_file():
+        raise LearnerLoadError(f"{path}: no such notebook (give the path of an exercise, e.g. "
+                               "exercises/04_dynamic_loss_scaling.ipynb)")
+    nb = nbformat.read(path, as_version=4)
+    body: list[ast.stmt] = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or any(t in cell.metadata.get("tags", []) for t in SKIP_TAGS):
+            continue
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(source, filename=f"{path.name} cell {i}")
+        except SyntaxError as e:
+            raise LearnerLoadError(f"{path.name} cell {i}: syntax error on line {e.lineno}: {e.msg}") from None
+        body.extend(ast.increment_lineno(n, 0) for n in tree.body if _keep(n))
+    namespace: dict = {"__name__": f"learner:{path.stem}"}
+    try:
+        exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
+    except Exception as e:
+        raise LearnerLoadError(f"{path.name}: defining its functions failed: {type(e).__name__}: {e}") from None
+    return {name: obj for name, obj in namespace.items()
+            if callable(obj) and getattr(obj, "__module__", None) == namespace["__name__"] and not name.startswith("_")}
+
+
+def overrides_for(recipe_cls, functions: dict[str, Callable]) -> dict[str, Callable]:
+    """The subset of ``functions`` that ``recipe_cls`` accepts as overrides (its ``OVERRIDABLE``)."""
+    return {name: fn for name, fn in functions.items() if name in recipe_cls.OVERRIDABLE}
