@@ -198,3 +198,14 @@ def test_a_raising_rank_stops_the_job_with_its_message():
     raised_at = float(info.value.message.rsplit("at time ", 1)[1])
     assert info.value.rank == 1
     assert stopped - raised_at < 10, stopped - raised_at   # rank 0 waits in a collective: terminated, not timed out
+
+
+def test_cli_flags_and_their_errors(capsys):
+    from mpcourse.experiment.cli import build_parser, main
+
+    args = build_parser().parse_args(["compare", "--nproc", "2", "--parallel", "fsdp", "--reduce-dtype", "bf16"])
+    assert (args.nproc, args.parallel, args.reduce_dtype) == (2, "fsdp", "bf16")
+    assert main(["compare", "--nproc", "2", "--recipes", "fp32"]) == 2
+    assert "needs --parallel ddp or --parallel fsdp" in capsys.readouterr().err
+    assert main(["compare", "--nproc", "3", "--parallel", "ddp", "--batch-size", "16"]) == 2
+    assert "not divisible by --nproc 3" in capsys.readouterr().err

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.distributed)")
-    d.add_argument("--nproc", type=_positive, default=1,
+    d.add_argument("--nproc", type=positive_int, default=1,
                    help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
                         "under torchrun the processes torchrun started)")
     d.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="dtype gradients are reduced in across ranks (default: DDP the gradients' dtype; FSDP2 fp32 "
                         "for the master-weights recipes, the parameters' dtype otherwise)")
-    d.add_argument("--dist-timeout", type=float, default=120.0,
+    d.add_argument("--dist-timeout", type=positive_float, default=120.0,
                    help="seconds a collective may wait for the other ranks before the job fails (default %(default)s)")
     sub.add_parser("recipes", help="list the registered recipes")
     return p
