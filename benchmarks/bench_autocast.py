@@ -1,9 +1,9 @@
 """The course's autocast (a Python TorchFunctionMode) against torch.autocast (C++ dispatcher key).
 
-One training step of the compare model (default ``GPTConfig``, batch 16 x 64 tokens): forward under
-the autocast region, backward, ``AdamW.step()``, ``zero_grad``; FP32 weights, as the
-``bf16-autocast`` recipe runs it. Everything runs inside ``mpcourse.core.emulation.tensor_cores()`` (auto),
-as the training loop does. The two implementations are timed in one process, interleaved
+One training step of the compare model (default ``GPTConfig``, batch 16 x 64 tokens), the trainer's
+own step (``Trainer.train_step``): forward under the autocast region, backward, clip, ``AdamW.step()``,
+``zero_grad``; FP32 weights, as the ``bf16-autocast`` recipe runs it, and inside
+``mpcourse.core.emulation.tensor_cores()`` (auto), as the training loop does. The two implementations are timed in one process, interleaved
 (A B, B A, A B, ...) so that drift in the machine's speed hits both alike. Printed per autocast
 dtype: the median step time of each, and two ratios mpcourse / torch, each the median over the
 back-to-back pairs: of wall time, and of CPU time (``time.process_time``: the work done, which other
@@ -29,33 +29,36 @@ import torch
 import mpcourse.core.autocast as mpa
 from mpcourse.core import emulation
 from mpcourse.experiment.data import load_corpus
-from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.recipes import OptimConfig, TrainingRecipe
 from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.train import TrainConfig, Trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_step(ctx_factory, corpus, dtype):
-    """A closure running one step of a fresh, seeded model under ``ctx_factory(dtype)``."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=corpus.vocab_size))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = corpus.batch("train", 16, 64, torch.Generator().manual_seed(0))     # (16, 64) int64
+class _AutocastRecipe(TrainingRecipe):
+    """FP32 weights and AdamW, forward under ``ctx_factory("cpu", dtype=dtype)`` (not registered)."""
 
-    def step():
-        with ctx_factory("cpu", dtype=dtype):
-            _, loss = model(x, y)                                             # fp32 ()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
+    def __init__(self, model, ctx_factory, dtype):
+        self.ctx_factory, self.dtype = ctx_factory, dtype
+        super().__init__(model, OptimConfig(lr=1e-4, warmup_steps=0))
+
+    def forward_context(self):
+        return self.ctx_factory("cpu", dtype=self.dtype)
+
+
+def make_step(ctx_factory, corpus, dtype):
+    """A closure running the trainer's step on a fresh, seeded model under ``ctx_factory(dtype)``."""
+    torch.manual_seed(0)
+    recipe = _AutocastRecipe(GPT(GPTConfig(vocab_size=corpus.vocab_size)), ctx_factory, dtype)
+    trainer = Trainer.wrap(recipe, corpus, TrainConfig(steps=10**6, batch_size=16), evaluate=False)
+    return lambda: trainer.train_step()["loss"]                              # same batches for both
 
 
 def bench(dtype, corpus, repeats: int, warmup: int = 2):
     """Wall and CPU step times (s; lists per implementation, interleaved) and whether the first losses agree."""
     ref, ours = make_step(torch.autocast, corpus, dtype), make_step(mpa.autocast, corpus, dtype)
-    same_loss = torch.equal(ref().view(torch.int32), ours().view(torch.int32))   # first step: same weights
+    same_loss = ref() == ours()                                               # first step: same weights, same batch
     for _ in range(warmup):
         ref(), ours()
     wall = {"torch": [], "mpcourse": []}
@@ -89,12 +92,12 @@ def main(argv=None):
           f"{args.repeats} interleaved steps each; medians")
     print(f"{'autocast dtype':<16}{'torch.autocast ms':>19}{'mpcourse ms':>13}{'ratio (wall)':>14}"
           f"{'ratio (CPU time)':>18}  same first-step loss")
-    with tensor_cores():                                   # auto, as the training loop
-        for key in args.dtypes.split(","):
-            wall, cpu, same = bench(DTYPES[key.strip()], corpus, args.repeats)
-            t_ref, t_ours = statistics.median(wall["torch"]), statistics.median(wall["mpcourse"])
-            print(f"{key:<16}{t_ref * 1e3:>19.1f}{t_ours * 1e3:>13.1f}{pair_ratio(wall):>13.2f}x"
-                  f"{pair_ratio(cpu):>17.2f}x  {same}")
+    # each step enters tensor_cores() (auto) itself, as Trainer.train_step does
+    for key in args.dtypes.split(","):
+        wall, cpu, same = bench(DTYPES[key.strip()], corpus, args.repeats)
+        t_ref, t_ours = statistics.median(wall["torch"]), statistics.median(wall["mpcourse"])
+        print(f"{key:<16}{t_ref * 1e3:>19.1f}{t_ours * 1e3:>13.1f}{pair_ratio(wall):>13.2f}x"
+              f"{pair_ratio(cpu):>17.2f}x  {same}")
 
 
 if __name__ == "__main__":

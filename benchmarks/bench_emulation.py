@@ -1,7 +1,7 @@
 """Tensor-core emulation against PyTorch's native low-precision CPU kernels, measured in one run.
 
-Prints, for BF16 and FP16: a 512x512x512 matmul and one training step (forward + backward +
-AdamW) of the compare model in pure low precision, each as native time / emulated time, with the
+Prints, for BF16 and FP16: a 512x512x512 matmul and one training step of the compare model in pure
+low precision (``Trainer.train_step`` of the ``bf16-pure`` / ``fp16-pure`` recipe; ``fp32`` for scale), each as native time / emulated time, with the
 FP32 time for scale. Ratios are what to read (this machine is shared and noisy); the absolute
 milliseconds are for context only.
 
@@ -16,7 +16,9 @@ import torch
 from mpcourse.core import emulation
 from mpcourse.experiment.data import load_corpus
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.train import TrainConfig, Trainer
+
+PURE_RECIPE = {torch.float32: "fp32", torch.bfloat16: "bf16-pure", torch.float16: "fp16-pure"}
 
 
 def best_of(fn, repeats: int, warmup: int = 1) -> float:
@@ -42,17 +44,14 @@ def matmul_case(dtype, emulate, n=512):
 
 
 def train_step_case(dtype, emulate, corpus):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=corpus.vocab_size)).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-4)
-    x, y = corpus.batch("train", 16, 64, torch.Generator().manual_seed(0))
+    trainer = Trainer(PURE_RECIPE[dtype], corpus, TrainConfig(steps=10**6, batch_size=16))  # evaluates never
 
     def run():
-        with tensor_cores(emulate):
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        emulation.set_emulation(emulate)                 # forced on/off for this case; the step enters it
+        try:
+            trainer.train_step()
+        finally:
+            emulation.set_emulation(None)
     return run
 
 

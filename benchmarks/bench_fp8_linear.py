@@ -6,26 +6,39 @@ chip's dense peak (BF16 peak for the BF16 row, FP8 peak for the FP8 rows). One f
 GEMMs of 2*M*K*N FLOPs each (forward, input gradient, weight gradient); the FP8 rows' time includes their
 amax, scale and cast work, as a training step pays it.
 
+Every FP8 recipe the library has is measured: the ``fp8_recipe`` of each ``fp8-*`` recipe in the
+``mpcourse compare`` registry, plus any other recipe class exported by ``mpcourse.core.quant`` that
+``Float8Linear`` accepts with its defaults (``fp8_recipes()``), so a new recipe is picked up without
+editing this file.
+
 Dense peaks used (NVIDIA data sheets, SXM parts): H100 / H200 989 TFLOP/s BF16, 1979 FP8; L4 121 / 242;
 L40S 362 / 733. Another GPU prints no fraction.
 
     python benchmarks/bench_fp8_linear.py                      # GPU: 1024, 4096, 8192; CPU: one small shape
-    python benchmarks/bench_fp8_linear.py --recipe delayed --compile --sizes 8192
+    python benchmarks/bench_fp8_linear.py --recipe fp8-delayed --compile --sizes 8192
 
 Eager mode runs every amax/scale/cast as separate kernels, which costs a few memory passes per tensor;
 ``--compile`` (torch.compile) fuses them, as torchao's published numbers do. On a CPU it measures the CPU
 (torch._scaled_mm is computed in FP32 there): the numbers say nothing about a GPU.
+``benchmarks/gpu_suite.py`` runs this sweep (eager and compiled) as part of one GPU session.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import os
+import sys
 import time
 import warnings
 
 import torch
 import torch.nn as nn
 
-from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, fp8_autocast
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a plain checkout
+
+from mpcourse.core import quant  # noqa: E402
+from mpcourse.core.quant import Float8Linear, fp8_autocast  # noqa: E402
 
 PEAKS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "L40S": (362.0, 733.0), "L4": (121.0, 242.0)}
 
@@ -39,6 +52,40 @@ def peaks(device: torch.device):
         if key in name:
             return value
     return None, None
+
+
+def _accepted(recipe) -> bool:
+    try:
+        with torch.device("meta"):
+            Float8Linear(16, 16, bias=False, recipe=recipe)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def fp8_recipes() -> dict:
+    """{name: recipe instance}: the registry's ``fp8-*`` recipes, then other recipe classes of the quant package."""
+    found: dict = {}
+    try:
+        from mpcourse.experiment.recipes import RECIPES
+        for name, cls in RECIPES.items():
+            recipe = getattr(cls, "fp8_recipe", None)
+            if name.startswith("fp8") and recipe is not None and _accepted(recipe):
+                found[name] = recipe
+    except Exception as e:  # the registry failed to import: fall back to the quant package alone
+        print(f"(recipe registry unavailable: {type(e).__name__}: {e})")
+    covered = {type(r) for r in found.values()}
+    for attr in quant.__all__:
+        cls = getattr(quant, attr)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls not in covered:
+            try:
+                recipe = cls()
+            except Exception:
+                continue
+            if _accepted(recipe):
+                found[cls.__name__] = recipe
+                covered.add(cls)
+    return found
 
 
 def time_fwd_bwd(module: nn.Module, x: torch.Tensor, iters: int, warmup: int, fp8_region: bool) -> float:
@@ -70,36 +117,47 @@ def time_fwd_bwd(module: nn.Module, x: torch.Tensor, iters: int, warmup: int, fp
     return sorted(times)[len(times) // 2]
 
 
-def candidates(n: int, device: torch.device, recipe_name: str, compile_: bool):
-    """(label, module, is_fp8, inside fp8_autocast) for each implementation that is available."""
-    base = nn.Linear(n, n, bias=False, device=device, dtype=torch.bfloat16)
-    recipe = DelayedScaling() if recipe_name == "delayed" else CurrentScaling()
-    rows = [("bf16 nn.Linear", base, False, False),
-            (f"mpcourse Float8Linear ({recipe_name})", Float8Linear.from_float(base, recipe=recipe), True, True)]
+def torchao_linear(base: nn.Linear):
+    """torchao's Float8Linear (tensorwise) with a copy of ``base``'s weight, in an nn.Sequential; or None."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        config = Float8LinearConfig(emulate=device.type != "cuda")
-        ao = convert_to_float8_training(nn.Sequential(nn.Linear(n, n, bias=False, device=device,
-                                                                dtype=torch.bfloat16)), config=config)
-        rows.append(("torchao Float8Linear (tensorwise)", ao, True, False))
+        config = Float8LinearConfig(emulate=base.weight.device.type != "cuda")
+        return convert_to_float8_training(nn.Sequential(copy.deepcopy(base)), config=config)
     except Exception as e:  # ImportError, or a torchao built for another torch
         print(f"(torchao unavailable, its row is skipped: {type(e).__name__}: {e}; "
               "`pip install --no-deps torchao` adds it)")
+        return None
+
+
+def candidates(n: int, device: torch.device, recipes: dict, compile_: bool, backend: str = "inductor",
+               with_torchao: bool = True):
+    """(label, module, is_fp8, inside fp8_autocast) for BF16, every recipe in ``recipes``, and torchao."""
+    base = nn.Linear(n, n, bias=False, device=device, dtype=torch.bfloat16)
+    rows = [("bf16 nn.Linear", base, False, False)]
+    for name, recipe in recipes.items():
+        rows.append((f"mpcourse Float8Linear ({name})", Float8Linear.from_float(base, recipe=recipe), True, True))
+    ao = torchao_linear(base) if with_torchao else None
+    if ao is not None:
+        rows.append(("torchao Float8Linear (tensorwise)", ao, True, False))
     if compile_:
-        rows = [(label + " +compile", torch.compile(m), fp8, region) for label, m, fp8, region in rows]
+        rows = [(label + " +compile", torch.compile(m, backend=backend), fp8, region)
+                for label, m, fp8, region in rows]
     return rows
 
 
 def main(argv=None):
+    recipes = fp8_recipes()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="*", help="M = K = N values (default: 1024 4096 8192 on GPU, "
                                                             "256 on CPU)")
-    parser.add_argument("--recipe", choices=["current", "delayed"], default="current")
+    parser.add_argument("--recipe", choices=["all", *recipes], default="all")
     parser.add_argument("--compile", action="store_true", help="torch.compile every module (fuses the casts)")
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.recipe != "all":
+        recipes = {args.recipe: recipes[args.recipe]}
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu = device.type == "cpu"
@@ -117,7 +175,7 @@ def main(argv=None):
         x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
         flops = 3 * 2 * n ** 3
         bf16_s = None
-        for label, module, is_fp8, region in candidates(n, device, args.recipe, args.compile):
+        for label, module, is_fp8, region in candidates(n, device, recipes, args.compile):
             secs = time_fwd_bwd(module, x, iters, warmup=1 if cpu else 5, fp8_region=region)
             bf16_s = secs if bf16_s is None else bf16_s
             tflops = flops / secs / 1e12

@@ -1,6 +1,6 @@
 """``python -m mpcourse``: the same command line as the ``mpcourse`` console script."""
 import sys
 
-from .experiment.cli import main
+from .cli import main
 
 sys.exit(main())

@@ -1,11 +1,10 @@
-"""Test helper shared by the recipe tests: build a recipe on a small GPT and step it the way
-``mpcourse.experiment.train.Trainer`` does, one step at a time, with an optional hook before ``step()``."""
+"""Test helper shared by the recipe tests: build a recipe on a small GPT and step it with the trainer's own
+step (``mpcourse.experiment.train.Trainer.train_step``), with an optional hook after backward."""
 import torch
 
-from mpcourse.core.emulation import tensor_cores
 from mpcourse.experiment.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
-from mpcourse.experiment.train import lr_at
+from mpcourse.experiment.train import TrainConfig, Trainer
 
 
 def make_recipe(name, corpus, model_cfg: GPTConfig, seed=0, optim=None):
@@ -16,19 +15,14 @@ def make_recipe(name, corpus, model_cfg: GPTConfig, seed=0, optim=None):
 
 
 def run_steps(recipe, corpus, gen, steps, *, block_size, batch_size, start=0, inject=None):
-    """Train ``steps`` steps from step ``start``; ``inject(step, recipe)`` runs after backward.
-    Returns [(loss as float, StepResult)] per step."""
-    out = []
-    with tensor_cores():
-        for step in range(start, start + steps):
-            x, y = corpus.batch("train", batch_size, block_size, gen)               # (B, T) int64
-            recipe.set_lr(lr_at(step, recipe.optim))
-            with recipe.forward_context():
-                _, loss = recipe.model(x, y)                                         # fp32 ()
-            recipe.backward(loss)
-            if inject is not None:
-                inject(step, recipe)
-            result = recipe.step()
-            recipe.zero_grad()
-            out.append((float(loss.detach()), result))
-    return out
+    """Train ``steps`` steps from step ``start`` (learning rate constant after warm-up, no evaluation);
+    ``inject(step, recipe)`` runs after backward. Returns [(loss as float, StepResult)] per step."""
+    cfg = TrainConfig(steps=start + steps, batch_size=batch_size, model=GPTConfig(block_size=block_size))
+    trainer = Trainer.wrap(recipe, corpus, cfg, gen, start_step=start, lr_decay=False, evaluate=False)
+    results = []
+    with trainer.emulation():
+        for _ in range(steps):
+            rec = trainer.train_step(after_backward=inject,
+                                     after_step=lambda step, r, result: results.append(result))
+            results[-1] = (rec["loss"], results[-1])
+    return results

@@ -22,6 +22,8 @@ BAD = {
     "--lr": (["nan", "inf", "-inf", "0", "-1e-3", "abc", "1e400"], "finite number > 0"),
     "--min-lr-ratio": (["2", "-0.1", "nan", "inf", "1.0001", "half"], "finite number in [0, 1]"),
     "--seed": (["-1", "1.5", "abc", str(2**32)], "integer from 0 to 4294967295"),
+    "--nproc": (["0", "two", "-2"], "positive integer"),
+    "--dist-timeout": (["0", "nan", "inf", "-5"], "finite number > 0"),
     "--recipes": (["nope", "fp32,nope", ",", ""], "unknown recipe"),
 }
 

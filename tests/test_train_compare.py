@@ -21,8 +21,14 @@ def corpus():
     return load_corpus()
 
 
-def small(steps=6, **kw):
-    return TrainConfig(steps=steps, batch_size=4, eval_interval=3, eval_batches=2, model=SMALL, **kw)
+# 1x128 / 128x128 blocks need widths and token counts in multiples of 128 (4 x 32 tokens, width 128)
+BLOCK_SCALED = ("fp8-block", "mxfp8", "nvfp4")
+SMALL_BLOCKS = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=128)
+
+
+def small(steps=6, recipe=None, **kw):
+    model = SMALL_BLOCKS if recipe in BLOCK_SCALED else SMALL
+    return TrainConfig(steps=steps, batch_size=4, eval_interval=3, eval_batches=2, model=model, **kw)
 
 
 def test_registry_has_the_anchor_recipes_in_order():
@@ -85,7 +91,10 @@ def test_cli_compare_writes_table_json_and_plot(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "torch-amp-bf16" in proc.stdout and "gap%" in proc.stdout
-    data = json.loads((out / "results.json").read_text())
+    def reject(name):
+        raise ValueError(f"results.json is not strict JSON: {name}")
+    data = json.loads((out / "results.json").read_text(), parse_constant=reject)
+    assert data["environment"]["torch"] and "emulation" in data["environment"]
     keys = {"final_train_loss", "final_val_loss", "skipped_steps", "final_loss_scale", "tokens_per_s",
             "bytes_per_param", "activation_bytes", "history"}
     assert [r["recipe"] for r in data["results"]] == ["fp32", "torch-amp-bf16"]
@@ -112,17 +121,17 @@ def test_cli_lists_recipes():
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
-    """Every registered recipe: 3 steps, save (through torch.save), load into a fresh Trainer,
+    """Every registered recipe: 3 steps, save (Trainer.save: torch.save with a checksum), load into a fresh Trainer,
     3 more steps == 6 uninterrupted steps, bit for bit (losses, scales, every parameter)."""
     from mpcourse.experiment.train import Trainer
 
-    cfg = small(6)
+    cfg = small(6, recipe)
     straight = Trainer(recipe, corpus, cfg).run()
     first = Trainer(recipe, corpus, cfg).run(3)
-    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    first.save(tmp_path / "ckpt.pt")                         # torch.save behind a SHA-256 header
     torch.manual_seed(123)                                   # disturb global RNG: the checkpoint restores it
     resumed = Trainer(recipe, corpus, cfg)
-    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    resumed.load(tmp_path / "ckpt.pt")                       # verified, then torch.load(weights_only=True)
     resumed.run()
     nan_safe = lambda v: "nan" if isinstance(v, float) and math.isnan(v) else v
     strip = lambda hist: [{k: nan_safe(v) for k, v in h.items()} for h in hist]
@@ -138,3 +147,30 @@ def test_checkpoint_from_another_recipe_is_refused(corpus):
     sd = Trainer("fp32", corpus, small(1)).state_dict()
     with pytest.raises(ValueError, match="from recipe 'fp32'"):
         Trainer("fp16-pure", corpus, small(1)).load_state_dict(sd)
+
+
+def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeypatch):
+    import contextlib
+
+    from mpcourse.experiment import train as train_mod
+    from mpcourse.experiment.train import Trainer
+    entered, real = [], train_mod.tensor_cores
+
+    @contextlib.contextmanager
+    def counting():
+        entered.append(1)
+        with real():
+            yield
+    monkeypatch.setattr(train_mod, "tensor_cores", counting)
+    t = Trainer("fp16-dynamic", corpus, small(steps=4))
+    before = len(entered)                                  # building the recipe: once
+    seen = []
+    t.train_step(after_backward=lambda step, r: seen.append(("grads", step, all(
+                     p.grad is not None for p in r.model.parameters()))),
+                 after_step=lambda step, r, res: seen.append(("result", step, res.loss_scale)))
+    assert seen == [("grads", 0, True), ("result", 0, 2.0**16)]
+    assert len(entered) == before + 1                      # a lone step enters it itself
+    t.run()                                                # the other three steps and their evaluations
+    assert len(entered) == before + 2 and t.step == 4
+    ref = Trainer("fp16-dynamic", corpus, small(steps=4)).run()
+    assert [h["loss"] for h in t.history] == [h["loss"] for h in ref.history]   # hooks that only look change nothing

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .checkpoint import CheckpointError, check_optimizer_state_dict
+
 ROUNDINGS = ("nearest", "stochastic")   # how BF16Optimizer rounds the new FP32 weight into BF16
 
 
@@ -220,18 +222,44 @@ class BF16Optimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load a ``state_dict()``. Raises ValueError if it was saved with another ``rounding`` or ``kahan``."""
+        """Load a ``state_dict()``. Everything is checked before anything changes (CheckpointError, a ValueError):
+        the keys, the same ``rounding`` and ``kahan``, the optimizer state's shapes, and one BF16 compensation
+        buffer of each parameter's shape (a (1,) buffer would otherwise broadcast into every element)."""
+        keys = {"optimizer", "rounding", "kahan", "generator", "compensation"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise CheckpointError(f"not a BF16Optimizer state_dict: expected the keys {sorted(keys)}, got "
+                                  f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
         saved_mode, mode = (state["rounding"], state["kahan"]), (self.rounding, self.kahan)
         if saved_mode != mode:
-            raise ValueError(f"checkpoint was saved with rounding={saved_mode[0]!r}, kahan={saved_mode[1]}; this "
-                             f"optimizer uses rounding={mode[0]!r}, kahan={mode[1]}: build it with the same ones")
+            raise CheckpointError(f"checkpoint was saved with rounding={saved_mode[0]!r}, kahan={saved_mode[1]}; "
+                                  f"this optimizer uses rounding={mode[0]!r}, kahan={mode[1]}: build it with the "
+                                  "same ones")
+        comp = state["compensation"]
+        if self.kahan:
+            if not isinstance(comp, (list, tuple)) or len(comp) != len(self.params):
+                raise CheckpointError(f"compensation: expected {len(self.params)} buffers, got "
+                                      f"{len(comp) if isinstance(comp, (list, tuple)) else comp!r}")
+            for i, (c, p) in enumerate(zip(comp, self.params)):
+                if not isinstance(c, torch.Tensor) or c.shape != p.shape or c.dtype != torch.bfloat16:
+                    raise CheckpointError(f"compensation buffer {i}: expected a bfloat16 tensor of shape "
+                                          f"{tuple(p.shape)}, got {getattr(c, 'dtype', type(c).__name__)} of shape "
+                                          f"{tuple(getattr(c, 'shape', ()))}")
+        elif comp is not None:
+            raise CheckpointError("compensation buffers in a checkpoint of an optimizer without kahan=True")
+        gen = state["generator"]
+        if not isinstance(gen, torch.Tensor) or gen.dtype != torch.uint8 or gen.shape != \
+                self.generator.get_state().shape:
+            raise CheckpointError("generator: not a torch.Generator state of this device (Generator.get_state())")
+        check_optimizer_state_dict(self.optimizer, state["optimizer"], "BF16Optimizer optimizer")
         saved = [p.data for p in self.params]
         for p in self.params:                               # torch casts loaded state to the param dtype:
             p.data = p.data.float()                         # fp32 params make that cast exact
-        self.optimizer.load_state_dict(state["optimizer"])
-        for p, w16 in zip(self.params, saved):
-            p.data = w16
-            self._state_to(p, self.state_dtype)
-        self.generator.set_state(state["generator"])
-        for c, s in zip(self.comp or [], state["compensation"] or []):
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        finally:
+            for p, w16 in zip(self.params, saved):
+                p.data = w16
+                self._state_to(p, self.state_dtype)
+        self.generator.set_state(gen)
+        for c, s in zip(self.comp or [], comp or []):
             c.copy_(s)

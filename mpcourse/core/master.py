@@ -27,12 +27,18 @@ To clip: `master.copy_grads_to_master(); scaler.unscale_(master.optimizer);
 torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm); master.step(scaler)` (grads are not copied twice).
 Checkpoints: `master.state_dict()` holds the FP32 master copy and the optimizer state; `load_state_dict` rebuilds the
 master from the checkpoint (never from the FP16 model, which has lost the low bits) and writes the rounded values
-into the model.
+into the model. Weights written into the model from outside (`model.load_state_dict(...)` alone, or any in-place
+write) are noticed by their version counters at the next `copy_grads_to_master`/`step`: the master is refreshed
+from them (with a warning naming `MasterWeights.load_state_dict`), so the next step cannot undo the load.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
+
+from .checkpoint import CheckpointError, check_optimizer_state_dict
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + (
@@ -158,6 +164,26 @@ class MasterWeights:
             master_groups.append({**group, "params": masters})
         self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
         self._grads_copied = False
+        self._record_versions()
+
+    def _record_versions(self):
+        """Remember each model param's version counter (bumped by every in-place write, e.g. load_state_dict)."""
+        self._versions = [p._version for p in self.model_params]
+
+    @torch.no_grad()
+    def _refresh_if_model_changed(self) -> None:
+        """If a model param was written since MasterWeights last wrote it, its master := that param (fp32)."""
+        changed = [i for i, (p, v) in enumerate(zip(self.model_params, self._versions))
+                   if p._version != v and self.master_params[i] is not p]
+        for i in changed:
+            self.master_params[i].copy_(self.model_params[i])  # fp16/bf16 -> fp32, exact
+        if changed:
+            warnings.warn(f"{len(changed)} model parameter(s) were changed outside MasterWeights (e.g. "
+                          "model.load_state_dict): their FP32 master copy was refreshed from the model, so the next "
+                          "step starts from the loaded weights. To resume a run exactly (the master's low bits and "
+                          "the optimizer state), save and load MasterWeights.state_dict() with "
+                          "MasterWeights.load_state_dict.", stacklevel=3)
+        self._record_versions()
 
     def parameters(self):
         """The FP32 master params (e.g. for torch.nn.utils.clip_grad_norm_ after scaler.unscale_)."""
@@ -181,7 +207,9 @@ class MasterWeights:
     def copy_grads_to_master(self, inv_scale=None) -> None:
         """master.grad (fp32) := model.grad (fp16/bf16), exactly; then * inv_scale if given (a float or an fp32
         tensor ()). No inf/NaN check here: the loss scaler does it (prefer `scaler.unscale_` to inv_scale).
-        A model param without grad leaves its master without grad."""
+        A model param without grad leaves its master without grad. Weights written into the model from outside
+        since the last step (a model-only load) are copied into the master first."""
+        self._refresh_if_model_changed()
         for p, m in zip(self.model_params, self.master_params):
             if m is not p:
                 if p.grad is None:
@@ -199,6 +227,7 @@ class MasterWeights:
         """model.param (fp16/bf16) := master (fp32) rounded to nearest even."""
         for p, m in self._pairs():
             p.copy_(m)
+        self._record_versions()
 
     def step(self, scaler=None):
         """copy_grads_to_master() (unless already done this iteration), then `scaler.step(self.optimizer)` (or
@@ -226,15 +255,21 @@ class MasterWeights:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Rebuild the master from the checkpoint (not from the model), load the optimizer state, and write the
-        rounded master into the model params. Loading only the model's state_dict would leave the master stale:
-        always load this one too. Raises ValueError if the checkpoint does not match."""
+        rounded master into the model params. Everything is checked before anything changes: CheckpointError
+        (a ValueError) for other keys, another number of params, a shape mismatch (master or optimizer state)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"master_params", "optimizer"}:
+            raise CheckpointError("not a MasterWeights state_dict: expected the keys 'master_params' and "
+                                  f"'optimizer', got {sorted(state_dict) if isinstance(state_dict, dict) else state_dict}")
         saved = state_dict["master_params"]
         if len(saved) != len(self.master_params):
-            raise ValueError(f"checkpoint has {len(saved)} master params, this MasterWeights has "
-                             f"{len(self.master_params)}: build it over the same model and param groups.")
+            raise CheckpointError(f"checkpoint has {len(saved)} master params, this MasterWeights has "
+                                  f"{len(self.master_params)}: build it over the same model and param groups.")
         for i, (m, s) in enumerate(zip(self.master_params, saved)):
-            if s.shape != m.shape:
-                raise ValueError(f"master param {i}: checkpoint shape {tuple(s.shape)} != {tuple(m.shape)}")
+            if not isinstance(s, torch.Tensor) or s.shape != m.shape:
+                raise CheckpointError(f"master param {i}: checkpoint shape {tuple(getattr(s, 'shape', ()))} != "
+                                      f"{tuple(m.shape)}")
+        check_optimizer_state_dict(self.optimizer, state_dict["optimizer"], "MasterWeights optimizer")
+        for m, s in zip(self.master_params, saved):
             m.copy_(s)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.copy_master_to_model()

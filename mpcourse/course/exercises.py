@@ -88,13 +88,45 @@ def exercise_pairs(root: Path = ROOT):
         yield sol, root / "exercises" / sol.name
 
 
-def write_exercises(root: Path = ROOT) -> list[Path]:
-    written = []
+def locally_edited(path: Path, root: Path = ROOT) -> bool | None:
+    """Whether ``path`` differs from its last committed version (or is not committed): True/False
+    from ``git status``; None where that cannot be told (no git, or not a git checkout)."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return bool(proc.stdout.strip())
+
+
+def write_exercises(root: Path = ROOT, force: bool = False, echo=print) -> tuple[list[Path], list[Path]]:
+    """Regenerate ``exercises/`` from ``solutions/``; returns (written, kept).
+
+    Never overwrites someone's work: an exercise that differs from the generated version is only
+    replaced if git says it is the committed version (so nothing is lost), or with ``force``.
+    Otherwise it is kept and reported.
+    """
+    written, kept = [], []
     for sol, ex in exercise_pairs(root):
-        nb = make_exercise(nbformat.read(sol, as_version=4))
-        nbformat.write(nb, ex)
+        text = nbformat.writes(make_exercise(nbformat.read(sol, as_version=4))).rstrip("\n") + "\n"
+        if ex.exists():
+            current = nbformat.writes(nbformat.read(ex, as_version=4)).rstrip("\n") + "\n"
+            if current == text:
+                continue                                   # already up to date
+            if not force and locally_edited(ex, root) is not False:
+                kept.append(ex)
+                echo(f"kept {ex.relative_to(root)}: it has edits that are not committed (your work?), so it "
+                     "was not overwritten. To get the regenerated version, commit or copy your file first, "
+                     "or pass --force to overwrite it.")
+                continue
+        ex.write_text(text, encoding="utf-8")
         written.append(ex)
-    return written
+        echo(f"wrote {ex.relative_to(root)}")
+    return written, kept
 
 
 def check_drift(root: Path = ROOT) -> list[str]:
@@ -153,7 +185,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("execute", help="execute notebooks in place, storing outputs")
     e.add_argument("paths", nargs="+", type=Path)
-    sub.add_parser("exercises", help="regenerate exercises/ from solutions/")
+    x = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ (never overwrites uncommitted edits)")
+    x.add_argument("--force", action="store_true", help="overwrite exercises even where they have uncommitted edits")
     sub.add_parser("check", help="exit 1 if exercises/ drifted from solutions/")
     s = sub.add_parser("from-script", help="jupytext percent script -> executed notebook")
     s.add_argument("script", type=Path)
@@ -164,14 +197,18 @@ def main(argv=None) -> int:
             execute(path)
             print(f"executed {path}")
     elif args.cmd == "exercises":
-        for path in write_exercises():
-            print(f"wrote {path.relative_to(ROOT)}")
+        written, kept = write_exercises(force=args.force)
+        if not written and not kept:
+            print("exercises/ is already in sync with solutions/")
+        return 1 if kept else 0
     elif args.cmd == "check":
         problems = check_drift()
         for line in problems:
             print(line)
         if problems:
-            print("run: python -m mpcourse.course exercises")
+            print("contributors: python -m mpcourse.course exercises regenerates them (it keeps any exercise "
+                  "with uncommitted edits); learners: your edited exercises are expected to differ, "
+                  "grade them with `mpcourse grade exercises/NN_*.ipynb`")
             return 1
         print("exercises/ is in sync with solutions/")
     elif args.cmd == "from-script":

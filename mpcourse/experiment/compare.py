@@ -4,6 +4,11 @@ For each recipe: final train and validation loss and the gap to FP32, skipped st
 loss scale, tokens per second, bytes per parameter (weights + gradients + master copy + optimizer
 state) and the activation bytes of one step. Writes ``DIR/results.json`` (one object per recipe,
 ``RunResult.to_dict()``) and ``DIR/loss_curves.png``.
+
+``results.json`` is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written
+as ``null`` and named, with its value, in the enclosing object's ``"nonfinite"`` field (for example
+``{"loss": null, "nonfinite": {"loss": "nan"}}``); a diverged run also says where in ``"null_reason"``.
+The file records what produced it: torch version, device, tensor-core emulation per dtype.
 """
 from __future__ import annotations
 
@@ -30,10 +35,32 @@ def _fmt(x, spec):
     return format(x, spec)
 
 
-def format_table(results: list[RunResult]) -> str:
+SPIKE_RATIO = 1.2   # a post-warm-up loss this many times the best loss before it counts as a spike
+
+
+def loss_peak(result: RunResult, warmup_steps: int) -> tuple[float | None, int | None, bool]:
+    """Highest finite training loss after warm-up, its step, and whether it was a spike.
+
+    A spike: the loss rose above ``SPIKE_RATIO`` x the lowest loss seen before that step (batch to
+    batch noise on this corpus is a few percent; a 20% jump is the optimizer or the number format).
+    """
+    best, peak, peak_step, spiked = math.inf, None, None, False
+    for h in result.history:
+        loss = h["loss"]
+        if not math.isfinite(loss):
+            break
+        if h["step"] >= warmup_steps:
+            if peak is None or loss > peak:
+                peak, peak_step = loss, h["step"]
+            spiked |= loss > SPIKE_RATIO * best
+        best = min(best, loss)
+    return peak, peak_step, spiked
+
+
+def format_table(results: list[RunResult], warmup_steps: int = 0) -> str:
     """The comparison table as monospaced text (one row per recipe)."""
     ref = next((r for r in results if r.recipe == "fp32"), None)
-    head = ["recipe", "train", "val", "gap%", "skipped", "scale", "tok/s",
+    head = ["recipe", "train", "val", "gap%", "peak", "skipped", "scale", "tok/s",
             "B/param w+g+m+o=total", "act MB"]
     rows = []
     for r in results:
@@ -46,44 +73,139 @@ def format_table(results: list[RunResult]) -> str:
         val = _fmt(r.final_val_loss, ".3f")
         if r.diverged_at is not None:
             val = f"nan@{r.diverged_at}"
+        peak, _, spiked = loss_peak(r, warmup_steps)
         rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
+                     _fmt(peak, ".2f") + ("!" if spiked else " "),
                      str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
                      mem, _fmt(r.activation_bytes / 2**20, ".1f")])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     legend = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
-              "(negative = lower); nan@N: diverged at step N;\nscale: final loss scale; B/param: bytes per "
+              "(negative = lower); nan@N: diverged at step N;\npeak: highest training loss after warm-up "
+              f"(!: a spike, over {SPIKE_RATIO:g}x the best loss before it); scale: final loss scale; B/param: bytes per "
               "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: saved activations of one step")
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows] + [legend])
 
 
+def family(recipe: str) -> str:
+    """The plot panel a recipe goes in: ``torch-amp-*`` (the oracle), else the part before the first dash."""
+    return "torch.amp" if recipe.startswith("torch-amp") else recipe.split("-")[0]
+
+
 def plot_curves(results: list[RunResult], path: Path) -> None:
-    """Save training-loss curves (thin) and validation points (markers) of every recipe."""
+    """Save one small panel per recipe family (fp16, bf16, fp8, ...): training loss per step on a
+    log y-axis (so a spike or a climb is visible at any height), validation losses as dots, the
+    fp32 run as a grey reference in every panel, and a cross where a run diverged."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(10, 6))
-    colors = plt.get_cmap("tab20").colors
-    for i, r in enumerate(results):
+    ref = next((r for r in results if r.recipe == "fp32"), None)
+    groups: dict[str, list[RunResult]] = {}
+    for r in results:
+        if r is not ref:
+            groups.setdefault(family(r.recipe), []).append(r)
+    if not groups and ref is not None:
+        groups["fp32"] = []
+    ncols = min(2, len(groups))
+    nrows = math.ceil(len(groups) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.6 * nrows), sharex=True, sharey=True,
+                             squeeze=False)
+    finite = [h[k] for r in results for h in r.history for k in ("loss", "val_loss")
+              if k in h and math.isfinite(h[k])]
+    lo, hi = (min(finite), max(finite)) if finite else (1.0, 10.0)
+    styles = ["-", "--", "-.", ":"]
+    colors = plt.get_cmap("tab10").colors
+
+    def draw(ax, r, **kw):
         steps = [h["step"] for h in r.history]
-        losses = [h["loss"] for h in r.history]
-        label = r.recipe + (f" (diverged at step {r.diverged_at})" if r.diverged_at is not None else "")
-        (line,) = ax.plot(steps, losses, lw=0.9, alpha=0.85, label=label, color=colors[i % len(colors)],
-                          linestyle=("-", "--", ":")[(i // len(colors)) % 3])
-        val = [(h["step"], h["val_loss"]) for h in r.history if "val_loss" in h]
+        losses = [h["loss"] if math.isfinite(h["loss"]) else math.nan for h in r.history]
+        (line,) = ax.plot(steps, losses, **kw)
+        val = [(h["step"], h["val_loss"]) for h in r.history if "val_loss" in h and math.isfinite(h["val_loss"])]
         if val:
             ax.plot(*zip(*val), "o", color=line.get_color(), ms=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/char); dots: validation")
-    ax.set_ylim(top=4.0)
-    ax.set_title("mpcourse compare: one model, every precision recipe")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+        if r.diverged_at is not None:
+            ax.plot([r.diverged_at], [hi], "x", color=line.get_color(), ms=9, mew=2, clip_on=False)
+        return line
+
+    for ax, (fam, runs) in zip(axes.flat, groups.items()):
+        if ref is not None:
+            draw(ax, ref, color="0.55", lw=1.6, label="fp32 (reference)")
+        for i, r in enumerate(runs):
+            label = r.recipe + (f" (diverged at step {r.diverged_at})" if r.diverged_at is not None else "")
+            draw(ax, r, color=colors[i % len(colors)], ls=styles[i % len(styles)], lw=1.1, label=label)
+        ax.set_title(fam, fontsize=10)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper right")
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    axes[0, 0].set_ylim(lo * 0.95, hi * 1.08)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("train loss (nats/char, log)")
+    fig.suptitle("mpcourse compare: one model, every precision recipe (dots: validation; x: diverged)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by None, named in its object's ``"nonfinite"``."""
+    if isinstance(obj, dict):
+        out, bad = {}, {}
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k], bad[k] = None, "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+            else:
+                out[k] = strict_json(v)
+        if bad:
+            out["nonfinite"] = bad
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [None if isinstance(v, float) and not math.isfinite(v) else strict_json(v) for v in obj]
+    return obj
+
+
+def environment(device: str = "cpu") -> dict:
+    """What produced the numbers: versions, device, tensor-core emulation per low-precision dtype."""
+    import platform
+
+    import torch
+
+    from mpcourse.core import emulation
+    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "device": device,
+            "emulation": {str(dt).replace("torch.", ""): {"emulated": emulation.emulation_enabled(dt),
+                                                         "cpu_has_native_units": emulation.cpu_has_native(dt)}
+                          for dt in emulation.LOW_PRECISION},
+            "emulation_summary": emulation.status()}
+
+
+def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, extra: dict | None = None) -> dict:
+    """The ``results.json`` object, strict JSON (see the module docstring)."""
+    rows = []
+    for r in results:
+        d = r.to_dict()
+        peak, peak_step, spiked = loss_peak(r, cfg.optim.warmup_steps)
+        d.update(peak_loss=peak, peak_loss_step=peak_step, loss_spiked=spiked)
+        if r.diverged_at is not None:
+            d["null_reason"] = f"the run diverged at step {r.diverged_at} (non-finite loss); its null values are the non-finite ones named in nonfinite"
+        rows.append(d)
+    payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
+               "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seed": cfg.seed,
+                          "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
+                          "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr,
+                          "min_lr_ratio": cfg.optim.min_lr_ratio, "warmup_steps": cfg.optim.warmup_steps},
+               **(extra or {}),
+               "environment": environment(getattr(cfg, "device", "cpu")),
+               "results": rows}
+    return strict_json(payload)
 
 
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
@@ -93,19 +215,15 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     results = []
     for name in recipes:
         results.append(train(name, corpus, cfg, progress=progress))
-    echo(format_table(results))
+    echo(format_table(results, cfg.optim.warmup_steps))
     write_outputs(results, corpus, cfg, out)
     return results
 
 
 def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None) -> None:
-    """Write ``out/results.json`` (config, ``extra`` keys, one object per recipe) and ``out/loss_curves.png``."""
+    """Write ``out/results.json`` (strict JSON: config, ``extra`` keys, environment, one object per
+    recipe) and ``out/loss_curves.png``."""
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
-               "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seed": cfg.seed,
-                          "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
-                          "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr},
-               **(extra or {}),
-               "results": [r.to_dict() for r in results]}
-    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
+    payload = results_payload(results, corpus, cfg, extra)
+    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
     plot_curves(results, out / "loss_curves.png")

@@ -1,30 +1,34 @@
 """The training loop every recipe runs: same model init, same batches, same schedule.
 
-``Trainer`` runs one recipe; ``train`` is the one-call form. One step (the recipe decides the
-precision of each line; see ``mpcourse.experiment.recipes.base``)::
+``Trainer`` runs one recipe; ``train`` is the one-call form. ``Trainer.train_step`` is the one
+training step of the project (the tests' recipe loop and the benchmarks call it too); the recipe
+decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
 
     with recipe.forward_context():          # autocast / FP8 autocast / nothing
         _, loss = recipe.model(x, y)        # loss: fp32 ()
     recipe.backward(loss)                   # loss.backward(), or scaler.scale(loss).backward()
+    after_backward(step, recipe)            # optional hook: look at (or change) the gradients
     result = recipe.step()                  # clip, optimizer step (maybe skipped), scaler update
+    after_step(step, recipe, result)        # optional hook: look at the updated state
     recipe.zero_grad()
 
-All of it runs inside ``mpcourse.core.emulation.tensor_cores()``, so low-precision matmuls on a CPU
-without BF16/FP16 units are computed as tensor cores compute them. Runs are seeded: on CPU the same
-seed gives the same bits.
+A run enters ``mpcourse.core.emulation.tensor_cores()`` once (``Trainer.emulation()``; ``run`` and
+``result`` do it), so low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor
+cores compute them. Runs are seeded: on CPU the same seed gives the same bits.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from .data import Corpus
 from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .model import GPT, GPTConfig
 from .recipes import OptimConfig, get_recipe
 
@@ -164,15 +168,38 @@ class Trainer:
 
     def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None):
         recipe_cls = get_recipe(recipe_name)
-        self.name, self.corpus, self.cfg = recipe_name, corpus, cfg
-        self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
+        mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
-        model = GPT(self.mcfg)                               # FP32 init, identical for every recipe
+        model = GPT(mcfg)                                    # FP32 init, identical for every recipe
         with tensor_cores():
-            self.recipe = self.build_recipe(recipe_cls, model, overrides)
-        self.batches = torch.Generator().manual_seed(cfg.seed)   # identical batch order for every recipe
+            self.cfg = cfg
+            recipe = self.build_recipe(recipe_cls, model, overrides)
+        self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
+
+    @classmethod
+    def wrap(cls, recipe, corpus: Corpus, cfg: TrainConfig, batches: torch.Generator | None = None, *,
+             start_step: int = 0, lr_decay: bool = True, evaluate: bool = True) -> "Trainer":
+        """A Trainer around a recipe built elsewhere (tests and benchmarks that build or inspect it).
+
+        ``batches`` draws the training batches (default: seeded with ``cfg.seed``); ``start_step`` is
+        the step the first ``train_step`` runs; ``lr_decay=False`` keeps the rate constant after warm-up
+        (``lr_at(step, optim)``); ``evaluate=False`` skips the periodic validation. The recipe's own
+        ``optim`` sets the learning rate.
+        """
+        self = cls.__new__(cls)
+        cfg = replace(cfg, optim=recipe.optim)
+        self._setup(recipe.name or type(recipe).__name__, recipe, corpus, cfg,
+                    batches if batches is not None else torch.Generator().manual_seed(cfg.seed))
+        self.step, self.lr_decay, self.evaluate_during = start_step, lr_decay, evaluate
+        return self
+
+    def _setup(self, name, recipe, corpus, cfg, batches) -> None:
+        self.name, self.recipe, self.corpus, self.cfg = name, recipe, corpus, cfg
+        self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
+        self.batches = batches                               # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
         self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
+        self.lr_decay, self.evaluate_during, self._emulating = True, True, False
 
     # -- what a data-parallel trainer (mpcourse.experiment.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model, overrides):
@@ -195,30 +222,52 @@ class Trainer:
     def done(self) -> bool:
         return self.step >= self.cfg.steps or self.diverged_at is not None
 
-    def train_step(self) -> dict:
-        """One optimizer step; returns its history record."""
+    @contextlib.contextmanager
+    def emulation(self):
+        """Enter ``tensor_cores()`` for everything inside, once; nested calls (each step's) do nothing more."""
+        if self._emulating:
+            yield
+            return
+        with tensor_cores():
+            self._emulating = True
+            try:
+                yield
+            finally:
+                self._emulating = False
+
+    def train_step(self, *, after_backward=None, after_step=None) -> dict:
+        """The training step: one batch, one optimizer step; returns its history record.
+
+        Hooks, for tests and tools that look inside: ``after_backward(step, recipe)`` runs after the
+        backward, before ``recipe.step()`` (the gradients are there); ``after_step(step, recipe, result)``
+        after it (``result``: the ``StepResult``), before the gradients are freed.
+        """
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
-        recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps))
-        with tensor_cores():
+        recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps if self.lr_decay else None))
+        with self.emulation():
             t0 = time.perf_counter()
             first = self.memory is None                      # measure memory on the first step only
             saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
             with saved, recipe.forward_context():
                 loss = self.forward_loss(x, y)               # fp32 ()
             recipe.backward(loss)
+            if after_backward is not None:
+                after_backward(self.step, recipe)
             result = recipe.step()
+            if after_step is not None:
+                after_step(self.step, recipe, result)
             if first:                                        # after step, before zero_grad: all alive
                 self.memory, self.activation_bytes = self.measure_memory(), saved.nbytes
             recipe.zero_grad()
             self.step_time += time.perf_counter() - t0
-        loss_value = self.loss_value(loss)
-        self.skipped += int(result.skipped)
-        rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped, "loss_scale": result.loss_scale}
-        if not math.isfinite(loss_value):
-            self.diverged_at = self.step
-        elif (self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps:
-            with tensor_cores():
+            loss_value = self.loss_value(loss)
+            self.skipped += int(result.skipped)
+            rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
+                   "loss_scale": result.loss_scale}
+            if not math.isfinite(loss_value):
+                self.diverged_at = self.step
+            elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):
                 rec["val_loss"] = evaluate(recipe, self.corpus, cfg)["val"]
         self.history.append(rec)
         self.step += 1
@@ -229,17 +278,18 @@ class Trainer:
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)
-        while self.step < stop and self.diverged_at is None:
-            rec = self.train_step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+        with self.emulation():                               # once for the whole run
+            while self.step < stop and self.diverged_at is None:
+                rec = self.train_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
         bar.close()
         return self
 
     def result(self) -> RunResult:
         """Final evaluation and report (losses NaN if the run diverged: nothing is averaged away)."""
         if self.diverged_at is None:
-            with tensor_cores():
+            with self.emulation():
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
             final = {"train": float("nan"), "val": float("nan")}
@@ -262,7 +312,12 @@ class Trainer:
                 "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``. Raises ValueError if it was saved under another recipe."""
+        """Resume from ``state_dict()``. Raises ValueError (``CheckpointError``) if it was saved under another
+        recipe or does not have a Trainer checkpoint's keys; the recipe checks its own state before loading."""
+        keys = {"recipe_name", "recipe", "step", "history", "skipped", "diverged_at", "batch_rng", "torch_rng"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"not a Trainer checkpoint: expected the keys {sorted(keys)}, got {got}")
         if state["recipe_name"] != self.name:
             raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
@@ -271,6 +326,17 @@ class Trainer:
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
         self.batches.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
+
+    def save(self, path) -> str:
+        """Write ``state_dict()`` to ``path`` with a SHA-256 checksum (``mpcourse.core.checkpoint``); returns it."""
+        return save_checkpoint(self.state_dict(), path)
+
+    def load(self, path) -> "Trainer":
+        """Resume from a file written by ``save``. A damaged file (checksum or length mismatch) raises
+        ``CheckpointError`` before any state is touched, instead of resuming with damaged weights or optimizer
+        state."""
+        self.load_state_dict(load_checkpoint(path))
+        return self
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,

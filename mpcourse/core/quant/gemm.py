@@ -1,7 +1,10 @@
 """One FP8 GEMM through ``torch._scaled_mm``, with the rules that function imposes checked up front.
 
 ``torch._scaled_mm(A, B, scale_a, scale_b, out_dtype)`` computes ``(A * scale_a) @ (B * scale_b)``
-with FP8 operands, FP32 accumulation and one rounding to ``out_dtype``; the scales are the
+with FP8 operands and one rounding to ``out_dtype`` (FP32 accumulation on CPUs, and on GPUs with
+``use_fast_accum=False``; with ``use_fast_accum=True`` Hopper's FP8 tensor cores keep only about 14 bits of the
+running sum, DeepSeek-V3 report arXiv 2412.19437 section 3.3.2, modelled by ``block_gemm.accumulator_model_gemm``);
+the scales are the
 *dequantization* (inverse) scales, float32 tensors of one element (per-tensor scaling).
 Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/float8_ops.py``):
 
@@ -90,8 +93,10 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
          (N, K) weight. At least one of a, b must be E4M3.
       out_dtype: torch.float32, torch.bfloat16 or torch.float16.
       pad_inner_dim: zero-pad dimensions to multiples of 16 (needed on CUDA for shapes that are not).
-      use_fast_accum: cuBLAS fast accumulation (torchao uses it for the forward GEMM); ignored on CPU.
-    Returns ``(dequant(a) @ dequant(b))`` with FP32 accumulation, rounded once to out_dtype.
+      use_fast_accum: cuBLAS fast accumulation (torchao uses it for the forward GEMM); ignored on CPU. On
+         Hopper it trades the FP32 accumulator for a ~14-bit one (see the module docstring).
+    Returns ``(dequant(a) @ dequant(b))``, rounded once to out_dtype: accumulated in FP32 on CPU (and on GPUs
+    without fast accumulation), so there the only error is the operands' cast.
     Raises ValueError for bad operands or shapes, RuntimeError for a device without FP8 GEMMs.
     """
     if out_dtype not in OUT_DTYPES:

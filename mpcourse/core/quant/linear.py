@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype_in_effect, no_autocast
 from .region import get_fp8_recipe, is_fp8_enabled, schedule_update
 from .gemm import fp8_gemm
+from .block_linear import BlockScaledLinearFunction
+from .block_recipes import BLOCK_RECIPES
 from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
 from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_current
 
@@ -118,8 +120,9 @@ class Float8Linear(nn.Linear):
                  recipe=None, pad_inner_dim: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         recipe = DelayedScaling() if recipe is None else recipe
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {recipe!r}")
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
+            raise TypeError(f"recipe must be DelayedScaling, CurrentScaling or a block recipe "
+                            f"({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")
         self.recipe = recipe
         self.pad_inner_dim = pad_inner_dim
         self._reset_fp8_state()
@@ -189,7 +192,10 @@ class Float8Linear(nn.Linear):
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
         with no_autocast(device):
-            y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+            if hasattr(self.recipe, "quantize"):  # finer-grained recipes: each builds its own quantizers
+                y = BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, out_dtype)
+            else:
+                y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------

@@ -88,7 +88,8 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
                default group).
     On exit of the outermost region, pending delayed-scaling states are all-reduced and updated.
     """
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    from .block_recipes import BLOCK_RECIPES
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
         raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {recipe!r}")
     saved = (_REGION.enabled, _REGION.recipe, _REGION.group)
     _REGION.enabled = bool(enabled)
@@ -108,7 +109,8 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
 def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
     """TE 1.x's spelling of ``autocast``: ``fp8_autocast(enabled, fp8_recipe, fp8_group)`` is
     ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)``, same region, same updates."""
-    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling)):
+    from .block_recipes import BLOCK_RECIPES
+    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or CurrentScaling, got {fp8_recipe!r}")
     return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
 

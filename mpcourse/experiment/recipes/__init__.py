@@ -9,6 +9,7 @@ from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
 from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
+from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, nvfp4
 
 TABLE_ORDER = (
     # anchors: FP32 and PyTorch's own AMP
@@ -19,6 +20,8 @@ TABLE_ORDER = (
     "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan",
     # FP8 per tensor
     "fp8-current", "fp8-delayed",
+    # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4
+    "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4",
 )
 
 

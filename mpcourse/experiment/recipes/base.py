@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
 from mpcourse.core.master import MasterWeights, cast_model
 
 RECIPES: dict[str, type["TrainingRecipe"]] = {}
@@ -185,8 +186,21 @@ class TrainingRecipe:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``: keys and optimizer state shapes are checked before anything is loaded
+        (``CheckpointError``, a ValueError); the model's own ``load_state_dict`` checks its keys and shapes."""
+        self.check_state_keys(state)
+        if isinstance(self.optimizer, torch.optim.Optimizer):  # wrappers (BF16Optimizer) check their own
+            check_optimizer_state_dict(self.optimizer, state["optimizer"], f"recipe {self.name!r} optimizer")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def check_state_keys(self, state: dict) -> None:
+        """CheckpointError unless ``state`` has exactly the keys this recipe's ``state_dict()`` has."""
+        want = set(self.state_dict())
+        if not isinstance(state, dict) or set(state) != want:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"not a checkpoint of recipe {self.name!r}: expected the keys {sorted(want)}, "
+                                  f"got {got}")
 
 
 class MasterWeightsRecipe(TrainingRecipe):
@@ -222,6 +236,8 @@ class MasterWeightsRecipe(TrainingRecipe):
 
     def load_state_dict(self, state: dict) -> None:
         """Load the model, then rebuild the master from the checkpoint (never from the fp16 model) and write it
-        back into the model rounded to fp16 (the same values the model had when saved)."""
+        back into the model rounded to fp16 (the same values the model had when saved). Keys are checked first;
+        MasterWeights checks its params and optimizer state before changing anything."""
+        self.check_state_keys(state)
         self.model.load_state_dict(state["model"])
         self.master.load_state_dict(state["master"])

@@ -1,0 +1,53 @@
+"""The autograd function of a linear layer under a finer-grained recipe (rowwise, 1x128/128x128, MXFP8, NVFP4).
+
+y = x @ W^T + b with x (M, K), W (N, K). Every operand of every GEMM is quantized by the recipe's quantizer
+for its role, along that GEMM's contraction dimension, from the high-precision tensor (TE's rule; see
+``block_recipes``), and the GEMM runs through ``block_gemm.scaled_gemm`` (``F.scaled_mm`` where the device
+takes the scaling, else the exact emulation)::
+
+    forward  y  = Q(x, 1) @ Q(W, 1)^T                 -> (M, N) out dtype
+    dgrad    dx = Q(dy, 1) @ Q(W, 0)                  -> (M, K) x dtype
+    wgrad    dW = Q(dy, 0, wgrad)^T @ Q(x, 0, wgrad)  -> (N, K) weight dtype  (NVFP4: RHT on both)
+
+The high-precision x and W are saved for the backward (the re-quantization needs them). The bias is added
+after the GEMM in the output dtype; its gradient is summed in FP32.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_gemm import scaled_gemm
+
+
+class BlockScaledLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, out_dtype):
+        # x: (M, K); weight: (N, K); bias: (N,) or None
+        xq = recipe.quantize("input", x, 1)                       # (M, K), blocks along K
+        wq = recipe.quantize("weight", weight, 1)                 # (N, K), blocks along K
+        y = scaled_gemm(xq, wq.t(), out_dtype)                    # (M, N)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # (M, N) out dtype
+        x, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        dx = dw = db = None
+        grad_y = grad_y.contiguous()
+        if ctx.needs_input_grad[0]:
+            g1 = recipe.quantize("grad_output", grad_y, 1)          # (M, N), blocks along N
+            w0 = recipe.quantize("weight", weight, 0)               # (N, K), blocks along N
+            dx = scaled_gemm(g1, w0, x.dtype)                       # (M, K)
+        if ctx.needs_input_grad[1]:
+            g0 = recipe.quantize("grad_output", grad_y, 0, wgrad=True)   # (M, N), blocks along M
+            x0 = recipe.quantize("input", x, 0, wgrad=True)              # (M, K), blocks along M
+            dw = scaled_gemm(g0.t(), x0, weight.dtype)                   # (N, K)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad_y.float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None

@@ -1,0 +1,200 @@
+"""Finer-grained scaling recipes with Transformer Engine's names, fields and defaults, plus torchao's rowwise.
+
+Each recipe builds the quantizer of each tensor role ("input", "weight", "grad_output") along an axis:
+``recipe.quantize(role, x, axis)`` returns a ``ScaledTensor`` whose blocks run along dimension ``axis`` of the
+2-D tensor x, the GEMM's contraction dimension. A linear layer y = x W^T needs (TE re-quantizes each copy
+from the high-precision tensor, never one FP8 copy from another):
+
+    forward  y  = x  @ W^T    x along K (axis 1), W (N, K) along K (axis 1)
+    dgrad    dx = dy @ W      dy along N (axis 1), W along N (axis 0)
+    wgrad    dW = dy^T @ x    dy along M (axis 0), x along M (axis 0)
+
+So a 1x128 forward tile of x becomes a 128x1 tile for the weight gradient; 2-D blocks (128x128 weights,
+16x16 NVFP4 weights) are the same in both directions, so forward and backward see the same weight values.
+
+Sources: NVIDIA/TransformerEngine ``transformer_engine/common/recipe/__init__.py`` (``Float8BlockScaling``,
+``MXFP8BlockScaling``, ``NVFP4BlockScaling``) and ``docs/features/low_precision_training/``; DeepSeek-V3
+technical report (arXiv 2412.19437) section 3.3; OCP MX v1.0; NVIDIA, "Pretraining LLMs with NVFP4"
+(arXiv 2509.25149); pytorch/ao ``torchao/float8/config.py`` (``Float8LinearRecipeName.ROWWISE``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .recipe import ROLES, Format
+from .scaled import ScaledTensor, quantize_fp32_scaled, quantize_mx, quantize_nvfp4
+
+
+def _check_role_axis(role: str, axis: int) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if axis not in (0, 1):
+        raise ValueError(f"axis must be 0 or 1 (the contraction dimension of a 2-D tensor), got {axis!r}")
+
+
+def _along(axis: int, n: int) -> tuple[int, int]:
+    """A 1-D block of n elements along ``axis``: (1, n) for axis 1, (n, 1) for axis 0."""
+    return (1, n) if axis == 1 else (n, 1)
+
+
+@dataclass(frozen=True)
+class Float8RowwiseScaling:
+    """torchao's ``rowwise`` recipe: E4M3 for every tensor, one power-of-two FP32 scale per row of the left
+    GEMM operand and per column of the right one (``Float8LinearConfig.from_recipe_name("rowwise")``:
+    ``ScalingGranularity.AXISWISE``, ``round_scales_to_power_of_2=True``, E4M3 grads)."""
+
+    fp8_format: Format = Format.E4M3
+    round_scales_to_power_of_2: bool = True
+
+    def __post_init__(self):
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
+
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+        _check_role_axis(role, axis)
+        return quantize_fp32_scaled(x, _along(axis, -1), "e4m3", power_2_scale=self.round_scales_to_power_of_2)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """DeepSeek-V3-style block scaling (TE ``Float8BlockScaling``): E4M3 for every tensor, 1x128 tiles for
+    activations and gradients, 128x128 blocks for weights, power-of-two FP32 scales.
+
+    Fields (TE's names and defaults): fp8_format=Format.E4M3; x_block_scaling_dim=1; w_block_scaling_dim=2;
+    grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
+    amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
+    attention; so does this class. Every dimension a block runs along must be a multiple of 128.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    block_len: int = 128
+
+    def __post_init__(self):
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError("Float8BlockScaling uses E4M3 for every tensor (fine blocks make E5M2's range "
+                             "unnecessary): fp8_format=Format.E4M3")
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {getattr(self, name)}")
+        if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
+            raise ValueError("2D by 2D block scaling GEMMs are not supported (as in Transformer Engine): "
+                             "use x_block_scaling_dim=1")
+        if self.grad_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
+            raise ValueError("2D by 2D block scaling GEMMs (grad x weight) are not supported: "
+                             "use grad_block_scaling_dim=1")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("FP8 attention is not supported with Float8BlockScaling (as in Transformer Engine): "
+                             "keep fp8_dpa=False and fp8_mha=False")
+
+    def block_for(self, role: str, axis: int) -> tuple[int, int]:
+        dim = {"input": self.x_block_scaling_dim, "weight": self.w_block_scaling_dim,
+               "grad_output": self.grad_block_scaling_dim}[role]
+        return (self.block_len, self.block_len) if dim == 2 else _along(axis, self.block_len)
+
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+        _check_role_axis(role, axis)
+        return quantize_fp32_scaled(x, self.block_for(role, axis), "e4m3", power_2_scale=self.power_2_scales,
+                                    amax_epsilon=self.amax_epsilon)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """MXFP8 (TE ``MXFP8BlockScaling``, OCP MX v1.0): 32 consecutive elements along the contraction dimension
+    share one E8M0 (power-of-two) scale; rowwise and columnwise copies are each quantized from the
+    high-precision tensor.
+
+    Fields: margin=0 (TE's field; MX scales have no margin: a nonzero value raises); fp8_format=Format.E4M3
+    (HYBRID: E5M2 gradients); scale_rule="rceil": the shared exponent is rounded *up*
+    (k = ceil(log2(amax / elem_max)), torchao ``ScaleCalculationMode.RCEIL``, what TE's and cuBLAS' MXFP8
+    quantizers compute), so no block max ever exceeds the element max. "floor" is the OCP spec's rule
+    (k = floor(log2 amax) - emax_elem), under which a block max up to 2x the element max saturates.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    scale_rule: str = "rceil"
+    block_len: int = 32
+
+    def __post_init__(self):
+        if self.margin != 0:
+            raise ValueError("MXFP8 scales are powers of two from each block's amax: margin must be 0")
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("Pure E5M2 training is not supported: use Format.E4M3 or Format.HYBRID")
+        if self.scale_rule not in ("rceil", "floor"):
+            raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
+
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+        _check_role_axis(role, axis)
+        elem = self.fp8_format.bwd if role == "grad_output" else self.fp8_format.fwd
+        return quantize_mx(x, _along(axis, self.block_len), elem, self.scale_rule)
+
+
+def hadamard(n: int = 16) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix divided by sqrt(n) (orthonormal), float32."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def random_hadamard(n: int = 16, seed: int = 0) -> torch.Tensor:
+    """H @ diag(signs): one fixed random sign vector (TE's random Hadamard transform); orthonormal."""
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return hadamard(n) * signs[None, :]
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling:
+    """NVFP4 (TE ``NVFP4BlockScaling``): E2M1 data, an E4M3 scale per 16 elements, one FP32 scale per tensor.
+
+    Fields (TE's names; defaults all False = every technique on):
+      disable_rht: False applies a 16x16 random Hadamard transform along M to both inputs of the
+          weight-gradient GEMM (dy and x; the transform is orthogonal, so dy^T x is unchanged in exact
+          arithmetic, while outliers are spread over 16 elements before the FP4 cast).
+      disable_stochastic_rounding: False rounds gradients (grad_output) stochastically to E2M1; weights and
+          activations round to nearest.
+      disable_2d_quantization: False quantizes weights in 16x16 blocks, so forward and backward use the same
+          FP4 weight; True uses 1x16 blocks along each GEMM's contraction dimension.
+    Keep some layers in BF16 (NVIDIA's 12B run kept about 16% of its linear layers, arXiv 2509.25149).
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp4_format: str = "e2m1"
+    fp8_format: Format = Format.E4M3   # the block scales' format
+    rht_seed: int = 0
+
+    def block_for(self, role: str, axis: int) -> tuple[int, int]:
+        if role == "weight" and not self.disable_2d_quantization:
+            return (16, 16)
+        return _along(axis, 16)
+
+    def rht(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, K): the random Hadamard transform applied to every 16-row group along M."""
+        M, K = x.shape
+        if M % 16:
+            raise ValueError(f"the 16x16 Hadamard transform needs M divisible by 16, got M = {M}")
+        h = random_hadamard(16, self.rht_seed).to(x.device)
+        return torch.einsum("ij,gjk->gik", h, x.float().reshape(M // 16, 16, K)).reshape(M, K)
+
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+        _check_role_axis(role, axis)
+        if wgrad and not self.disable_rht and role != "weight":
+            x = self.rht(x)
+        sr = role == "grad_output" and not self.disable_stochastic_rounding
+        return quantize_nvfp4(x, self.block_for(role, axis), rounding="stochastic" if sr else "nearest")
+
+
+BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)

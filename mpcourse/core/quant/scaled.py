@@ -1,0 +1,237 @@
+"""A scaled tensor of any granularity: low-precision data plus one scale per block, and its quantizers.
+
+One container for every scaling the field uses (2-D tensors (M, K); a block of ``(rows, cols)`` elements
+shares one scale, ``-1`` meaning the whole dimension):
+
+    granularity             block        data       scales                        source
+    tensorwise              (-1, -1)     E4M3/E5M2  () FP32                       TE DelayedScaling / current
+    rowwise / colwise       (1, -1)      E4M3/E5M2  (M, 1) / (1, K) FP32, pow2    torchao ``rowwise``
+    1x128 tiles             (1, 128)     E4M3       (M, K/128) FP32, pow2         DeepSeek-V3 3.3.1, TE Float8BlockScaling
+    128x128 blocks          (128, 128)   E4M3       (M/128, K/128) FP32, pow2     same (weights)
+    MX                      (1, 32)      E4M3 ...   (M, K/32) E8M0                OCP MX v1.0 section 6.3
+    NVFP4                   (1, 16)      E2M1       (M, K/16) E4M3 + () FP32      NVIDIA NVFP4 (arXiv 2509.25149)
+
+``scale_inv`` is always the *dequantization* multiplier, stored in its own format: float32 for FP8 scaling,
+``torch.float8_e8m0fnu`` for MX, ``torch.float8_e4m3fn`` for NVFP4 (times ``tensor_scale_inv``, FP32)::
+
+    dequantize = float32(data) * float32(scale_inv)[block]  (* tensor_scale_inv for NVFP4)
+
+FP4 and FP6 values are held one per byte in a ``torch.float8_e4m3fn`` container: every E2M1, E2M3 and E3M2
+value is exactly an E4M3 value (packing two FP4 values per byte is a storage detail this course leaves out;
+``bits_per_element`` counts the real width). Padding rule: none. A dimension that a block does not divide
+raises ValueError naming the block; the course's GPT has widths and token counts that are multiples of 128.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..formats import FORMATS, round_to
+from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
+
+ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+_CONTAINER = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e3m2": torch.float8_e4m3fn,
+              "e2m3": torch.float8_e4m3fn, "e2m1": torch.float8_e4m3fn}
+SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
+
+
+def resolve_block(shape, block) -> tuple[int, int]:
+    """The block (rows, cols) for a 2-D ``shape``, -1 replaced by the dimension; ValueError if it does not divide."""
+    if len(shape) != 2:
+        raise ValueError(f"block scaling takes 2-D (M, K) tensors, got shape {tuple(shape)}: reshape to (-1, K) first")
+    rows, cols = (shape[0] if block[0] == -1 else block[0]), (shape[1] if block[1] == -1 else block[1])
+    if rows < 1 or cols < 1 or shape[0] % max(rows, 1) or shape[1] % max(cols, 1):
+        raise ValueError(f"a {block[0]}x{block[1]} block does not divide shape {tuple(shape)}: pad the dimension "
+                         f"to a multiple of the block (no padding is done here) or use a coarser granularity "
+                         "(rowwise and tensorwise take any shape)")
+    return rows, cols
+
+
+def block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(M, K) -> (M/r, r, K/c, c) view (x must be contiguous or a transpose of a contiguous tensor)."""
+    (M, K), (r, c) = x.shape, block
+    return x.reshape(M // r, r, K // c, c)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |x| of each block: (M/r, K/c) float32 (NaN propagates)."""
+    return block_view(x.detach().float(), block).abs().amax(dim=(1, 3))
+
+
+def expand(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(M/r, K/c) -> (M/r, 1, K/c, 1), to broadcast over ``block_view``."""
+    return s[:, None, :, None]
+
+
+@dataclass
+class ScaledTensor:
+    """Low-precision ``data`` (M, K) plus one scale per ``block`` (see the module docstring).
+
+    Fields: data (M, K) float8 container; scale_inv (M/r, K/c) float32 / float8_e8m0fnu / float8_e4m3fn;
+    block (r, c) resolved; elem_format ("e4m3", "e5m2", "e2m1", ...); tensor_scale_inv () float32 or None
+    (NVFP4's second level); orig_dtype (the dtype before quantization).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+    elem_format: str
+    tensor_scale_inv: Optional[torch.Tensor] = None
+    orig_dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def scale_format(self) -> str:
+        return {torch.float32: "fp32", torch.float8_e8m0fnu: "e8m0", torch.float8_e4m3fn: "e4m3"}[self.scale_inv.dtype]
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage bits per element, scales included (MXFP8: 8 + 8/32 = 8.25; NVFP4: 4 + 8/16 = 4.5, plus the
+        tensor scale's 32 bits over the whole tensor)."""
+        n = self.data.numel()
+        bits = FORMATS[self.elem_format].bits * n + SCALE_BITS[self.scale_format] * self.scale_inv.numel()
+        if self.tensor_scale_inv is not None:
+            bits += 32
+        return bits / n
+
+    def block_scale_inv(self) -> torch.Tensor:
+        """(M/r, K/c) float32 multiplier of each block (NVFP4: the E4M3 scale times the FP32 tensor scale)."""
+        s = self.scale_inv.float()
+        if self.tensor_scale_inv is not None:
+            s = s * self.tensor_scale_inv
+        return s
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        x = block_view(self.data.float(), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
+        return x.reshape(self.shape).to(self.orig_dtype if dtype is None else dtype)
+
+    def t(self) -> "ScaledTensor":
+        """The transpose (K, M): a view of the data, the block and the scale grid transposed."""
+        return ScaledTensor(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), self.elem_format,
+                            self.tensor_scale_inv, self.orig_dtype)
+
+
+def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
+                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Saturating cast of fp32 ``y`` to ``elem``, returned in its float8 container (NaN stays NaN where it can)."""
+    top = FORMATS[elem].max
+    if elem in FP8_DTYPES and rounding == "nearest":
+        return y.clamp(-top, top).to(FP8_DTYPES[elem])   # in range: the cast only rounds (to nearest even)
+    return round_to(y, elem, rounding=rounding, saturate=True, generator=generator).to(_CONTAINER[elem])
+
+
+def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: int = 0, power_2_scale: bool = False,
+                         amax_epsilon: float = 0.0, compute_scale_fn=None) -> ScaledTensor:
+    """FP8 with one FP32 scale per block, each from its own amax: ``scale = fp8_max / amax / 2**margin``.
+
+    x: (M, K) float32/bfloat16/float16. block: e.g. (-1, -1) tensorwise, (1, -1) rowwise, (1, 128), (128, 128).
+    Zero, inf or NaN block amax gives scale 1.0 (TE's current-scaling rule, ``compute_scale``); power_2_scale
+    rounds each scale down to a power of two (TE Float8BlockScaling's default, torchao rowwise).
+    compute_scale_fn: a learner's ``compute_scale(amax, fp8_max, margin)`` in place of the library's.
+    """
+    name = fp8_format_name(fp8_format)
+    b = resolve_block(x.shape, block)
+    amax = block_amax(x, b)                                   # (M/r, K/c) fp32
+    if amax_epsilon > 0:
+        amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
+    top = FORMATS[name].max
+    if compute_scale_fn is not None:
+        scale = torch.as_tensor(compute_scale_fn(amax, top, margin), dtype=torch.float32)
+        if power_2_scale:
+            from .tensor import round_down_to_power_of_2
+            scale = round_down_to_power_of_2(scale)
+    else:
+        scale = compute_scale(amax, top, margin, None, power_2_scale)
+    y = block_view(x.float(), b) * expand(scale, b)           # (M/r, r, K/c, c) fp32, one rounding
+    data = _cast_elements(y, name).reshape(x.shape)
+    return ScaledTensor(data, scale.reciprocal(), b, name, None, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ MX (E8M0)
+MX_SCALE_RULES = ("floor", "rceil")
+
+
+def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> torch.Tensor:
+    """Unbiased shared exponent k of each block (the scale is 2^k), int64, clamped to E8M0's [-127, 127].
+
+    floor (OCP MX v1.0 section 6.3): k = floor(log2(amax)) - emax_elem, emax_elem = floor(log2(elem max))
+      (8 for E4M3, 15 for E5M2, 2 for E2M1/E2M3, 4 for E3M2). The block max can then land above the element
+      max (up to 2x) and saturate: [448]*31 + [1000] in E4M3 gives 2^(9-8) = 2, 1000/2 = 500 -> 448.
+    rceil (torchao ``ScaleCalculationMode.RCEIL``, cuBLAS' block quantization): k = ceil(log2(amax / elem max)),
+      the smallest power of two with amax / 2^k <= elem max: nothing saturates.
+    floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
+    path reads the zero exponent field the same way); NaN amax is handled by the caller.
+    """
+    top = FORMATS[elem].max
+    a = amax.float()
+    if rule == "floor":
+        emax = int(torch.tensor(top).log2().floor())
+        e32 = (a.view(torch.int32).long() >> 23) & 0xFF
+        k = e32 - 127 - emax
+    elif rule == "rceil":
+        descale = a / top                                      # fp32 division, as torchao's fallback
+        # ceil(log2(d)) exactly from the bits: exponent, +1 if any mantissa bit is set (normals)
+        bits = descale.view(torch.int32).long()
+        e32, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).long(), torch.full_like(e32, -127))
+        k = torch.where(descale > 0, k, torch.full_like(k, -127))
+    else:
+        raise ValueError(f"E8M0 scale rule must be one of {MX_SCALE_RULES}, got {rule!r}")
+    return k.clamp(-127, 127)
+
+
+def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor") -> ScaledTensor:
+    """MX quantization: each block of 32 shares the E8M0 scale 2^k (``mx_shared_exponent``); elements are
+    ``saturate(x / 2^k)`` cast to ``elem`` (round to nearest even). x: (M, K); block (1, 32) or (32, 1).
+    A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao."""
+    if elem not in ELEMENT_FORMATS:
+        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
+    b = resolve_block(x.shape, block)
+    amax = block_amax(x, b)
+    k = mx_shared_exponent(amax, elem, rule)
+    scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
+    scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
+    # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
+    # divide, as the OCP spec writes it. (torchao divides by max(2^k, 2^-126), a workaround for compilers
+    # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
+    y = block_view(x.float(), b) / expand(scale_inv, b)
+    data = _cast_elements(y, elem).reshape(x.shape)
+    return ScaledTensor(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ NVFP4
+E4M3_MAX, E2M1_MAX = FORMATS["e4m3"].max, FORMATS["e2m1"].max
+
+
+def nvfp4_tensor_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The FP32 per-tensor decode scale: amax / (448 * 6), so the largest block scale maps near E4M3's max."""
+    return amax.float() / (E4M3_MAX * E2M1_MAX)
+
+
+def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
+                   rounding: str = "nearest", generator: Optional[torch.Generator] = None) -> ScaledTensor:
+    """NVFP4: E2M1 data, an E4M3 decode scale per 16 elements and one FP32 decode scale per tensor.
+
+    Two-level rule (torchao ``nvfp4_quantize`` with a per-tensor scale; TE's NVFP4 recipe):
+        t   = amax(x) / (448 * 6)                        FP32, per tensor (``tensor_scale_inv``)
+        s_b = e4m3(clamp(amax_b / 6 / t, 2^-6, 448))     E4M3, per block (``scale_inv``; 2^-6 as torchao)
+        q   = e2m1(saturate(x * ((1 / t) / float32(s_b))))
+        x  ~= float32(q) * (float32(s_b) * t)
+    block: (1, 16), (16, 1) or (16, 16) (2-D weight blocks). rounding: "nearest" or "stochastic" (gradients).
+    An all-zero tensor gets t = 0 and is stored as zeros with t = 0 (dequantizes to zeros, no NaN).
+    """
+    b = resolve_block(x.shape, block)
+    amax_t = (x.detach().abs().amax().float() if tensor_amax is None else tensor_amax.float()).reshape(())
+    t = nvfp4_tensor_scale_inv(amax_t)
+    safe_t = torch.where(t > 0, t, torch.ones_like(t))
+    amax_b = block_amax(x, b)
+    s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
+    recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
+    y = block_view(x.float(), b) * expand(recip, b)
+    data = _cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)
+    return ScaledTensor(data, s, b, "e2m1", t, x.dtype)

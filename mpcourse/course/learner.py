@@ -1,0 +1,50 @@
+"""``mpcourse lab`` and ``mpcourse grade``: the learner's two commands.
+
+``lab`` starts JupyterLab rooted at the course folder (the one holding ``notebooks/``,
+``exercises/`` and ``solutions/``), so a lesson's link to its exercise can be opened from the same
+file browser; ``grade`` is :mod:`mpcourse.course.grade`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .exercises import ROOT
+
+
+def course_root(start: Path | None = None) -> Path:
+    """The folder holding ``notebooks/`` and ``exercises/``: the current folder or one above it,
+    else the source checkout this package was installed from."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "notebooks").is_dir() and (d / "exercises").is_dir():
+            return d
+    if (ROOT / "notebooks").is_dir():
+        return ROOT
+    raise SystemExit("mpcourse lab: error: no course folder (one with notebooks/ and exercises/) here or above; "
+                     "run it from your clone of the repository")
+
+
+def lab_command(root: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *extra]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "grade":
+        from .grade import main as grade_main
+        return grade_main(argv[1:])
+    p = argparse.ArgumentParser(prog="mpcourse lab", description="Open the course in JupyterLab, rooted at the "
+                                "repository so notebooks/, exercises/ and solutions/ are all reachable. "
+                                "Other arguments go to jupyter lab (e.g. --no-browser, --port 8899).")
+    p.add_argument("--print-command", action="store_true", help="print the jupyter command instead of running it")
+    args, extra = p.parse_known_args(argv[1:] if argv and argv[0] == "lab" else argv)
+    cmd = lab_command(course_root(), extra)
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    print(f"opening JupyterLab at {cmd[3].split('=', 1)[1]} (start with notebooks/00_number_formats.ipynb)")
+    os.execv(cmd[0], cmd)          # replaces this process; Ctrl-C stops JupyterLab as usual
+    return 0                       # not reached

@@ -1,0 +1,212 @@
+"""Sturdy checkpoints: a model-only load is not undone by the FP32 master; optimizer, BF16Optimizer and recipe
+state is checked (keys, shapes) before anything loads; the Trainer's checkpoint file carries a SHA-256.
+
+Oracles: torch.optim's own load_state_dict (which accepts a wrongly shaped state tensor and then broadcasts it:
+the failure mode checked here), a fresh MasterWeights built from the loaded model (what a step from loaded
+weights must give), and hashlib's SHA-256.
+"""
+import copy
+import hashlib
+
+import pytest
+import torch
+
+from mpcourse.core.bf16 import BF16Optimizer
+from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict, load_checkpoint, save_checkpoint
+from mpcourse.core.master import MasterWeights, cast_model
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.recipes import get_recipe
+from mpcourse.experiment.train import TrainConfig, Trainer
+
+
+def fp16_model(seed=0):
+    torch.manual_seed(seed)
+    return cast_model(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), torch.float16)
+
+
+def train_steps(model, master, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(5, 4, generator=g)
+        model(x).float().pow(2).mean().backward()
+        master.step()
+        master.zero_grad()
+
+
+# -- MasterWeights: loading only the model's weights ---------------------------------------------------------
+def test_model_only_load_is_not_undone_by_the_next_step():
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.SGD, lr=0.1)
+    train_steps(model, master, 2)
+    saved = copy.deepcopy(model.state_dict())          # fp16 weights at step 2
+    train_steps(model, master, 3, seed=2)
+    model.load_state_dict(saved)                       # model only: the master still holds step 5
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(7))
+    model(x).float().pow(2).mean().backward()
+    with pytest.warns(UserWarning, match="MasterWeights.load_state_dict"):
+        master.step()
+    # oracle: a fresh MasterWeights over a model holding the loaded weights, same batch, one step
+    oracle_model = fp16_model()
+    oracle_model.load_state_dict(saved)
+    oracle = MasterWeights(oracle_model, torch.optim.SGD, lr=0.1)
+    oracle_model(x).float().pow(2).mean().backward()
+    oracle.step()
+    for a, b in zip(model.parameters(), oracle_model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(master.master_params, oracle.master_params):
+        assert torch.equal(a, b)
+
+
+def test_no_warning_and_no_refresh_in_a_normal_run(recwarn):
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.SGD, lr=0.1)
+    with torch.no_grad():
+        master.master_params[0].add_(2.0 ** -20)  # low bits the fp16 model cannot hold must survive
+    kept = master.master_params[0].clone()
+    model(torch.ones(1, 4)).float().sum().backward()
+    master.copy_grads_to_master()
+    assert torch.equal(master.master_params[0], kept)
+    assert not [w for w in recwarn if "MasterWeights" in str(w.message)]
+
+
+def test_master_load_state_dict_checks_before_changing_anything():
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.Adam, lr=0.1)
+    train_steps(model, master, 1)
+    good = copy.deepcopy(master.state_dict())
+    before = [m.clone() for m in master.master_params]
+    bad_shape = copy.deepcopy(good)
+    bad_shape["optimizer"]["state"][0]["exp_avg"] = torch.zeros(1)  # would broadcast into (3, 4)
+    bad_master = copy.deepcopy(good)
+    bad_master["master_params"][1] = torch.zeros(4)
+    for bad, msg in [(bad_shape, "exp_avg.*shape"), (bad_master, "master param 1"),
+                     ({**good, "extra": 1}, "keys"), ({"optimizer": good["optimizer"]}, "keys")]:
+        with pytest.raises(CheckpointError, match=msg):
+            master.load_state_dict(bad)
+        assert all(torch.equal(a, b) for a, b in zip(master.master_params, before))
+    master.load_state_dict(good)  # the valid one still loads
+
+
+def test_torch_optimizer_accepts_a_wrong_shape_and_ours_refuses():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([w], lr=0.1)
+    w.grad = torch.ones(4)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"] = torch.full((1,), 5.0)
+    oracle = torch.optim.Adam([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+    oracle.load_state_dict(sd)  # torch: no complaint
+    with pytest.raises(CheckpointError, match="'exp_avg' of parameter 0 has shape \\(1,\\)"):
+        check_optimizer_state_dict(opt, sd)
+    other = torch.optim.Adam([w, torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(CheckpointError, match="parameters per group"):
+        check_optimizer_state_dict(other, opt.state_dict())
+    with pytest.raises(CheckpointError, match="not an optimizer state_dict"):
+        check_optimizer_state_dict(opt, {"state": {}})
+    check_optimizer_state_dict(opt, opt.state_dict())
+
+
+# -- BF16Optimizer -----------------------------------------------------------------------------------------
+def kahan_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    opt = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), rounding="nearest", kahan=True)
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("corrupt, msg", [
+    (lambda sd: sd["compensation"].__setitem__(0, torch.ones(1, dtype=torch.bfloat16)), "compensation buffer 0"),
+    (lambda sd: sd["compensation"].__setitem__(1, torch.ones(3)), "compensation buffer 1"),   # fp32, not bf16
+    (lambda sd: sd["compensation"].pop(), "expected 2 buffers"),
+    (lambda sd: sd["optimizer"]["state"][0].__setitem__("exp_avg_sq", torch.ones(4, 3)), "exp_avg_sq"),
+    (lambda sd: sd.__setitem__("kahan", False), "kahan=False"),
+    (lambda sd: sd.pop("generator"), "keys"),
+    (lambda sd: sd.__setitem__("generator", torch.zeros(3)), "generator"),
+])
+def test_bf16_optimizer_load_state_dict_checks_shapes_and_keys(corrupt, msg):
+    _, opt = kahan_optimizer()
+    sd = copy.deepcopy(opt.state_dict())
+    corrupt(sd)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(CheckpointError, match=msg):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(after["compensation"], before["compensation"]))
+    assert torch.equal(after["optimizer"]["state"][0]["exp_avg"], before["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_bf16_optimizer_valid_round_trip_still_loads():
+    _, opt = kahan_optimizer()
+    sd = copy.deepcopy(opt.state_dict())
+    _, fresh = kahan_optimizer()
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.comp, sd["compensation"]))
+
+
+# -- recipes and the Trainer -------------------------------------------------------------------------------
+SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def cfg(steps=4):
+    return TrainConfig(steps=steps, batch_size=4, eval_interval=2, eval_batches=1, model=SMALL)
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp16-dynamic", "bf16-pure-kahan"])
+def test_recipe_load_state_dict_checks_keys_and_shapes_first(recipe, corpus):
+    t = Trainer(recipe, corpus, cfg(1)).run()
+    sd = copy.deepcopy(t.recipe.state_dict())
+    before = [p.detach().clone() for p in t.recipe.model.parameters()]
+    missing = dict(sd)
+    missing.pop(sorted(sd)[-1])
+    with pytest.raises(CheckpointError, match="expected the keys"):
+        t.recipe.load_state_dict(missing)
+    opt_sd = sd["master"]["optimizer"] if "master" in sd else sd["optimizer"]
+    opt_sd = opt_sd.get("optimizer", opt_sd)  # BF16Optimizer wraps the torch optimizer's state_dict
+    opt_sd["state"][0]["exp_avg"] = opt_sd["state"][0]["exp_avg"][:1].clone()
+    with pytest.raises(CheckpointError, match="exp_avg"):
+        t.recipe.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(t.recipe.model.parameters(), before))
+
+
+def test_trainer_file_round_trip_and_corruption_is_detected(corpus, tmp_path):
+    path = tmp_path / "run.ckpt"
+    first = Trainer("fp16-dynamic", corpus, cfg()).run(2)
+    digest = first.save(path)
+    raw = path.read_bytes()
+    header, payload = raw.split(b"\n", 1)
+    assert digest == hashlib.sha256(payload).hexdigest() and header.split()[2] == b"sha256=" + digest.encode()
+    resumed = Trainer("fp16-dynamic", corpus, cfg()).load(path).run()
+    straight = Trainer("fp16-dynamic", corpus, cfg()).run()
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
+
+    flipped = bytearray(raw)
+    flipped[len(header) + 1 + len(payload) // 2] ^= 0x01  # one bit in the middle of the payload
+    (tmp_path / "flipped.ckpt").write_bytes(bytes(flipped))
+    (tmp_path / "short.ckpt").write_bytes(raw[:-100])
+    torch.save(first.state_dict(), tmp_path / "plain.pt")
+    fresh = Trainer("fp16-dynamic", corpus, cfg())
+    for name, msg in [("flipped.ckpt", "corrupted: SHA-256"), ("short.ckpt", "truncated"),
+                      ("plain.pt", "not a checkpoint written by save_checkpoint")]:
+        with pytest.raises(CheckpointError, match=msg):
+            fresh.load(tmp_path / name)
+        assert fresh.step == 0 and fresh.history == []  # nothing was touched
+
+
+def test_save_checkpoint_is_atomic_and_plain_objects_round_trip(tmp_path):
+    obj = {"a": torch.arange(3), "b": [1.5, None, "x"]}
+    save_checkpoint(obj, tmp_path / "c")
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary left behind
+    out = load_checkpoint(tmp_path / "c")
+    assert torch.equal(out["a"], obj["a"]) and out["b"] == obj["b"]
+    with pytest.raises(CheckpointError, match="not a Trainer checkpoint"):
+        Trainer("fp32", load_corpus(), cfg(1)).load_state_dict({"recipe_name": "fp32"})
+    assert get_recipe("fp32")  # the registry is untouched by failed loads
