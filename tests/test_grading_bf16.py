@@ -14,13 +14,33 @@ def test_reference_implementations_pass(capsys):
     assert out[0].startswith("PASS stochastic_round_bf16: ") and out[1].startswith("PASS kahan_add_: ")
 
 
-def test_a_bf16_sr_that_does_not_use_its_generator_passes_too():
-    """Determinism with the seed is not graded: torch's global RNG is fine."""
-    check_stochastic_round_bf16(lambda x, g: stochastic_round_bf16(x, None))
+def test_a_bf16_sr_that_ignores_its_generator_is_rejected():
+    """Planted bug: the draws come from torch's global RNG, so a seeded generator does not reproduce them."""
+    with pytest.raises(GradingError, match="generator passed in"):
+        check_stochastic_round_bf16(lambda x, g: stochastic_round_bf16(x, None))
+
+
+def sr_no_nan_guard(x, generator):                      # right everywhere except NaN payloads
+    r = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32)
+    return ((x.view(torch.int32) + r) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def test_nan_payloads_carried_into_inf_or_zero_are_rejected():
+    """0x7F800001 -> +inf, 0x7FFFFFFF -> -0, 0xFFFFFFFF -> +0 under the bit-level add: met deterministically."""
+    with pytest.raises(GradingError, match=r"NaN with bit pattern 0x7F800001 came back as inf"):
+        check_stochastic_round_bf16(sr_no_nan_guard)
+    for payload in (0x7FFFFFFF, 0xFFFFFFFF):          # each payload alone is caught too
+        def only(x, g, payload=payload):
+            out = stochastic_round_bf16(x, g).float()
+            bits = x.view(torch.int32)
+            hit = bits == (payload - (1 << 32) if payload >= 1 << 31 else payload)
+            return torch.where(hit, sr_no_nan_guard(x, g).float(), out).to(torch.bfloat16)
+        with pytest.raises(GradingError, match=f"0x{payload:08X} came back as -?0\\.0"):
+            check_stochastic_round_bf16(only)
 
 
 def sr_always_down(x, generator):                       # truncation toward zero: a neighbour, but biased
-    return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    return torch.where(x.isnan(), x, (x.view(torch.int32) & -65536).view(torch.float32)).to(torch.bfloat16)
 
 
 def sr_half(x, generator):                              # the right neighbours, probability 0.5
@@ -98,3 +118,24 @@ def test_kahan_out_of_place_is_rejected():
         w = (w.float() + update).to(torch.bfloat16)       # rebinding: the caller's w never changes
     with pytest.raises(GradingError, match="got w = 1.0,"):
         check_kahan_add(out_of_place)
+
+
+def kahan_rounds_y(w, comp, update):                    # y = update + comp rounded to BF16: close, not exact
+    y = (update + comp.float()).bfloat16().float()
+    new = (w.float() + y).to(torch.bfloat16)
+    comp.copy_((y - (new.float() - w.float())).to(torch.bfloat16))
+    w.copy_(new)
+
+
+def kahan_two_roundings(w, comp, update):               # new = bf16(bf16(w + update) + comp): rounded twice
+    y = update + comp.float()
+    new = ((w.float() + update).bfloat16().float() + comp.float()).to(torch.bfloat16)
+    comp.copy_((y - (new.float() - w.float())).to(torch.bfloat16))
+    w.copy_(new)
+
+
+@pytest.mark.parametrize("fn", [kahan_rounds_y, kahan_two_roundings])
+def test_kahan_close_but_not_exact_is_rejected(fn):
+    """Planted bugs that track the FP64 sum within 1% (the old tolerance) but not the exact recurrence."""
+    with pytest.raises(GradingError, match=r"after step \d+ .*exact step by step"):
+        check_kahan_add(fn)

@@ -90,3 +90,25 @@ def test_cases_cover_ties_specials_and_overflow_threshold():
     assert len(cases) == len(rounding_cases("fp16"))                         # deterministic
     assert torch.equal(cases.nan_to_num(), rounding_cases("fp16").nan_to_num())
     assert math.isfinite(float(cases[cases.isfinite()].abs().max()))
+
+
+def bf16_bit_rounding_no_nan_guard(x):
+    """Planted bug: the classic bit trick (bits + 0x7FFF + lsb, truncate) applied to NaNs too."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = torch.where(out >= 2**32, out - 2**32, out)                          # the carry out of bit 31 wraps
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("payload, becomes", [(0x7F800001, "inf"), (0x7FFFFFFF, "-0.0"), (0xFFFFFFFF, "0.0")])
+def test_nan_payloads_carried_into_inf_or_zero_are_rejected(payload, becomes):
+    """Each payload alone fails the grader, deterministically (the cases always hold it)."""
+    signed = payload - 2**32 if payload >= 2**31 else payload
+    def only_this_payload_wrong(x):
+        hit = x.view(torch.int32) == signed
+        return torch.where(hit, bf16_bit_rounding_no_nan_guard(x), x.to(torch.bfloat16).float())
+    assert float(bf16_bit_rounding_no_nan_guard(torch.tensor([signed], dtype=torch.int32).view(torch.float32))) \
+        == float(becomes)
+    with pytest.raises(GradingError, match="FAIL round_to_bf16"):
+        check_round_bf16(only_this_payload_wrong)

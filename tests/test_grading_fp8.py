@@ -196,3 +196,42 @@ def test_update_stub_fails_helpfully():
         raise NotImplementedError
     with pytest.raises(GradingError, match="`stub` is not implemented yet"):
         grading.check_delayed_update(stub)
+
+
+def test_update_rejects_recording_with_fmax_which_drops_a_nan_amax():
+    """Planted bug: torch.fmax ignores NaN, so a NaN amax is never recorded and a scale is computed anyway."""
+    def fmax_record(history, scale, amax, fp8_max, margin=0, algo="max"):
+        h = history.clone()
+        h[0] = torch.fmax(h[0], amax)
+        return update_ref(h, scale, torch.zeros_like(amax), fp8_max, margin, algo)
+    with pytest.raises(GradingError, match=r"a NaN amax: recorded"):
+        grading.check_delayed_update(fmax_record)
+
+
+def test_update_rejects_a_max_that_skips_nan_entries():
+    def nan_blind(history, scale, amax, fp8_max, margin=0, algo="max"):
+        h = history.clone()
+        h[0] = torch.maximum(h[0], amax)
+        finite = h.nan_to_num(nan=0.0)
+        a = finite[0] if algo == "most_recent" else finite.max()
+        h = torch.roll(h, -1)
+        h[0] = 0.0
+        new = torch.full_like(a, fp8_max) / a / 2.0 ** margin
+        new = torch.where((a > 0) & torch.isfinite(a), new, scale)
+        return h, torch.where(torch.isinf(new) & (a > 0), torch.full_like(new, FP32_MAX), new)
+    with pytest.raises(GradingError, match=r"NaN"):
+        grading.check_delayed_update(nan_blind)
+
+
+def test_update_rejects_most_recent_reading_the_argument_not_slot_0():
+    """Planted bug: most_recent uses this call's amax, forgetting an earlier micro-batch of the same step."""
+    def argument_only(history, scale, amax, fp8_max, margin=0, algo="max"):
+        if algo != "most_recent":
+            return update_ref(history, scale, amax, fp8_max, margin, algo)
+        h = history.clone()
+        h[0] = amax
+        h2, s = update_ref(h, scale, amax, fp8_max, margin, algo)
+        h2[-1] = torch.maximum(history[0], amax)                   # records right, reads the argument
+        return h2, s
+    with pytest.raises(GradingError, match=r"micro-batches of one step under most_recent"):
+        grading.check_delayed_update(argument_only)

@@ -61,7 +61,7 @@ def test_registered_in_order_with_one_line_descriptions():
 ])
 def test_bytes_per_param(name, want, corpus):
     """Pure rows: bf16 weights (2), fp32 grad buffers (4; the bf16 grads are moved there and freed), bf16 Adam
-    moments (4), and for Kahan a bf16 compensation buffer (2, reported by TrainingRecipe.extra_bytes)."""
+    moments (4), and for Kahan a bf16 compensation buffer (2, listed by TrainingRecipe.memory_tensors)."""
     res = train(name, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), progress=False)
     assert res.bytes_per_param == want
 

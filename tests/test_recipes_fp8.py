@@ -141,7 +141,7 @@ def test_bytes_per_param(name, corpus):
     r = make(name, corpus)
     n_params = sum(p.numel() for p in r.model.parameters())
     extra = len(FP8_LINEARS) * 3 * (1 + AMAX_HISTORY_LEN) * 4 if name == "fp8-delayed" else 0
-    assert r.extra_bytes() == extra
+    assert r.memory()["extra"] == extra
     res = train(name, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), progress=False)
     assert res.bytes_per_param == pytest.approx(
         {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "extra": extra / n_params})

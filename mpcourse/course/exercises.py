@@ -16,6 +16,12 @@ correct solution prints) is kept. So nbval grades a completed exercise against t
 the solution, and a shipped exercise fails its checks. Cells tagged ``check`` call graders from
 ``mpcourse.course.grading``.
 
+Prints are allowed where the learner works: in the exercise, every cell that holds learner code (a
+marked block), every check cell, and every cell that calls a function or class the learner writes is
+tagged ``nbval-ignore-output``. Those cells are graded by what they raise (a check cell raises
+``GradingError`` on a wrong implementation, a stub raises ``NotImplementedError``), not by their text,
+so a debugging ``print`` cannot fail them. The solutions keep strict output checks.
+
 Commands (contributors)::
 
     python -m mpcourse.course execute notebooks/00_number_formats.ipynb solutions/00_number_formats.ipynb
@@ -59,6 +65,10 @@ def strip_solutions(source: str) -> str:
     return out.rstrip("\n") if not source.endswith("\n") else out
 
 
+IGNORE_OUTPUT = "nbval-ignore-output"
+_DEFINED = re.compile(r"^(?:def|class)\s+(\w+)", re.M)     # the names a solution cell defines
+
+
 def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """The exercise notebook for a solution notebook (outputs kept; see the module docstring).
 
@@ -67,13 +77,21 @@ def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """
     nb = copy.deepcopy(solution)
     marked = checks = 0
+    learner_names = {m for cell in nb.cells if cell.cell_type == "code" and BEGIN in cell.source
+                     for m in _DEFINED.findall(cell.source)}
+    uses = re.compile(r"\b(" + "|".join(map(re.escape, sorted(learner_names))) + r")\b") if learner_names else None
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        is_check = "check" in cell.metadata.get("tags", [])
+        if BEGIN in cell.source or is_check or (uses is not None and uses.search(cell.source)):
+            tags = cell.metadata.setdefault("tags", [])
+            if IGNORE_OUTPUT not in tags:
+                tags.append(IGNORE_OUTPUT)
         if BEGIN in cell.source:
             cell.source = strip_solutions(cell.source)
             marked += 1
-        checks += "check" in cell.metadata.get("tags", [])
+        checks += is_check
     if not marked:
         raise CourseError("a solution notebook needs at least one '### BEGIN SOLUTION' block")
     if not checks:

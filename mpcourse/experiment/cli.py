@@ -9,8 +9,24 @@ from pathlib import Path
 from mpcourse.core import emulation
 from .argtypes import comma_list, positive_float, positive_int, ratio, seed
 from .data import CorpusError, load_corpus
+from .model import GPTConfig
 from .recipes import RECIPES, OptimConfig
 from .train import TrainConfig
+
+# model-size presets: "small" is the default every recipe runs in a few minutes on a laptop CPU; "large" has
+# GEMMs (M = 32 x 256 = 8192 tokens, K, N = 1024..4096) near or past the FP8 break-even on an H100-class GPU
+# (mpcourse.core.breakeven), and is meant for --device cuda.
+PRESETS = {"small": dict(n_layer=5, n_embd=128, n_head=4, block_size=64),
+           "large": dict(n_layer=8, n_embd=1024, n_head=16, block_size=256)}
+PRESET_BATCH = {"small": TrainConfig.batch_size, "large": 32}
+
+
+def _seed_list(text: str) -> list[int]:
+    """An argparse type: comma-separated distinct seeds, each a valid ``--seed``."""
+    seeds = [seed(s) for s in text.split(",") if s.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"must be distinct comma-separated seeds such as 0,1,2, got {text!r}")
+    return seeds
 
 
 # ``--quick``: every recipe, on a sixth of the default's tokens (a first contact, not a measurement:
@@ -36,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cosine decay to lr * this at the last step; 1 keeps the rate constant (default %(default)s)")
     c.add_argument("--data", default=None, help="UTF-8 text file (default: the embedded pydoc_data topics corpus)")
     c.add_argument("--seed", type=seed, default=0, help="seed for the model init and the batch order (default 0)")
+    c.add_argument("--seeds", type=_seed_list, default=None,
+                   help="comma-separated seeds, e.g. 0,1,2: every recipe once per seed; the table shows mean +- std")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default %(default)s)")
+    c.add_argument("--preset", choices=tuple(PRESETS), default="small",
+                   help=f"model size: small (default, a few minutes on a CPU) or large (for --device cuda; "
+                        f"batch {PRESET_BATCH['large']} unless --batch-size)")
+    c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
+                   help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.distributed)")
@@ -54,6 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _peak_flops(device: str) -> float | None:
+    """The peak for the %peak column: the GPU's dense BF16 datasheet peak, or this CPU's measured FP32 GEMM."""
+    from .speed import gpu_peak, measure_cpu_peak
+
+    if device == "cuda":
+        import torch
+
+        return gpu_peak(torch.cuda.get_device_name())
+    return measure_cpu_peak()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "recipes":
@@ -68,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
-    preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": TrainConfig.batch_size}
+    preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
     args.steps = args.steps if args.steps is not None else preset["steps"]
     args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
     try:      # fail now, not after minutes of training
@@ -77,8 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
               "pass another folder", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not _cuda_available():
+        print("mpcourse compare: error: --device cuda but no CUDA GPU is visible to torch "
+              "(torch.cuda.is_available() is False); drop --device or install a CUDA build of torch", file=sys.stderr)
+        return 2
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
-                      optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio))
+                      optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
+                      model=GPTConfig(**PRESETS[args.preset]), device=args.device)
     recipes = args.recipes or list(RECIPES)
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
@@ -87,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(f"tensor cores: {emulation.status()}")
+    peak = _peak_flops(args.device)
+    where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
+    print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
+          else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
-    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress)
+    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak,
+                inspect_every=args.inspect or 0)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 

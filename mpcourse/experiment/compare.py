@@ -2,8 +2,12 @@
 
 For each recipe: final train and validation loss and the gap to FP32, skipped steps, the final
 loss scale, tokens per second, bytes per parameter (weights + gradients + master copy + optimizer
-state) and the activation bytes of one step. Writes ``DIR/results.json`` (one object per recipe,
-``RunResult.to_dict()``) and ``DIR/loss_curves.png``.
+state), the activation bytes and the peak bytes of one step (``mpcourse.experiment.memory``), and the
+fraction of the machine's peak FLOP/s the step reaches (``mpcourse.experiment.speed``). With several
+seeds (``seeds=[0, 1, 2]``) every recipe runs once per seed and the table shows mean +- standard
+deviation (sample std, n-1) of the final losses and of the gap to FP32 (the gap is taken per seed, each
+recipe against the FP32 run of the same seed). Writes ``DIR/results.json`` (one object per run,
+``RunResult.to_dict()`` plus its ``seed``) and ``DIR/loss_curves.png`` (the first seed).
 
 ``results.json`` is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written
 as ``null`` and named, with its value, in the enclosing object's ``"nonfinite"`` field (for example
@@ -12,12 +16,14 @@ The file records what produced it: torch version, device, tensor-core emulation 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 from .data import Corpus
-from .train import RunResult, TrainConfig, train
+from .train import RunResult, TrainConfig, Trainer, train
 
 
 def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
@@ -57,32 +63,34 @@ def loss_peak(result: RunResult, warmup_steps: int) -> tuple[float | None, int |
     return peak, peak_step, spiked
 
 
-def format_table(results: list[RunResult], warmup_steps: int = 0) -> str:
-    """The comparison table as monospaced text (one row per recipe)."""
-    ref = next((r for r in results if r.recipe == "fp32"), None)
-    head = ["recipe", "train", "val", "gap%", "peak", "skipped", "scale", "tok/s",
-            "B/param w+g+m+o=total", "act MB"]
-    rows = []
-    for r in results:
-        b = r.bytes_per_param
-        total = sum(b.get(k, 0) for k in ("weights", "grads", "master", "optimizer", "extra"))
-        parts = [b.get(k, 0) for k in ("weights", "grads", "master", "optimizer")]
-        if b.get("extra"):
-            parts.append(b["extra"])
-        mem = "+".join(f"{p:.3g}" for p in parts) + f"={total:.3g}"
-        val = _fmt(r.final_val_loss, ".3f")
-        if r.diverged_at is not None:
-            val = f"nan@{r.diverged_at}"
-        peak, _, spiked = loss_peak(r, warmup_steps)
-        rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
-                     _fmt(peak, ".2f") + ("!" if spiked else " "),
-                     str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
-                     mem, _fmt(r.activation_bytes / 2**20, ".1f")])
+def _bytes_cell(b: dict) -> str:
+    total = sum(b.get(k, 0) for k in ("weights", "grads", "master", "optimizer", "extra"))
+    parts = [b.get(k, 0) for k in ("weights", "grads", "master", "optimizer")]
+    if b.get("extra"):
+        parts.append(b["extra"])
+    return "+".join(f"{p:.3g}" for p in parts) + f"={total:.3g}"
+
+
+def _mb(r: RunResult, key: str) -> str:
+    return _fmt(r.memory.get(key, 0) / 2**20, ".2f") if r.memory else "-"
+
+
+def _peak_pct(r: RunResult, peak_flops: float | None) -> str:
+    if not peak_flops or not r.flops_per_token:
+        return "-"
+    return _fmt(100 * r.tokens_per_s * r.flops_per_token / peak_flops, ".1f")
+
+
+LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
+          "(negative = lower); nan@N: diverged at step N;\npeak: highest training loss after warm-up "
+          f"(!: a spike, over {SPIKE_RATIO:g}x the best loss before it); scale: final loss scale; B/param: bytes per "
+          "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: tensors saved for "
+          "backward in one step (FP8 weight copies included);\npeak MB: most bytes alive during one step, state "
+          "included; %peak: model FLOP/s over the machine's peak FLOP/s")
+
+
+def _layout(head, rows, legend):
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    legend = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
-              "(negative = lower); nan@N: diverged at step N;\npeak: highest training loss after warm-up "
-              f"(!: a spike, over {SPIKE_RATIO:g}x the best loss before it); scale: final loss scale; B/param: bytes per "
-              "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: saved activations of one step")
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows] + [legend])
@@ -91,6 +99,61 @@ def format_table(results: list[RunResult], warmup_steps: int = 0) -> str:
 def family(recipe: str) -> str:
     """The plot panel a recipe goes in: ``torch-amp-*`` (the oracle), else the part before the first dash."""
     return "torch.amp" if recipe.startswith("torch-amp") else recipe.split("-")[0]
+
+
+def format_table(results: list[RunResult], warmup_steps: int = 0, peak_flops: float | None = None) -> str:
+    """The comparison table as monospaced text (one row per recipe)."""
+    ref = next((r for r in results if r.recipe == "fp32"), None)
+    head = ["recipe", "train", "val", "gap%", "peak", "skipped", "scale", "tok/s", "%peak",
+            "B/param w+g+m+o=total", "act MB", "peak MB"]
+    rows = []
+    for r in results:
+        val = _fmt(r.final_val_loss, ".3f")
+        if r.diverged_at is not None:
+            val = f"nan@{r.diverged_at}"
+        peak, _, spiked = loss_peak(r, warmup_steps)
+        rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
+                     _fmt(peak, ".2f") + ("!" if spiked else " "), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
+                     _peak_pct(r, peak_flops), _bytes_cell(r.bytes_per_param),
+                     _fmt(r.activation_bytes / 2**20, ".2f"), _mb(r, "peak")])
+    return _layout(head, rows, LEGEND)
+
+
+def _mean_std(xs: list[float], spec: str) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    if any(not math.isfinite(x) for x in xs):
+        return "nan"
+    if len(xs) == 1:
+        return format(xs[0], spec)
+    return f"{format(statistics.mean(xs), spec)}+-{format(statistics.stdev(xs), spec.lstrip('+'))}"
+
+
+def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None = None) -> str:
+    """Mean +- std over seeds (one row per recipe) of the final losses, the gap to FP32 (per seed) and tok/s."""
+    seeds = list(runs)
+    names = [r.recipe for r in runs[seeds[0]]]
+    by = {s: {r.recipe: r for r in rs} for s, rs in runs.items()}
+    head = ["recipe", "train", "val", "gap%", "skipped", "tok/s", "%peak", "B/param w+g+m+o=total", "act MB",
+            "peak MB"]
+    rows = []
+    for n in names:
+        rs = [by[s][n] for s in seeds]
+        gaps = [gap_percent(by[s][n], by[s].get("fp32")) for s in seeds]
+        diverged = [r.diverged_at for r in rs if r.diverged_at is not None]
+        val = _mean_std([r.final_val_loss for r in rs], ".3f")
+        if diverged:
+            val = f"nan@{min(diverged)} ({len(diverged)}/{len(rs)})"
+        first = rs[0]
+        rows.append([n, _mean_std([r.final_train_loss for r in rs], ".3f"), val, _mean_std(gaps, "+.1f"),
+                     "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
+                     _peak_pct(dataclasses.replace(first, tokens_per_s=statistics.mean(r.tokens_per_s for r in rs)),
+                               peak_flops),
+                     _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
+    legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run); "
+              "skipped: per seed\n" + LEGEND)
+    return _layout(head, rows, legend)
 
 
 def plot_curves(results: list[RunResult], path: Path) -> None:
@@ -207,10 +270,26 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
                "results": rows}
     return strict_json(payload)
 
+def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: int, progress: bool) -> RunResult:
+    from mpcourse.core.inspect import plot_heatmap
+
+    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress)
+    trainer.inspector.to_json(out / f"inspect-{name}.json")
+    if trainer.inspector.records:
+        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
+                     kind="subnormal")
+    trainer.inspector.remove()
+    return trainer.result()
+
 
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
-                progress: bool = True, echo=print) -> list[RunResult]:
-    """Train every recipe in ``recipes`` on ``corpus``; print the table; write JSON and plot to ``out``."""
+                progress: bool = True, echo=print, seeds: list[int] | None = None,
+                peak_flops: float | None = None, inspect_every: int = 0) -> list[RunResult]:
+    """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
+    the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column.
+    ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
+    ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
+    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``)."""
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in recipes:
@@ -227,3 +306,26 @@ def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, ou
     payload = results_payload(results, corpus, cfg, extra)
     (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
     plot_curves(results, out / "loss_curves.png")
+
+
+    seeds = list(seeds) if seeds else [cfg.seed]
+    runs: dict[int, list[RunResult]] = {}
+    for seed in seeds:
+        scfg = dataclasses.replace(cfg, seed=seed)
+        if inspect_every and seed == seeds[0]:
+            runs[seed] = [_inspected(name, corpus, scfg, out, inspect_every, progress) for name in recipes]
+        else:
+            runs[seed] = [train(name, corpus, scfg, progress=progress) for name in recipes]
+    if len(seeds) == 1:
+        echo(format_table(runs[seeds[0]], peak_flops))
+    else:
+        echo(format_seed_table(runs, peak_flops))
+    payload = {"corpus": corpus.name, "unigram_entropy": corpus.unigram_entropy(),
+               "config": {"steps": cfg.steps, "batch_size": cfg.batch_size, "seeds": seeds,
+                          "block_size": cfg.model.block_size, "n_layer": cfg.model.n_layer,
+                          "n_embd": cfg.model.n_embd, "n_head": cfg.model.n_head, "lr": cfg.optim.lr},
+               "peak_flops": peak_flops,
+               "results": [{**r.to_dict(), "seed": s} for s, rs in runs.items() for r in rs]}
+    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
+    plot_curves(runs[seeds[0]], out / "loss_curves.png")
+    return [r for rs in runs.values() for r in rs]

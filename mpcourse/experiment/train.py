@@ -29,7 +29,9 @@ from tqdm.auto import tqdm
 from .data import Corpus
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .memory import STATE_KINDS, measure_step
 from .model import GPT, GPTConfig
+from .speed import flops_per_token
 from .recipes import OptimConfig, get_recipe
 
 
@@ -45,6 +47,8 @@ class TrainConfig:
         seed: seeds the model init and the batch order (default 0).
         optim: optimizer hyper-parameters (``mpcourse.experiment.recipes.OptimConfig``).
         model: model hyper-parameters; ``vocab_size`` is taken from the corpus.
+        device: where the model and batches live, "cpu" (default) or "cuda" (batches are drawn on the
+            CPU with the same generator, then moved, so every device sees the same batches).
     """
 
     steps: int = 150
@@ -54,10 +58,16 @@ class TrainConfig:
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
+    device: str = "cpu"
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1 (got {self.steps}, {self.batch_size})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False: install a CUDA build of "
+                             "torch on a machine with a GPU, or use device='cpu'")
 
 
 @dataclass
@@ -78,6 +88,8 @@ class RunResult:
     tokens_per_s: float
     bytes_per_param: dict
     activation_bytes: int
+    memory: dict
+    flops_per_token: float
     steps_run: int
     diverged_at: int | None
     history: list = field(default_factory=list)
@@ -108,45 +120,13 @@ def evaluate(recipe, corpus: Corpus, cfg: TrainConfig) -> dict[str, float]:
         g = torch.Generator().manual_seed(10_000 + cfg.seed)
         losses = []
         for _ in range(cfg.eval_batches):
-            x, y = corpus.batch(split, cfg.batch_size, cfg.model.block_size, g)
+            x, y = (t.to(cfg.device) for t in corpus.batch(split, cfg.batch_size, cfg.model.block_size, g))
             with recipe.forward_context():
                 _, loss = recipe.model(x, y)
             losses.append(float(loss))
         out[split] = sum(losses) / len(losses)
     recipe.model.train()
     return out
-
-
-class _SavedTensorBytes:
-    """Context that adds up the bytes of the tensors autograd saves for backward (parameters
-    excluded, each storage counted once): the activation memory of one training step."""
-
-    def __init__(self, model):
-        self.model = model
-        self.storages: dict[int, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _param_ptrs(self) -> set[int]:
-        # Read at pack time: under FSDP2 the parameters registered during forward are the all-gathered
-        # (unsharded) ones, not the sharded DTensors held between steps.
-        return {p.data_ptr() for p in self.model.parameters() if type(p).__name__ != "DTensor"}
-
-    def _pack(self, t):
-        if t.data_ptr() not in self._param_ptrs():
-            st = t.untyped_storage()
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
 
 
 class Trainer:
@@ -161,16 +141,19 @@ class Trainer:
     ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
     the library's (``mpcourse.experiment.recipes.base.check_overrides``).
 
+    ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
+    (``self.inspector.records``); its time is part of the step time.
+
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
         ValueError: an override the recipe does not accept (the message lists those it does).
     """
 
-    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None):
+    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None, inspect_every: int = 0):
         recipe_cls = get_recipe(recipe_name)
         mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
-        model = GPT(mcfg)                                    # FP32 init, identical for every recipe
+        model = GPT(mcfg).to(cfg.device)                     # FP32 init, identical for every recipe
         with tensor_cores():
             self.cfg = cfg
             recipe = self.build_recipe(recipe_cls, model, overrides)
@@ -198,8 +181,20 @@ class Trainer:
         self.mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         self.batches = batches                               # identical batch order for every recipe
         self.step, self.history, self.skipped, self.diverged_at = 0, [], 0, None
-        self.step_time, self.memory, self.activation_bytes = 0.0, None, 0
+        self.step_time, self.timed_steps = 0.0, 0
+        self.memory = None            # state bytes by kind (TrainingRecipe.memory) after the first step
+        self.step_memory = None       # that step's StepMemory (state, activations, FP8 copies, peak)
         self.lr_decay, self.evaluate_during, self._emulating = True, True, False
+        self.inspector = None         # the numerics inspector (mpcourse.core.inspect), see ``inspect``
+
+    def inspect(self, every: int) -> None:
+        """Record numerics statistics every ``every`` steps (``mpcourse.core.inspect.Inspector``); 0: off."""
+        self.inspector = None
+        if every:
+            from mpcourse.core.inspect import Inspector
+            scaler = getattr(self.recipe, "scaler", None)
+            self.inspector = Inspector(self.recipe.model, every=every,
+                                       loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
 
     # -- what a data-parallel trainer (mpcourse.experiment.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model, overrides):
@@ -244,23 +239,30 @@ class Trainer:
         """
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
+        x, y = x.to(cfg.device), y.to(cfg.device)
+        if self.inspector is not None:
+            self.inspector.set_step(self.step)
         recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps if self.lr_decay else None))
+        ab = (lambda r: after_backward(self.step, r)) if after_backward is not None else None
         with self.emulation():
-            t0 = time.perf_counter()
-            first = self.memory is None                      # measure memory on the first step only
-            saved = _SavedTensorBytes(recipe.model) if first else contextlib.nullcontext()
-            with saved, recipe.forward_context():
-                loss = self.forward_loss(x, y)               # fp32 ()
-            recipe.backward(loss)
-            if after_backward is not None:
-                after_backward(self.step, recipe)
-            result = recipe.step()
-            if after_step is not None:
-                after_step(self.step, recipe, result)
-            if first:                                        # after step, before zero_grad: all alive
-                self.memory, self.activation_bytes = self.measure_memory(), saved.nbytes
+            if self.step_memory is None:                     # memory counted on the first step (not timed)
+                loss, result, self.step_memory = measure_step(
+                    recipe, x, y, forward_loss=self.forward_loss, after_backward=ab,
+                    after_step=(lambda r, res: after_step(self.step, r, res)) if after_step is not None else None)
+                self.memory = {k: getattr(self.step_memory, k) for k in STATE_KINDS}
+            else:
+                t0 = time.perf_counter()
+                with recipe.forward_context():
+                    loss = self.forward_loss(x, y)           # fp32 ()
+                recipe.backward(loss)
+                if ab is not None:
+                    ab(recipe)
+                result = recipe.step()
+                if after_step is not None:
+                    after_step(self.step, recipe, result)
+                self.step_time += time.perf_counter() - t0
+                self.timed_steps += 1
             recipe.zero_grad()
-            self.step_time += time.perf_counter() - t0
             loss_value = self.loss_value(loss)
             self.skipped += int(result.skipped)
             rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
@@ -293,16 +295,18 @@ class Trainer:
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
             final = {"train": float("nan"), "val": float("nan")}
-        n_params = sum(p.numel() for p in self.recipe.model.parameters())
         steps_run = len(self.history)
         return RunResult(
             recipe=self.name, description=self.recipe.description,
             final_train_loss=final["train"], final_val_loss=final["val"],
             skipped_steps=self.skipped,
             final_loss_scale=self.history[-1]["loss_scale"] if self.history else None,
-            tokens_per_s=steps_run * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
-            bytes_per_param={k: v / n_params for k, v in (self.memory or {}).items()},
-            activation_bytes=self.activation_bytes, steps_run=steps_run, diverged_at=self.diverged_at,
+            tokens_per_s=self.timed_steps * self.cfg.batch_size * self.mcfg.block_size / max(self.step_time, 1e-9),
+            bytes_per_param=self.step_memory.bytes_per_param() if self.step_memory else {},
+            activation_bytes=self.step_memory.activations + self.step_memory.fp8_cache if self.step_memory else 0,
+            memory=self.step_memory.to_dict() if self.step_memory else {},
+            flops_per_token=flops_per_token(self.mcfg.n_layer, self.mcfg.n_embd, self.mcfg.block_size,
+                                            self.mcfg.vocab_size), steps_run=steps_run, diverged_at=self.diverged_at,
             history=list(self.history))
 
     def state_dict(self) -> dict:

@@ -39,6 +39,10 @@ def rounding_cases(fmt: str, n_random: int = 20_000, seed: int = 0) -> torch.Ten
     mids = torch.cat([mids, edge])
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"),
                             1e-45, -1e-45, 1.1754942e-38, 3.4028235e38, -3.4028235e38])
+    # NaN payloads whose low bits carry into the exponent or the sign under a bit-level rounding add
+    # (bits + 0x7FFF + lsb): 0x7F800001 -> +inf, 0x7FFFFFFF -> -0, 0xFFFFFFFF -> +0. Always present.
+    payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x7FC00001, -0x7FFFFF], dtype=torch.int32)
+    special = torch.cat([special, payloads.view(torch.float32)])
     g = torch.Generator().manual_seed(seed)
     rand_bits = torch.randint(-2**31, 2**31 - 1, (n_random,), generator=g, dtype=torch.int64)
     random = rand_bits.to(torch.int32).view(torch.float32)

@@ -279,6 +279,13 @@ def _fixed_update_cases():
         ("a tiny amax: FP32 max, not inf", [0.0, 0, 0, 0], 1.0, 1e-40, E4M3_MAX, 0, "max"),
         ("two micro-batches of one step share slot 0 (max)", [7.0, 1, 2, 3], 1.0, 3.0, E4M3_MAX, 0, "max"),
         ("L = 1", [0.0], 3.0, 7.0, E5M2_MAX, 2, "max"),
+        ("a NaN amax: recorded (torch.maximum propagates it), keep the previous scale", [0.0, 1, 2, 3], 89.6,
+         math.nan, E4M3_MAX, 0, "max"),
+        ("a NaN still in the window: keep the previous scale", [0.0, 1, math.nan, 3], 89.6, 2.0, E4M3_MAX, 0, "max"),
+        ("a NaN amax with most_recent: keep the previous scale", [0.0, 4, 4, 4], 112.0, math.nan, E4M3_MAX, 0,
+         "most_recent"),
+        ("two micro-batches of one step under most_recent: slot 0 holds their max", [7.0, 1, 2, 3], 1.0, 3.0,
+         E4M3_MAX, 0, "most_recent"),
     ]
 
 

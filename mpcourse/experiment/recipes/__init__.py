@@ -7,7 +7,7 @@ registered recipe missing from it, or a name in it that is not registered, is an
 from .base import RECIPES, MasterWeightsRecipe, OptimConfig, TrainingRecipe, StepResult, get_recipe, register
 from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
-from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan
+from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, nvfp4
 
@@ -18,6 +18,8 @@ TABLE_ORDER = (
     "fp16-pure", "fp16-master", "fp16-static", "fp16-dynamic",
     # BF16: autocast, master copy, pure BF16 with three write-backs
     "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan",
+    # memory savers: low-precision optimizer state
+    "bf16-master-bf16-moments",
     # FP8 per tensor
     "fp8-current", "fp8-delayed",
     # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4

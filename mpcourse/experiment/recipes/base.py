@@ -158,28 +158,18 @@ class TrainingRecipe:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         return float(torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip))
 
-    def memory(self) -> dict[str, int]:
-        """Bytes held, by kind: ``weights`` (model parameters), ``grads`` (every gradient tensor
-        alive, model and master), ``master`` (optimizer parameters that are not model parameters:
-        the FP32 master copy), ``optimizer`` (optimizer state tensors, e.g. Adam's two moments; scalar step counters not counted) and
-        ``extra`` (recipe-specific buffers such as Kahan compensation or FP8 scaling state).
-        Call after ``step()`` and before ``zero_grad()``. Under torch.distributed the bytes are this rank's.
-        """
-        model_params = {id(p): p for p in self.model.parameters()}
-        opt_params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
-        # a DTensor (FSDP2 shard) counts its local shard: bytes held by this rank
-        nbytes = lambda t: (t.to_local() if type(t).__name__ == "DTensor" else t).nbytes
-        out = dict(weights=sum(nbytes(p) for p in model_params.values()),
-                   master=sum(nbytes(p) for i, p in opt_params.items() if i not in model_params),
-                   grads=sum(nbytes(p.grad) for p in {**model_params, **opt_params}.values()
-                             if p.grad is not None),
-                   optimizer=sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
-                                 if isinstance(v, torch.Tensor) and v.dim() > 0),  # not step counters
-                   extra=self.extra_bytes())
-        return out
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this recipe holds that the generic accounting cannot see, by kind: ``"grads"`` (own
+        gradient buffers) and ``"extra"`` (FP8 scaling state, Kahan compensation). Default: none."""
+        return {}
 
-    def extra_bytes(self) -> int:
-        return 0
+    def memory(self) -> dict[str, int]:
+        """Bytes held now, by kind (weights, grads, master, optimizer, extra), each storage counted once;
+        counted by ``mpcourse.experiment.memory`` (the one place that does). Call after ``step()`` and before
+        ``zero_grad()``; ``memory.measure_step`` adds activations and the peak of a step."""
+        from mpcourse.experiment.memory import count_bytes, state_tensors
+
+        return count_bytes(state_tensors(self))
 
     def state_dict(self) -> dict:
         """Everything needed to resume: model and optimizer state (subclasses add scaler, master, FP8 state)."""

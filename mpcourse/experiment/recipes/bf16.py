@@ -10,6 +10,8 @@
   round-to-nearest (the stagnation case), stochastic rounding, or a Kahan-compensated update (Zamirai et al.
   2020, "Revisiting BFloat16 Training", Algorithm 2 for Kahan). The three differ only in that write-back,
   so the rows isolate its effect. Gradients are accumulated in FP32 (``accumulate_grads``) and clipped there.
+* ``bf16-master-bf16-moments``: ``bf16-master`` with AdamW's moments stored in BF16 between steps
+  (``mpcourse.core.optim_state.LowPrecisionState``; DeepSeek-V3, arXiv 2412.19437 section 3.3.3).
 
 Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
 
@@ -18,6 +20,7 @@ Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
     bf16-master       bf16 2    bf16 2+fp32 4  fp32 4   fp32 8        -                20
     bf16-pure(-sr)    bf16 2    fp32 4         -        bf16 4        -                10
     bf16-pure-kahan   bf16 2    fp32 4         -        bf16 4        compensation 2   12
+    bf16-master-bf16-moments  bf16 2  bf16 2+fp32 4  fp32 4  bf16 4  -                16
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import torch
 
 from mpcourse.core.autocast import autocast
 from mpcourse.core.bf16 import BF16Optimizer
+from mpcourse.core.master import MasterWeights
+from mpcourse.core.optim_state import LowPrecisionState
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)
@@ -68,13 +73,9 @@ class _BF16Pure(TrainingRecipe):
         self.optimizer.step()                                          # AdamW in fp32, written back to bf16
         return StepResult()
 
-    def memory(self) -> dict[str, int]:
-        out = super().memory()
-        out["grads"] += self.optimizer.grad_bytes()                   # the fp32 buffers, not param.grad
-        return out
-
-    def extra_bytes(self) -> int:
-        return self.optimizer.extra_bytes()                            # Kahan compensation (bf16)
+    def memory_tensors(self):
+        return {"grads": [g for g in self.optimizer.grads if g is not None],   # the fp32 buffers, not param.grad
+                "extra": list(self.optimizer.comp or [])}                     # Kahan compensation (bf16)
 
 
 @register
@@ -96,3 +97,18 @@ class BF16PureKahan(_BF16Pure):
     name = "bf16-pure-kahan"
     description = "BF16 weights and AdamW state, no master copy, Kahan-compensated updates (BF16 buffer)"
     rounding, kahan = "nearest", True
+
+
+@register
+class BF16MasterBF16Moments(BF16Master):
+    """``bf16-master`` with AdamW's two moments stored in BF16 (DeepSeek-V3 section 3.3.3): 4 instead of 8
+    bytes of optimizer state per parameter; master weights and their gradients stay FP32."""
+
+    name = "bf16-master-bf16-moments"
+    description = "BF16 model, FP32 master weights, AdamW moments stored in BF16 (DeepSeek-V3)"
+
+    def make_optimizer(self, params):
+        o = self.optim
+        self.master = MasterWeights(params, LowPrecisionState(torch.optim.AdamW, torch.bfloat16), lr=o.lr,
+                                    betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return self.master.optimizer

@@ -87,12 +87,11 @@ class _FP8Recipe(TrainingRecipe):
         """The model's FP8 layers by fully qualified name."""
         return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
 
-    def extra_bytes(self) -> int:
-        """Bytes of FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; 0 for current
-        scaling, whose scales live only during one cast."""
-        return sum(t.numel() * t.element_size()
-                   for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
-                   for t in (state.scale, state.amax_history))
+    def memory_tensors(self):
+        """FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; none for current scaling,
+        whose scales live only during one cast."""
+        return {"extra": [t for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
+                          for t in (state.scale, state.amax_history)]}
 
 
 @register

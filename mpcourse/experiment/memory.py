@@ -1,0 +1,267 @@
+"""Memory of one training step, counted from the live tensors: the one place that does it.
+
+For any recipe (``mpcourse.experiment.recipes``), ``measure_step`` runs one training step exactly as the
+training loop does and reports the bytes held, by kind:
+
+    weights       the model's parameters (a tied head counted once)
+    grads         every gradient alive after ``step()``: ``param.grad`` of model and master params, and
+                  a recipe's own gradient buffers (``TrainingRecipe.memory_tensors()['grads']``)
+    master        optimizer parameters that are not model parameters (the FP32 master copy)
+    optimizer     optimizer state tensors (Adam's two moments; scalar step counters not counted)
+    extra         recipe state outside those: FP8 scales and amax histories, Kahan compensation
+    activations   tensors autograd saved for backward (``torch.autograd.graph.saved_tensors_hooks``),
+                  parameters excluded
+    fp8_cache     the FP8 copies of weights an FP8 layer saves for its backward GEMM (counted out of
+                  ``activations``: they are weight-sized, not token-sized)
+    peak          the most bytes alive at once during the step, state included (CPU: a
+                  ``TorchDispatchMode`` that follows every storage an op returns until it is freed;
+                  CUDA: ``torch.cuda.max_memory_allocated``)
+
+Every kind is the sum of distinct *storages* (``untyped_storage().nbytes()``), each counted once and in
+the first kind of the list above that holds it, so views and shared tensors are never counted twice.
+
+Why count tensors, not formulas: "FP8 saves memory" is a claim about tensors that exist. Transformer
+Engine's docs measure a 1024x1024 ``Linear`` at 6.00 MB in BF16 and 6.02 MB with FP8 compute (the
+high-precision weights stay, the FP8 copies are added); torchao reports Llama3-8B peak memory 47.65 GB
+(BF16) vs 47.77 GB (FP8). Savings come from FP8 activations saved for backward, FP8 weights
+(TE ``quantized_model_init``) and low-precision optimizer state (DeepSeek-V3, arXiv 2412.19437 s3.3).
+The CPU peak tracker follows the idea of ``torch.distributed._tools.mem_tracker.MemTracker`` (weak
+references to storages from a dispatch mode); the tests use that class as the oracle.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+KINDS = ("weights", "grads", "master", "optimizer", "extra", "fp8_cache", "activations")
+STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")
+
+
+def _storage(t: torch.Tensor):
+    """The tensor's untyped storage (a DTensor's local shard's), or None for an empty one / no storage."""
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return st if st.nbytes() and st.data_ptr() else None
+
+
+def _tensors(obj):
+    """Every tensor in a nested structure of lists, tuples and dicts."""
+    leaves, _ = tree_flatten(obj)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def state_tensors(recipe) -> dict[str, list[torch.Tensor]]:
+    """The live state of a recipe by kind (``STATE_KINDS``), as tensors (counted by ``count_bytes``)."""
+    model_params = list(recipe.model.parameters())
+    model_ids = {id(p) for p in model_params}
+    opt = recipe.optimizer
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    own = recipe.memory_tensors()
+    unknown = set(own) - {"grads", "extra"}
+    if unknown:
+        raise ValueError(f"memory_tensors() kinds must be 'grads' or 'extra', got {sorted(unknown)}")
+    grads = [p.grad for p in model_params + opt_params if p.grad is not None]
+    return {
+        "weights": model_params,
+        "grads": grads + list(own.get("grads", [])),
+        "master": [p for p in opt_params if id(p) not in model_ids],
+        "optimizer": [v for s in opt.state.values() for v in _tensors(s) if v.dim() > 0],  # not step counters
+        "extra": list(own.get("extra", [])),
+    }
+
+
+def count_bytes(by_kind: dict[str, list[torch.Tensor]], seen: set | None = None) -> dict[str, int]:
+    """Bytes per kind, each distinct storage once, in the first kind (in ``KINDS`` order) that holds it.
+    ``seen`` (storage addresses already counted elsewhere) is updated."""
+    seen = set() if seen is None else seen
+    out = {}
+    for kind in [k for k in KINDS if k in by_kind] + [k for k in by_kind if k not in KINDS]:
+        total = 0
+        for t in by_kind[kind]:
+            st = _storage(t)
+            if st is not None and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        out[kind] = total
+    return out
+
+
+class SavedTensors:
+    """Context collecting the tensors autograd saves for backward (the activations of a step).
+
+    ``exclude`` are tensors never counted here (the parameters). ``storages`` maps storage address ->
+    bytes; ``fp8_weight_copies`` the addresses of weight copies FP8 layers saved (see ``measure_step``).
+    """
+
+    def __init__(self, exclude=(), model=None):
+        self.exclude = {st.data_ptr() for st in map(_storage, exclude) if st is not None}
+        self.model = model      # its parameters are excluded as they are at pack time (FSDP2 gathers them)
+        self.storages: dict[int, int] = {}
+        self.fp8_weight_copies: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        st = _storage(t)
+        if self.model is not None:   # under FSDP2 the parameters used in forward are the all-gathered ones
+            live = {s.data_ptr() for s in map(_storage, self.model.parameters()) if s is not None}
+        else:
+            live = ()
+        if st is not None and st.data_ptr() not in self.exclude and st.data_ptr() not in live:
+            self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def split(self) -> dict[str, int]:
+        """{"activations": bytes, "fp8_cache": bytes} of what was saved."""
+        cache = sum(n for p, n in self.storages.items() if p in self.fp8_weight_copies)
+        return {"activations": sum(self.storages.values()) - cache, "fp8_cache": cache}
+
+
+class PeakTracker(TorchDispatchMode):
+    """Peak bytes alive during a region on CPU (or any device): every storage an op reads or returns is
+    followed through a weak reference until it is freed; ``baseline`` tensors (alive before) count from the
+    start. ``live_bytes()`` now, ``peak`` the maximum after any op."""
+
+    def __init__(self, baseline=()):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        for t in baseline:
+            self._add(t)
+        self.peak = self.live_bytes()
+
+    def _add(self, t) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        key = st.data_ptr()
+        old = self.live.get(key)
+        if old is None or old[0].expired():
+            self.live[key] = (StorageWeakRef(st), st.nbytes())
+
+    def live_bytes(self) -> int:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            del self.live[k]
+        return sum(n for _, n in self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors((args, kwargs, out)):
+            self._add(t)
+        self.peak = max(self.peak, self.live_bytes())
+        return out
+
+
+@dataclass
+class StepMemory:
+    """Bytes held by one training step, by kind (see the module docstring); ``peak`` includes the state."""
+
+    weights: int
+    grads: int
+    master: int
+    optimizer: int
+    extra: int
+    activations: int
+    fp8_cache: int
+    peak: int
+    n_params: int
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """The state kinds (``STATE_KINDS``) divided by the number of parameters."""
+        return {k: getattr(self, k) / self.n_params for k in STATE_KINDS}
+
+    @property
+    def state(self) -> int:
+        """Model and optimizer state: weights + grads + master + optimizer + extra."""
+        return sum(getattr(self, k) for k in STATE_KINDS)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in (*KINDS, "peak", "n_params")}
+
+
+@contextlib.contextmanager
+def _mark_fp8_weight_copies(model, saved: SavedTensors):
+    """Record the storages of the FP8 weight copies that FP8 layers quantize in this region."""
+    from mpcourse.core.quant import Float8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+    def wrap(layer):
+        inner = type(layer)._quantize.__get__(layer)
+
+        def quantize(role, x, record):
+            q = inner(role, x, record)
+            if role == "weight":
+                saved.fp8_weight_copies.update(st.data_ptr() for st in map(_storage, (q.data, q.scale_inv))
+                                               if st is not None)
+            return q
+        return quantize
+
+    for m in layers:
+        m._quantize = wrap(m)                      # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._quantize
+
+
+def measure_step(recipe, x: torch.Tensor, y: torch.Tensor, *, track_peak: bool = True, forward_loss=None,
+                 after_backward=None, after_step=None):
+    """Run one training step of ``recipe`` on batch ``(x, y)`` (forward, backward, ``step()``; not
+    ``zero_grad``) and count its memory. Returns ``(loss, StepResult, StepMemory)``.
+
+    ``forward_loss(x, y) -> loss`` replaces ``recipe.model(x, y)[1]`` (the trainer passes its own, e.g.
+    a data-parallel one); ``after_backward(recipe)`` and ``after_step(recipe, result)`` are the
+    trainer's hooks, run at the same points as in every other step.
+
+    The state is counted after ``step()`` and before ``zero_grad()``, when gradients, master copy and
+    optimizer state are all alive. Call it inside ``tensor_cores()`` as the training loop does. On CUDA
+    the peak is ``torch.cuda.max_memory_allocated`` over the step (reset first); elsewhere the
+    ``PeakTracker`` (``track_peak=False`` skips it: the peak is then reported as 0).
+    """
+    model = recipe.model
+    params = list(model.parameters())
+    cuda = params[0].is_cuda
+    before = state_tensors(recipe)
+    baseline = [t for ts in before.values() for t in ts] + list(model.buffers()) + [x, y]
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tracker = contextlib.nullcontext()
+    else:
+        tracker = PeakTracker(baseline) if track_peak else contextlib.nullcontext()
+    saved = SavedTensors(exclude=params, model=model)
+    forward_loss = forward_loss or (lambda x, y: model(x, y)[1])
+    with tracker:
+        with saved, _mark_fp8_weight_copies(model, saved), recipe.forward_context():
+            loss = forward_loss(x, y)                              # fp32 ()
+        recipe.backward(loss)
+        if after_backward is not None:
+            after_backward(recipe)
+        result = recipe.step()
+        if after_step is not None:
+            after_step(recipe, result)
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = tracker.peak if track_peak else 0
+    state = recipe.memory()                 # the recipe's own accounting (a sharded recipe counts its shards)
+    mem = StepMemory(**state, **saved.split(), peak=peak, n_params=sum(p.numel() for p in params))
+    return loss, result, mem

@@ -1,0 +1,72 @@
+"""The FP8 break-even model (mpcourse.core.breakeven) against torchao's published H100 measurements, and the
+speed helpers (mpcourse.experiment.speed) against hand counts. The model's inputs are datasheet peaks and
+published achievable fractions only; nothing here is fitted to the numbers it is checked against."""
+import dataclasses
+
+import pytest
+
+from mpcourse.core.breakeven import H100_TORCHAO, H200, break_even_width, fp8_speedup, linear_times, model_speedup
+from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.speed import flops_per_token, fraction_of_peak, gpu_peak
+
+
+@pytest.mark.parametrize("mkn,published", [((1024, 2048, 1024), 0.80), ((4096, 8192, 16384), 1.39)])
+def test_predicts_torchao_tensorwise_h100_within_20_percent(mkn, published):
+    """torchao float8 README, tensorwise, H100, forward + backward of one linear: 0.80x and 1.39x BF16."""
+    assert fp8_speedup(*mkn, chip=H100_TORCHAO) == pytest.approx(published, rel=0.20)
+
+
+def test_lands_near_torchao_auto_filter_boundary():
+    """torchao's auto-filter keeps a linear out of FP8 when K <= 4096 and N <= 1024: at that corner the model
+    should be near break-even for a typical per-GPU token count, below it inside, above it well outside."""
+    for M in (4096, 8192, 16384):
+        assert 0.9 <= fp8_speedup(M, 4096, 1024) <= 1.1
+        assert fp8_speedup(M, 2048, 512) < 0.9            # deep inside the filtered region: FP8 loses
+        assert fp8_speedup(M, 8192, 4096) > 1.3           # well outside: FP8 wins
+
+
+def test_cast_cost_is_memory_bound_bytes_over_bandwidth():
+    """Large shapes: 6 B per element of x, W and g over the achievable bandwidth, by hand."""
+    M, K, N = 8192, 8192, 8192
+    t = linear_times(M, K, N)
+    bw = H100_TORCHAO.mem_bw * H100_TORCHAO.mem_fraction
+    assert t["fp8_cast"] == pytest.approx(3 * M * K * 6 / bw)
+    assert t["bf16"] == pytest.approx(3 * 2 * M * K * N / (989e12 * 0.78))
+    assert t["fp8_gemm"] == pytest.approx(t["bf16"] / 2 * 989 / 989.5, rel=1e-3)   # 1979 = 2 x 989.5
+
+
+def test_faster_memory_moves_the_break_even_down():
+    slow, fast = H100_TORCHAO, H200                       # H200: 4.8 TB/s, same tensor cores
+    assert fp8_speedup(1024, 2048, 1024, chip=fast) > fp8_speedup(1024, 2048, 1024, chip=slow)
+    assert break_even_width(8192, chip=fast) <= break_even_width(8192, chip=slow)
+    no_overhead = dataclasses.replace(slow, mem_bw=1e30, min_kernel_s=0.0)
+    assert fp8_speedup(4096, 4096, 4096, chip=no_overhead) == pytest.approx(1979 / 989, rel=1e-6)
+
+
+def test_tokens_beyond_a_few_thousand_do_not_move_the_break_even():
+    """The "about 2M tokens per batch" heuristic: past a few thousand tokens per GPU the weight cast is amortised
+    and the break-even is set by the width alone (the casts of x and g grow with the tokens like the GEMMs)."""
+    widths = {t: break_even_width(t) for t in (4096, 16384, 2 ** 21)}
+    assert widths[16384] == widths[2 ** 21] == 1024
+    assert model_speedup(4096, 2 ** 21) == pytest.approx(model_speedup(4096, 16384), rel=0.05)
+    assert model_speedup(512, 2 ** 21) < 1 < model_speedup(2048, 2 ** 21)
+    assert break_even_width(1024) > widths[16384]         # few tokens: the weight casts dominate
+
+
+def test_model_flops_per_token_by_hand():
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=50)
+    model = GPT(cfg)
+    # every GEMM weight: the blocks' linears plus the (tied) head
+    gemm = sum(m.weight.numel() for n, m in model.named_modules() if n.startswith("blocks") and hasattr(m, "in_features"))
+    gemm += cfg.vocab_size * cfg.n_embd
+    fwd = 2 * gemm + cfg.n_layer * 2 * 2 * cfg.block_size * cfg.n_embd
+    assert flops_per_token(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size, training=False) == fwd
+    assert flops_per_token(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size) == 3 * fwd
+    assert fraction_of_peak(1000.0, 3 * fwd, 1e9) == pytest.approx(1000 * 3 * fwd / 1e9)
+    assert gpu_peak("NVIDIA H200") == 989e12 and gpu_peak("NVIDIA H100 80GB HBM3", fp8=True) == 1979e12
+    assert gpu_peak("Some Other GPU") is None
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        fp8_speedup(16, 0, 16)
