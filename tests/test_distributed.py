@@ -175,7 +175,8 @@ def test_bytes_per_param_per_rank(ranks, single):
             assert r[("ddp", name)]["memory"] == one
     mem = [r[("fsdp", "fp32")]["memory"] for r in ranks]
     for kind in ("weights", "grads", "optimizer"):             # 4 + 4 + 8 = 16 B/param -> 16/2 per rank
-        assert mem[0][kind] + mem[1][kind] == single["fp32"]["memory"][kind]
+        one = single["fp32"]["memory"][kind]                   # FSDP2 pads an uneven dim (vocab 103 rows):
+        assert one <= mem[0][kind] + mem[1][kind] <= 1.01 * one  # the shards' storages hold that padding
         assert abs(mem[0][kind] - mem[1][kind]) <= 0.02 * mem[0][kind]   # uneven rows (vocab 103) only
     n = ranks[0][("fsdp", "fp32")]["n_params"]
     assert 7.9 < sum(mem[0][k] for k in ("weights", "grads", "optimizer")) / n < 8.1
@@ -183,9 +184,8 @@ def test_bytes_per_param_per_rank(ranks, single):
     # the fp16 working copy is gathered block by block, so it is less than the full 2 B/param
     one = single["fp16-master"]["memory"]
     mem = [r[("fsdp", "fp16-master")]["memory"] for r in ranks]
-    assert mem[0]["master"] + mem[1]["master"] == one["master"]          # 4 B/param in total
-    assert mem[0]["optimizer"] + mem[1]["optimizer"] == one["optimizer"]  # 8 B/param in total
-    assert mem[0]["grads"] + mem[1]["grads"] == 4 * n                    # fp32 grad shards only
+    for kind, total in (("master", one["master"]), ("optimizer", one["optimizer"]), ("grads", 4 * n)):
+        assert total <= mem[0][kind] + mem[1][kind] <= 1.01 * total, kind   # 4, 8 and 4 (fp32 grad shards)
     assert 0 < mem[0]["weights"] < 2 * n
 
 
@@ -198,3 +198,14 @@ def test_a_raising_rank_stops_the_job_with_its_message():
     raised_at = float(info.value.message.rsplit("at time ", 1)[1])
     assert info.value.rank == 1
     assert stopped - raised_at < 10, stopped - raised_at   # rank 0 waits in a collective: terminated, not timed out
+
+
+def test_cli_flags_and_their_errors(capsys):
+    from mpcourse.experiment.cli import build_parser, main
+
+    args = build_parser().parse_args(["compare", "--nproc", "2", "--parallel", "fsdp", "--reduce-dtype", "bf16"])
+    assert (args.nproc, args.parallel, args.reduce_dtype) == (2, "fsdp", "bf16")
+    assert main(["compare", "--nproc", "2", "--recipes", "fp32"]) == 2
+    assert "needs --parallel ddp or --parallel fsdp" in capsys.readouterr().err
+    assert main(["compare", "--nproc", "3", "--parallel", "ddp", "--batch-size", "16"]) == 2
+    assert "not divisible by --nproc 3" in capsys.readouterr().err

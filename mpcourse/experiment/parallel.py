@@ -24,8 +24,11 @@ reduce-scatters its gradients. Per recipe:
   first rounded through the working dtype so the master starts from the same values as the single-process
   ``MasterWeights`` (built from the cast model, Apex O2). The course's loss scaler all-reduces its inf flag
   (each rank checks only its shard). This is ``ShardedMasterRecipe``.
-* ``torch-amp-fp16``: torch's ``GradScaler`` checks only the local shard, so one rank would skip while the
-  others step; FSDP's ``ShardedGradScaler`` (the same rules plus the all-reduce of the flag) replaces it.
+* ``torch-amp-fp16``: its ``GradScaler`` is replaced by FSDP's ``ShardedGradScaler`` (the same rules plus an
+  explicit all-reduce of the inf flag), the scaler torch documents for sharded gradients. (Measured in torch
+  2.13: torch's DTensor dispatch of the fused inf check already reduces the flag with MAX over the mesh, so
+  a plain ``GradScaler`` agrees across ranks on DTensor gradients too; a check on ``.to_local()`` shards
+  would not.)
 * FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*``): sharded as they are;
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
   the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
