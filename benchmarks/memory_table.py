@@ -2,6 +2,7 @@
 (``mpcourse.experiment.memory.measure_step``): bytes per parameter by kind, activations, FP8 weight copies, peak.
 
     python benchmarks/memory_table.py [--batch-size 16]
+    python benchmarks/memory_table.py --tiny      # the 1-block GPT of tests/test_memory.py (4 x 16 tokens), in bytes
 """
 import argparse
 
@@ -17,20 +18,30 @@ from mpcourse.experiment.recipes import RECIPES, OptimConfig
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--tiny", action="store_true", help="1 block, n_embd 32, 2 heads, 16 tokens, batch 4 (the tests' model)")
+    p.add_argument("--recipes", default=None, help="comma-separated recipe names (default: all)")
     a = p.parse_args()
     corpus = load_corpus(None)
-    cfg = GPTConfig(vocab_size=corpus.vocab_size)
+    if a.tiny:
+        cfg = GPTConfig(vocab_size=corpus.vocab_size, n_layer=1, n_embd=32, n_head=2, block_size=16)
+        a.batch_size = 4
+    else:
+        cfg = GPTConfig(vocab_size=corpus.vocab_size)
     x, y = corpus.batch("train", a.batch_size, cfg.block_size, torch.Generator().manual_seed(0))
-    print(f"{'recipe':<26} {'B/param w+g+m+o+x':<22} {'state MB':>8} {'act MB':>7} {'fp8 copies MB':>13} {'peak MB':>8}")
-    for name, cls in RECIPES.items():
+    unit, u = (1, "B") if a.tiny else (2**20, "MB")
+    fmt = (lambda v: f"{v:,.0f}") if a.tiny else (lambda v: f"{v / unit:.2f}")
+    print(f"{'recipe':<26} {'B/param w+g+m+o+x':<22} {'state ' + u:>10} {'act ' + u:>9} {'fp8 copies ' + u:>14} {'peak ' + u:>9}")
+    names = a.recipes.split(",") if a.recipes else list(RECIPES)
+    for name in names:
+        cls = RECIPES[name]
         torch.manual_seed(0)
         r = cls(GPT(cfg), OptimConfig())
         with tensor_cores():
             _, _, m = measure_step(r, x, y)
         b = m.bytes_per_param()
         parts = "+".join(f"{b[k]:.3g}" for k in ("weights", "grads", "master", "optimizer", "extra"))
-        print(f"{name:<26} {parts + '=' + format(sum(b.values()), '.3g'):<22} {m.state / 2**20:8.2f} "
-              f"{m.activations / 2**20:7.2f} {m.fp8_cache / 2**20:13.2f} {m.peak / 2**20:8.2f}", flush=True)
+        print(f"{name:<26} {parts + '=' + format(sum(b.values()), '.3g'):<22} {fmt(m.state):>10} "
+              f"{fmt(m.activations):>9} {fmt(m.fp8_cache):>14} {fmt(m.peak):>9}", flush=True)
     print(f"model: {m.n_params:,} parameters, batch {a.batch_size} x {cfg.block_size} tokens")
 
 

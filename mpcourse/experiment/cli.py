@@ -10,7 +10,7 @@ from mpcourse.core import emulation
 from .argtypes import comma_list, positive_float, positive_int, ratio, seed
 from .data import CorpusError, load_corpus
 from .model import GPTConfig
-from .recipes import RECIPES, OptimConfig
+from .recipes import NOT_IN_DEFAULT_RUN, RECIPES, OptimConfig, default_recipes
 from .train import TrainConfig
 
 # model-size presets: "small" is the default every recipe runs in a few minutes on a laptop CPU; "large" has
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
-                   help="comma-separated recipe names (default: all registered; see `mpcourse recipes`)")
+                   help="comma-separated recipe names (default: all registered but the emulated block-scaled ones; see `mpcourse recipes`)")
     c.add_argument("--quick", action="store_true",
                    help=f"a first run in about a minute: {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
                         "(explicit --steps/--batch-size still win)")
@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
                       model=GPTConfig(**PRESETS[args.preset]), device=args.device)
-    recipes = args.recipes or list(RECIPES)
+    recipes = args.recipes or default_recipes()
+    if not args.recipes:
+        print(f"not in the default run (slow emulated block GEMMs on a CPU; name them with --recipes): "
+              f"{', '.join(NOT_IN_DEFAULT_RUN)}")
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         if args.with_notebooks:
