@@ -57,9 +57,9 @@ import torch.nn as nn  # noqa: E402
 import bench_fp8_linear as bench  # noqa: E402
 
 GPU_SIZES = (1024, 4096, 8192)
-DRY_SIZES = (64,)
+DRY_SIZES = (128,)   # the smallest size every granularity takes (1x128 tiles, 128x128 blocks)
 GPT_GPU = dict(n_embd=2048, n_head=16, n_layer=4, block_size=512, vocab_size=128, batch=16)
-GPT_DRY = dict(n_embd=32, n_head=2, n_layer=1, block_size=16, vocab_size=32, batch=2)
+GPT_DRY = dict(n_embd=128, n_head=2, n_layer=1, block_size=16, vocab_size=32, batch=8)   # 128 tokens, widths of 128: every block recipe fits
 TRAIN_RECIPES = ("fp32", "bf16-autocast", "torch-amp-bf16")  # then every fp8-* recipe of the registry
 
 

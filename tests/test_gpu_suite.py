@@ -59,7 +59,10 @@ def test_dry_run_writes_every_section(suite_module, tmp_path):
         for name in recipes:
             assert any(f"({name})" in i for i in impls), (section, name)
         assert all("error" not in r and r["tflops"] > 0 for r in res[section])
-    assert all(r["rel_err_vs_bf16"] < 0.1 for r in res["linear"])  # FP8 against BF16, same weights
+    # against BF16, same weights: FP8 (3 mantissa bits, half-ulp 2^-4) well under 0.1; NVFP4's E2M1 has one
+    # mantissa bit (half-ulp 2^-2 relative), so its layer error is larger but still under that bound
+    for r in res["linear"]:
+        assert r["rel_err_vs_bf16"] < (0.25 if "NVFP4" in r["impl"] else 0.1), r["impl"]
     train = {r["recipe"]: r for r in res["train"]}
     for name in ("fp32", "bf16-autocast", "torch-amp-bf16", *[n for n in recipes if n.startswith("fp8")]):
         assert name in train and "error" not in train[name] and train[name]["finite"]

@@ -283,11 +283,13 @@ def environment(device: str = "cpu") -> dict:
             "emulation_summary": emulation.status()}
 
 
-def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, extra: dict | None = None) -> dict:
-    """The ``results.json`` object, strict JSON (see the module docstring)."""
+def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, extra: dict | None = None,
+                    seeds: list[int] | None = None) -> dict:
+    """The ``results.json`` object, strict JSON (see the module docstring); ``seeds[i]`` is run i's seed."""
     rows = []
-    for r in results:
+    for i, r in enumerate(results):
         d = r.to_dict()
+        d["seed"] = seeds[i] if seeds is not None else cfg.seed
         peak, peak_step, spiked = loss_peak(r, cfg.optim.warmup_steps)
         d.update(peak_loss=peak, peak_loss_step=peak_step, loss_spiked=spiked)
         if r.diverged_at is not None:
