@@ -98,24 +98,21 @@ def count_bytes(by_kind: dict[str, list[torch.Tensor]], seen: set | None = None)
 class SavedTensors:
     """Context collecting the tensors autograd saves for backward (the activations of a step).
 
-    ``exclude`` are tensors never counted here (the parameters). ``storages`` maps storage address ->
+    The parameters of ``model`` are never counted here; they are read at pack time, since under FSDP2 the
+    parameters a forward uses are the all-gathered ones, not the shards held between steps. ``storages`` maps storage address ->
     bytes; ``fp8_weight_copies`` the addresses of weight copies FP8 layers saved (see ``measure_step``).
     """
 
-    def __init__(self, exclude=(), model=None):
-        self.exclude = {st.data_ptr() for st in map(_storage, exclude) if st is not None}
-        self.model = model      # its parameters are excluded as they are at pack time (FSDP2 gathers them)
+    def __init__(self, model):
+        self.model = model
         self.storages: dict[int, int] = {}
         self.fp8_weight_copies: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
         st = _storage(t)
-        if self.model is not None:   # under FSDP2 the parameters used in forward are the all-gathered ones
-            live = {s.data_ptr() for s in map(_storage, self.model.parameters()) if s is not None}
-        else:
-            live = ()
-        if st is not None and st.data_ptr() not in self.exclude and st.data_ptr() not in live:
+        params = {s.data_ptr() for s in map(_storage, self.model.parameters()) if s is not None}
+        if st is not None and st.data_ptr() not in params:
             self.storages[st.data_ptr()] = st.nbytes()
         return t
 
@@ -246,7 +243,7 @@ def measure_step(recipe, x: torch.Tensor, y: torch.Tensor, *, track_peak: bool =
         tracker = contextlib.nullcontext()
     else:
         tracker = PeakTracker(baseline) if track_peak else contextlib.nullcontext()
-    saved = SavedTensors(exclude=params, model=model)
+    saved = SavedTensors(model)
     forward_loss = forward_loss or (lambda x, y: model(x, y)[1])
     with tracker:
         with saved, _mark_fp8_weight_copies(model, saved), recipe.forward_context():
