@@ -209,10 +209,6 @@ class Trainer:
         """The step's loss as reported (every rank must get the same number)."""
         return float(loss.detach())
 
-    def measure_memory(self) -> dict[str, int]:
-        """Bytes held by kind (``TrainingRecipe.memory``), after the step and before ``zero_grad``."""
-        return self.recipe.memory()
-
     @property
     def done(self) -> bool:
         return self.step >= self.cfg.steps or self.diverged_at is not None
