@@ -84,8 +84,7 @@ EXERCISES: dict[str, Yours] = {
                                             "no train-yours cell"),
     # --
     "04_dynamic_loss_scaling": Yours(
-        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off},
-        missing="no train-yours cell yet"),
+        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
     # --
     "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
     # --
