@@ -51,7 +51,7 @@ class BF16Master(MasterWeightsRecipe):
     name = "bf16-master"
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.bfloat16
-    OVERRIDABLE = ("round_to_bf16",)                   # lesson 00: the master -> model rounding
+    OVERRIDABLE = ("round_to_bf16", "make_master", "master_step")   # lessons 00 (the rounding) and 02
 
 
 class _BF16Pure(TrainingRecipe):
