@@ -109,8 +109,7 @@ EXERCISES: dict[str, Yours] = {
         bugs={"choose_loss_scale": _scale_one_power_too_large, "unscale_grads_": _unscale_all_but_the_last}),
     # --
     "04_dynamic_loss_scaling": Yours(
-        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off},
-        missing="no train-yours cell yet"),
+        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
     # --
     "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
     # --
