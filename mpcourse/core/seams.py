@@ -3,7 +3,7 @@
 Several library pieces take, as an optional keyword, one function per concept with the signature of the
 lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(stochastic_round_bf16=...)``,
 ``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
-scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the FP8
+scalers' ``unscale_grads_=``, ``fp16-static``'s ``choose_loss_scale``, the FP8
 recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``, the block recipes' ``block_quantize_fn`` /
 ``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``). The library calls the rule it is given and checks what comes back
 with these helpers, so that a wrong return value stops with one line naming the function and the fix

@@ -56,7 +56,7 @@ import torch
 
 from mpcourse.core.formats import get_format
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler, choose_loss_scale
-from mpcourse.core.seams import check_scale
+from mpcourse.core.seams import check_loss_scale
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 STATIC_GRAD_ABS_MAX = 2.7            # fp16-static: the largest gradient measured (module docstring)
@@ -118,7 +118,7 @@ class FP16Static(_ScaledFP16):
 
     def make_scaler(self):
         choose = self.overrides.get("choose_loss_scale")
-        scale = STATIC_LOSS_SCALE if choose is None else check_scale(
+        scale = STATIC_LOSS_SCALE if choose is None else check_loss_scale(
             "choose_loss_scale", choose(STATIC_GRAD_ABS_MAX, get_format("fp16").max, STATIC_MARGIN))
         return StaticLossScaler(scale, unscale_grads_=self.overrides.get("unscale_grads_"))
 
