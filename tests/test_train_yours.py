@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mpcourse.experiment.learner import load_functions
-from mpcourse.experiment.yours import YOURS_CONFIG, Comparison, train_yours
+from mpcourse.experiment.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, Comparison, train_yours
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "train-yours"
@@ -38,12 +38,14 @@ class Yours:
     functions: the exercise's functions those recipes use (each used by at least one of them).
     bugs: one planted bug per function: a wrong implementation with the exercise's signature.
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
+    cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
     """
 
     recipes: tuple[str, ...] = ()
     functions: tuple[str, ...] = ()
     bugs: dict[str, Callable] = field(default_factory=dict)
     missing: str = ""
+    cfg: object = None
 
 
 # -- planted bugs, by lesson (each keeps the exercise's signature) ---------------------------------------
@@ -91,6 +93,47 @@ def _kahan_drops_compensation(w, comp, update):            # 06: a plain BF16 ad
     w.copy_((w.float() + update).to(torch.bfloat16))
 
 
+def _scale_upside_down(amax, fp8_max, margin=0):        # 07: amax / fp8_max, the inverse scale
+    return torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+
+
+def _quantize_always_e4m3(x, scale, fp8_max):            # 07: ignores E5M2 for gradients
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+
+
+def _update_most_recent(history, scale, amax, fp8_max, margin=0, algo="max"):   # 08: ignores algo="max"
+    h = history.clone()
+    h[0] = torch.maximum(h[0], amax)
+    a = h[0].clone()
+    h = torch.roll(h, -1)
+    h[0] = 0.0
+    new = torch.where((a > 0) & torch.isfinite(a), fp8_max / a / 2.0 ** margin, scale)
+    return h, new
+
+
+def _block_scale_not_power_of_2(x, block):              # 10: keeps the mantissa of 448 / amax
+    M, K = x.shape
+    r, c = block
+    v = x.reshape(M // r, r, K // c, c)
+    amax = v.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    data = (v * scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(M, K)
+    return data, scale.reciprocal()
+
+
+def _mx_exponent_off_by_one(amax, elem):                 # 10: emax of E4M3 taken as 7
+    emax = {"e4m3": 7, "e5m2": 15, "e2m1": 2}[elem]
+    e = ((amax.view(torch.int32).long() >> 23) & 0xFF) - 127
+    return (e - emax).clamp(-127, 127)
+
+
+def _nvfp4_tensor_scale_without_6(x):                    # 10: t = amax / 448, forgetting E2M1's max
+    M, K = x.shape
+    t = x.abs().amax() / 448.0
+    amax_b = x.reshape(M, K // 16, 16).abs().amax(dim=2)
+    return t, ((amax_b / 6.0) / t).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
+
+
 # -- the registry: one entry per solution notebook (keep a comment line between entries) -----------------
 
 EXERCISES: dict[str, Yours] = {
@@ -117,13 +160,16 @@ EXERCISES: dict[str, Yours] = {
         recipes=("bf16-pure-sr", "bf16-pure-kahan"), functions=("stochastic_round_bf16", "kahan_add_"),
         bugs={"stochastic_round_bf16": _sr_never_rounds_up, "kahan_add_": _kahan_drops_compensation}),
     # --
-    "07_fp8_formats_and_scaling": Yours(missing="no training seam yet for compute_scale / quantize, "
-                                                "no train-yours cell"),
+    "07_fp8_formats_and_scaling": Yours(
+        recipes=("fp8-current",), functions=("compute_scale", "quantize"),
+        bugs={"compute_scale": _scale_upside_down, "quantize": _quantize_always_e4m3}),
     # --
-    "08_delayed_scaling": Yours(missing="no training seam yet for the delayed-scaling update, no train-yours cell"),
+    "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
-    "10_finer_grained_scaling": Yours(missing="no training seam yet for block_quantize / mx_shared_exponent / "
-                                              "nvfp4_scales, no train-yours cell"),
+    "10_finer_grained_scaling": Yours(
+        recipes=("fp8-block", "mxfp8-floor", "nvfp4"), functions=("block_quantize", "mx_shared_exponent", "nvfp4_scales"),
+        bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
+              "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
     "11_beyond_one_machine": Yours(missing="no training seam yet for all_reduce_found_inf_, no train-yours cell"),
 }
@@ -167,11 +213,14 @@ def _called_recipes(source: str) -> tuple[str, ...]:
 
 
 _LIBRARY_RUNS: dict = {}          # the library's runs under YOURS_CONFIG, shared by every test here
+_BLOCK_RUNS: dict = {}            # the same under YOURS_BLOCK_CONFIG
 
 
-def _train(namespace, recipes) -> tuple[list[Comparison], list[str]]:
+def _train(namespace, recipes, cfg=None) -> tuple[list[Comparison], list[str]]:
     lines: list[str] = []
-    return train_yours(namespace, recipes, echo=lines.append, library_runs=_LIBRARY_RUNS), lines
+    runs = _BLOCK_RUNS if cfg is YOURS_BLOCK_CONFIG else _LIBRARY_RUNS
+    assert cfg in (None, YOURS_BLOCK_CONFIG), "cache the library's runs of a new cfg apart"
+    return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, library_runs=runs), lines
 
 
 # -- the tests ------------------------------------------------------------------------------------------
@@ -202,7 +251,7 @@ def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
     functions = load_functions(ROOT / "solutions" / f"{stem}.ipynb")
-    comps, lines = _train(functions, e.recipes)
+    comps, lines = _train(functions, e.recipes, e.cfg)
     assert [c.recipe for c in comps] == list(e.recipes)
     for c in comps:
         assert c.identical, c.verdict()
@@ -218,7 +267,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     e = _entry(stem)
     assert e.bugs, "no planted bugs listed for this exercise"
     namespace = {**load_functions(ROOT / "solutions" / f"{stem}.ipynb"), fn: e.bugs[fn]}
-    comps, lines = _train(namespace, e.recipes)
+    comps, lines = _train(namespace, e.recipes, e.cfg)
     hit = [c for c in comps if fn in c.used]
     assert hit, f"no recipe of {e.recipes} uses {fn}"
     for c in hit:
@@ -234,7 +283,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
 def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
-    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes)
+    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg)
     for c in comps:
         assert c.yours is None and "is not implemented yet (it raises NotImplementedError)" in c.message, c.verdict()
         assert c.verdict().startswith(f"{c.recipe} [yours]: your ")
