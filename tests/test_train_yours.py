@@ -85,6 +85,14 @@ def _update_scale_always_backs_off(scale, growth_tracker, found_inf, growth_fact
     return scale * backoff_factor, 0
 
 
+def _cast_args_never_casts(op_name, args, device_type, dtype):   # 05: everything stays FP32
+    return tuple(args)
+
+
+def _cached_cast_without_history(cache, t, to_type):        # 05: a cast autograd cannot see through
+    return t.detach().to(to_type)
+
+
 def _sr_never_rounds_up(x, generator):                     # 06: not stochastic: always toward zero
     return _bf16_toward_zero(x).to(torch.bfloat16)
 
@@ -154,7 +162,9 @@ EXERCISES: dict[str, Yours] = {
     "04_dynamic_loss_scaling": Yours(
         recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
     # --
-    "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
+    "05_autocast": Yours(
+        recipes=("bf16-autocast",), functions=("cast_args", "cached_cast"),
+        bugs={"cast_args": _cast_args_never_casts, "cached_cast": _cached_cast_without_history}),
     # --
     "06_bf16_training": Yours(
         recipes=("bf16-pure-sr", "bf16-pure-kahan"), functions=("stochastic_round_bf16", "kahan_add_"),
