@@ -1,0 +1,249 @@
+"""Every exercise ends by training the course's GPT with the learner's functions beside the library's
+(``mpcourse.experiment.yours.train_yours``, the cell tagged ``train-yours``). For every exercise in
+``solutions/``: the cell is there and trains the recipes listed below; the solution's functions give the
+library's rows bit for bit; a planted bug in each function gives a different row or one line naming it;
+the shipped exercise's stubs give one "not implemented yet" line per recipe, never a traceback.
+
+To add a lesson: give it an entry in ``EXERCISES`` (the recipes its last cell trains, the functions those
+recipes take from it, one planted bug per function), add the cell to the solution
+(``from mpcourse.experiment.yours import train_yours`` / ``_ = train_yours(globals(), [...])``, tagged
+``train-yours``, the last code cell), re-execute it and regenerate the exercises. An entry with
+``missing`` set is expected to fail (xfail) until what it names exists; remove ``missing`` then (the
+cell test is strict: it fails once the cell is there and ``missing`` is still set).
+"""
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from mpcourse.experiment.learner import load_functions
+from mpcourse.experiment.yours import YOURS_CONFIG, Comparison, train_yours
+
+ROOT = Path(__file__).resolve().parent.parent
+TAG = "train-yours"
+
+
+@dataclass(frozen=True)
+class Yours:
+    """What an exercise's last cell trains.
+
+    recipes: the recipes its ``train_yours`` call names, in order.
+    functions: the exercise's functions those recipes use (each used by at least one of them).
+    bugs: one planted bug per function: a wrong implementation with the exercise's signature.
+    missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
+    """
+
+    recipes: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
+    bugs: dict[str, Callable] = field(default_factory=dict)
+    missing: str = ""
+
+
+# -- planted bugs, by lesson (each keeps the exercise's signature) ---------------------------------------
+
+def _bf16_toward_zero(x):                                  # 00: truncates instead of rounding to nearest even
+    return (x.float().view(torch.int32) & -65536).view(torch.float32)
+
+
+def _fp16_with_bf16_precision(x):                          # 00: keeps 8 significant bits instead of 11
+    return x.to(torch.bfloat16).to(torch.float16)
+
+
+def _update_scale_always_backs_off(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
+                                   growth_interval=2000):  # 04: backs off on clean steps too
+    return scale * backoff_factor, 0
+
+
+def _sr_never_rounds_up(x, generator):                     # 06: not stochastic: always toward zero
+    return _bf16_toward_zero(x).to(torch.bfloat16)
+
+
+def _kahan_drops_compensation(w, comp, update):            # 06: a plain BF16 add
+    w.copy_((w.float() + update).to(torch.bfloat16))
+
+
+# -- the registry: one entry per solution notebook (keep a comment line between entries) -----------------
+
+EXERCISES: dict[str, Yours] = {
+    "00_number_formats": Yours(
+        recipes=("fp16-master", "bf16-master", "bf16-pure"), functions=("round_to_fp16", "round_to_bf16"),
+        bugs={"round_to_fp16": _fp16_with_bf16_precision, "round_to_bf16": _bf16_toward_zero}),
+    # --
+    "01_why_fp16_breaks": Yours(missing="no training seam yet for fp16_fate / is_update_lost, no train-yours cell"),
+    # --
+    "02_master_weights": Yours(missing="no training seam yet for make_master / master_step, no train-yours cell"),
+    # --
+    "03_static_loss_scaling": Yours(missing="no training seam yet for choose_loss_scale / unscale_grads_, "
+                                            "no train-yours cell"),
+    # --
+    "04_dynamic_loss_scaling": Yours(
+        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
+    # --
+    "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
+    # --
+    "06_bf16_training": Yours(
+        recipes=("bf16-pure-sr", "bf16-pure-kahan"), functions=("stochastic_round_bf16", "kahan_add_"),
+        bugs={"stochastic_round_bf16": _sr_never_rounds_up, "kahan_add_": _kahan_drops_compensation}),
+    # --
+    "07_fp8_formats_and_scaling": Yours(missing="no training seam yet for compute_scale / quantize, "
+                                                "no train-yours cell"),
+    # --
+    "08_delayed_scaling": Yours(missing="no training seam yet for the delayed-scaling update, no train-yours cell"),
+    # --
+    "10_finer_grained_scaling": Yours(missing="no training seam yet for block_quantize / mx_shared_exponent / "
+                                              "nvfp4_scales, no train-yours cell"),
+    # --
+    "11_beyond_one_machine": Yours(missing="no training seam yet for all_reduce_found_inf_, no train-yours cell"),
+}
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+SOLUTIONS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+
+
+def _entry(stem: str) -> Yours:
+    assert stem in EXERCISES, (f"solutions/{stem}.ipynb has no entry in EXERCISES (tests/test_train_yours.py): "
+                               "add the recipes its train-yours cell trains")
+    return EXERCISES[stem]
+
+
+def _params(with_bugs: bool = False):
+    out = []
+    for stem in SOLUTIONS:
+        e = EXERCISES.get(stem, Yours())
+        marks = [pytest.mark.xfail(reason=e.missing, strict=False)] if e.missing or not e.recipes else []
+        if with_bugs:
+            out += [pytest.param(stem, fn, id=f"{stem}-{fn}", marks=marks) for fn in (e.bugs or {"-": None})]
+        else:
+            out.append(pytest.param(stem, id=stem, marks=marks))
+    return out
+
+
+def _last_code_cell(nb):
+    return [c for c in nb.cells if c.cell_type == "code"][-1]
+
+
+def _called_recipes(source: str) -> tuple[str, ...]:
+    """The recipe names of the ``train_yours(globals(), [...])`` call in a cell (a literal list or tuple)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "train_yours":
+            assert len(node.args) >= 2 and isinstance(node.args[0], ast.Call) and \
+                getattr(node.args[0].func, "id", "") == "globals", "call train_yours(globals(), [recipes])"
+            return tuple(ast.literal_eval(node.args[1]))
+    raise AssertionError("the train-yours cell does not call train_yours(globals(), [...])")
+
+
+_LIBRARY_RUNS: dict = {}          # the library's runs under YOURS_CONFIG, shared by every test here
+
+
+def _train(namespace, recipes) -> tuple[list[Comparison], list[str]]:
+    lines: list[str] = []
+    return train_yours(namespace, recipes, echo=lines.append, library_runs=_LIBRARY_RUNS), lines
+
+
+# -- the tests ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem", [pytest.param(s, id=s, marks=[pytest.mark.xfail(reason=EXERCISES[s].missing,
+                                                                                 strict=True)]
+                                               if EXERCISES.get(s, Yours()).missing else [])
+                                  for s in SOLUTIONS])
+def test_every_exercise_ends_with_a_train_yours_cell_on_its_recipes(stem):
+    e = _entry(stem)
+    for folder in ("solutions", "exercises"):
+        nb = nbformat.read(ROOT / folder / f"{stem}.ipynb", as_version=4)
+        tagged = [c for c in nb.cells if TAG in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{folder}/{stem}.ipynb needs exactly one cell tagged {TAG!r} (has {len(tagged)})"
+        assert tagged[0] is _last_code_cell(nb), f"{folder}/{stem}.ipynb: the {TAG} cell must be the last code cell"
+        assert _called_recipes(tagged[0].source) == e.recipes, "the cell's recipes differ from EXERCISES[stem]"
+    out = "".join(o.get("text", "") for o in tagged_solution_outputs(stem))
+    assert out.count("identical to the library's bit for bit") == len(e.recipes), out
+
+
+def tagged_solution_outputs(stem):
+    nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    return next(c for c in nb.cells if TAG in c.metadata.get("tags", [])).outputs
+
+
+@pytest.mark.parametrize("stem", _params())
+def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
+    e = _entry(stem)
+    assert e.recipes, "no recipes listed for this exercise"
+    functions = load_functions(ROOT / "solutions" / f"{stem}.ipynb")
+    comps, lines = _train(functions, e.recipes)
+    assert [c.recipe for c in comps] == list(e.recipes)
+    for c in comps:
+        assert c.identical, c.verdict()
+        assert c.yours.recipe == f"{c.recipe} [yours]"
+    used = {n for c in comps for n in c.used}
+    assert used == set(e.functions), f"the recipes use {sorted(used)}, the entry lists {sorted(e.functions)}"
+    assert set(e.bugs) == set(e.functions), "give one planted bug per function"
+    assert lines[0].count("identical to the library's bit for bit") == len(e.recipes)
+
+
+@pytest.mark.parametrize("stem,fn", _params(with_bugs=True))
+def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
+    e = _entry(stem)
+    assert e.bugs, "no planted bugs listed for this exercise"
+    namespace = {**load_functions(ROOT / "solutions" / f"{stem}.ipynb"), fn: e.bugs[fn]}
+    comps, lines = _train(namespace, e.recipes)
+    hit = [c for c in comps if fn in c.used]
+    assert hit, f"no recipe of {e.recipes} uses {fn}"
+    for c in hit:
+        assert not c.identical, f"{c.recipe}: the planted bug in {fn} trained the library's row bit for bit"
+        if c.yours is None:
+            assert fn in c.message, c.message
+        else:
+            assert "differs from the library's: first at" in c.verdict() or "final" in c.verdict()
+    assert "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("stem", _params())
+def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
+    e = _entry(stem)
+    assert e.recipes, "no recipes listed for this exercise"
+    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes)
+    for c in comps:
+        assert c.yours is None and "is not implemented yet (it raises NotImplementedError)" in c.message, c.verdict()
+        assert c.verdict().startswith(f"{c.recipe} [yours]: your ")
+    assert "Traceback" not in lines[0]
+
+
+def test_the_comparison_is_exact_and_says_where_it_differs():
+    from dataclasses import replace
+
+    run = _LIBRARY_RUNS.get("bf16-pure") or _train({}, ["bf16-pure"])[0][0].library
+    h = [dict(r) for r in run.history]
+    h[3]["loss"] = math.nextafter(h[3]["loss"], math.inf)           # one ulp at step 3
+    c = Comparison("bf16-pure", ("round_to_bf16",), run, replace(run, recipe="bf16-pure [yours]", history=h))
+    assert not c.identical and c.difference.startswith("first at step 3, loss ")
+    nan = replace(run, final_val_loss=math.nan)
+    assert Comparison("x", (), nan, replace(nan)).identical                # NaN equals NaN: same divergence
+
+
+def test_bad_arguments_are_refused_before_training():
+    with pytest.raises(ValueError, match="non-empty list"):
+        train_yours({}, "bf16-pure")
+    with pytest.raises(KeyError, match="unknown recipe"):
+        train_yours({}, ["bf16-pur"])
+
+
+@pytest.mark.parametrize("result,words", [
+    (lambda x: x.to(torch.bfloat16).flatten(), "round_to_bf16 returned shape"),       # caught by the seam's check
+    (lambda x: torch.empty_like(x, device="meta"), "training with your round_to_bf16 failed: "),   # further down
+])
+def test_a_function_that_breaks_the_run_is_one_line_naming_it(result, words):
+    def round_to_bf16(x):
+        return result(x)
+    comps, lines = _train({"round_to_bf16": round_to_bf16}, ["bf16-master"])
+    assert comps[0].yours is None and words in comps[0].message, comps[0].message
+    verdict = lines[0].splitlines()[-1]
+    assert verdict.startswith("bf16-master [yours]: ") and words in verdict and "Traceback" not in lines[0]
+
