@@ -7,7 +7,8 @@ for BF16/FP16 inputs also accumulate in FP32 inside and round once, at the outpu
     fp32   upcast the inputs, run the op in FP32, round the output once to the model's dtype (what
            PyTorch's kernels and autocast do; the loss stays FP32, as the GPT computes it)
     low    the op written out step by step with every intermediate rounded to BF16, forward and
-           backward (a kernel without an FP32 accumulator or FP32 intermediates)
+           backward (a kernel without FP32 intermediates; the reductions themselves, sum/mean/amax, are
+           PyTorch's kernels, which accumulate in FP32 and round their result once)
 
 ``OpPrecision(dtype, low={"softmax", "layer_norm", "loss"})`` is a ``TorchFunctionMode`` that intercepts
 ``F.softmax``, ``F.layer_norm`` and ``F.cross_entropy`` (the GPT's calls; LayerNorm modules call
