@@ -317,10 +317,11 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
                "results": rows}
     return strict_json(payload)
 
-def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: int, progress: bool) -> RunResult:
+def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: int, progress: bool,
+               on_step=None) -> RunResult:
     from mpcourse.core.inspect import plot_heatmap
 
-    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress)
+    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress, on_step=on_step)
     trainer.inspector.to_json(out / f"inspect-{name}.json")
     if trainer.inspector.records:
         plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
@@ -332,7 +333,7 @@ def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: in
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
                 peak_flops: float | None = None, inspect_every: int = 0,
-                learner: dict | None = None) -> list[RunResult]:
+                learner: dict | None = None, jobs: int = 1, threads: int | None = None) -> list[RunResult]:
     """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
     the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column.
     ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
@@ -340,15 +341,31 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``).
     ``learner``: functions loaded from exercise notebooks (``mpcourse.experiment.learner``); each recipe
     that accepts some of them gets a second row, ``"name [yours]"``, trained with them (every seed).
+    ``jobs`` > 1: the library's rows train in that many worker processes of ``threads`` threads each
+    (``mpcourse.experiment.pool``); the learner's rows train afterwards in this process.
     """
+    import torch
+
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(seeds) if seeds else [cfg.seed]
+    pooled: dict[tuple[int, str], RunResult] = {}
+    if jobs > 1:
+        from .pool import Task, run_pool
+        threads = threads or 1
+        tasks = [Task(name, dataclasses.replace(cfg, seed=seed), inspect_every if seed == seeds[0] else 0, out)
+                 for seed in seeds for name in recipes]
+        for t, r in zip(tasks, run_pool(tasks, corpus, jobs, threads, progress=progress)):
+            pooled[t.cfg.seed, t.name] = r
+    else:
+        threads = torch.get_num_threads()
     runs: dict[int, list[RunResult]] = {}
     for seed in seeds:
         scfg = dataclasses.replace(cfg, seed=seed)
         rows = []
         for name in recipes:
-            if inspect_every and seed == seeds[0]:
+            if (seed, name) in pooled:
+                rows.append(pooled[seed, name])
+            elif inspect_every and seed == seeds[0]:
                 rows.append(_inspected(name, corpus, scfg, out, inspect_every, progress))
             else:
                 rows.append(train(name, corpus, scfg, progress=progress))
@@ -362,7 +379,8 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     else:
         echo(format_seed_table(runs, peak_flops))
     flat = [(s, r) for s, rs in runs.items() for r in rs]
-    write_outputs([r for _, r in flat], corpus, cfg, out, extra={"seeds": seeds, "peak_flops": peak_flops},
+    write_outputs([r for _, r in flat], corpus, cfg, out,
+                  extra={"seeds": seeds, "peak_flops": peak_flops, "jobs": jobs, "threads": threads},
                   seeds=[s for s, _ in flat], plot_results=runs[seeds[0]])
     return [r for _, r in flat]
 
