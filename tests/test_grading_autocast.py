@@ -72,7 +72,7 @@ def test_reference_cast_args_agrees_with_the_library_eligibility():
 def test_cast_args_grader_passes_the_reference(capsys):
     check_cast_args(reference_cast_args)
     out = capsys.readouterr().out
-    assert out.startswith("PASS cast_args: 42 op calls") and "torch.autocast" in out
+    assert out.startswith("PASS cast_args: 64 op calls") and "fake CUDA tensors" in out
 
 
 @pytest.mark.parametrize("planted,match", [
@@ -84,12 +84,29 @@ def test_cast_args_grader_passes_the_reference(capsys):
                           r"aten\.cat\.default\(bfloat16, float32\).*promotes on CPU"),
     (dict(check_device=False), r"mm\(fp32, fp32\) in a 'cuda' region, CPU tensors.*torch\.autocast\('cuda'.*"
                                r"a 'cuda' region leaves CPU tensors alone"),
-], ids=["casts float64", "softmax forced to fp32 on CPU", "no promotion for cat", "ignores the device type"])
+    (dict(table_device="cpu"), r"exp\(low\), CUDA tensors` in torch\.autocast\('cuda'.*aten\.exp\.default\(float32\).*"
+                               r"aten\.exp\.default\(bfloat16\).*on the FP32 list of CUDA"),
+], ids=["casts float64", "softmax forced to fp32 on CPU", "no promotion for cat", "ignores the device type",
+        "CPU table in a CUDA region"])
 def test_cast_args_grader_rejects_planted_bugs(planted, match):
     def wrong(op, args, device_type, dtype):
         return reference_cast_args(op, args, device_type, dtype, **planted)
     with pytest.raises(GradingError, match=f"(?s)^FAIL cast_args: case `{match}"):
         check_cast_args(wrong)
+
+
+def test_cast_args_grader_runs_the_cuda_table_on_fake_cuda_tensors():
+    """No GPU needed: a cast_args that knows only CPU tensors, or only the CPU-style eligibility, fails on the
+    CUDA cases; the old CPU-tensor cases alone would pass both."""
+    def cpu_only(op, args, device_type, dtype):             # treats every non-CPU tensor as ineligible
+        return reference_cast_args(op, args, "cpu", dtype) if device_type == "cpu" else args
+    with pytest.raises(GradingError, match=r"(?s)case `mm\(fp32, fp32\), CUDA tensors` in torch\.autocast\('cuda'"):
+        check_cast_args(cpu_only)
+
+    def cast_everything_in_cuda_regions(op, args, device_type, dtype):
+        return reference_cast_args(op, args, device_type, dtype, check_device=device_type != "cpu")
+    with pytest.raises(GradingError, match=r"(?s)in a 'cpu' region, CUDA tensors.*a 'cpu' region leaves CUDA"):
+        check_cast_args(cast_everything_in_cuda_regions)
 
 
 def test_cast_args_grader_rejects_promote_as_lower_precision_and_bad_returns():

@@ -79,6 +79,30 @@ def test_choose_rejects_ignored_margin_and_non_powers_of_two():
         grading.check_choose_loss_scale(lambda g, fmt_max=65504.0, margin=0: fmt_max / g / 2.0 ** margin)
 
 
+def test_choose_float64_boundaries_are_graded():
+    cases = grading.boundary_cases()
+    assert any(float(torch.tensor(g, dtype=torch.float32)) != g for g, _, _ in cases)     # not float32 values
+    for g, fmt_max, margin in cases:                          # the oracle at each boundary, by hand
+        s = grading.exact_loss_scale(g, fmt_max, margin)
+        assert s * g * 2.0 ** margin <= fmt_max < 2 * s * g * 2.0 ** margin
+    assert len(grading.choose_cases()) == 312                 # the verdict the lesson stores names this count
+
+
+def test_choose_rejects_rounding_the_input_to_float32():
+    def via_float32(g, fmt_max=65504.0, margin=0):            # right on every float32 input
+        return choose_ref(float(torch.tensor(g, dtype=torch.float32)), fmt_max, margin)
+    with pytest.raises(GradingError, match=r"(?s)grad_abs_max=0\.49975585937500006, .*one power of two too large"):
+        grading.check_choose_loss_scale(via_float32)
+
+
+def test_choose_rejects_log2_without_the_exact_check():
+    def log2_only(g, fmt_max=65504.0, margin=0):
+        choose_ref(g)
+        return 2.0 ** math.floor(math.log2(fmt_max / (g * 2.0 ** margin)))
+    with pytest.raises(GradingError, match=r"one power of two too large"):
+        grading.check_choose_loss_scale(log2_only)
+
+
 def test_choose_requires_value_error_on_bad_max():
     def no_check(g, fmt_max=65504.0, margin=0):
         return choose_ref(g, fmt_max, margin) if g > 0 and math.isfinite(g) else 1.0

@@ -119,7 +119,7 @@ def test_the_shipped_exercise_stub_says_not_implemented_and_other_recipes_say_wh
                      "NotImplementedError)"]
     lines.clear()
     assert train_with_learner("fp32", corpus, CFG, functions, echo=lines.append) is None
-    assert lines == ["fp32: cannot use any of update_scale (it accepts: none)"]
+    assert lines == ["fp32: cannot use any of scaled_step, update_scale (it accepts: none)"]
 
 
 def test_loading_runs_only_definitions(tmp_path):

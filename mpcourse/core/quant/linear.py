@@ -149,9 +149,10 @@ class Float8Linear(nn.Linear):
         fmt = fp8_format_for(self.recipe, role)
         if isinstance(self.recipe, CurrentScaling):
             return quantize_current(x, fmt, power_2_scale=self.recipe.use_power_2_scales,
-                                    amax_epsilon=self.recipe.amax_epsilon)
+                                    amax_epsilon=self.recipe.amax_epsilon,
+                                    compute_scale_fn=self.recipe.compute_scale_fn, quantize_fn=self.recipe.quantize_fn)
         state = self.fp8_state[role]
-        x8 = quantize(x, fmt, state.scale)  # the scale from earlier steps
+        x8 = quantize(x, fmt, state.scale, quantize_fn=self.recipe.quantize_fn)  # the scale from earlier steps
         if record:
             state.record(compute_amax(x))
             # The key lets the amax all-reduce check that every rank ran the same layers in the same order.

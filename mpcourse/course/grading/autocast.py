@@ -14,15 +14,19 @@ The library's table (``mpcourse.core.autocast.policy``) is only used to word the
   every step's output dtype and bits, then the dtypes its aten ops received, must agree.
 
 Both run every case for ``torch.bfloat16`` and ``torch.float16`` regions on CPU tensors (the CPU list),
-plus a "cuda" region given CPU tensors (none are eligible there: nothing is cast), and raise
+plus a "cuda" region given CPU tensors (none are eligible there: nothing is cast); ``check_cast_args`` also
+runs the CUDA list on fake CUDA tensors (``FakeTensorMode``: no GPU needed, torch's dispatcher casts them as
+real ones), so a wrong CUDA policy fails on a CPU-only machine. They raise
 ``GradingError`` at the first case that differs, with the expected and obtained dtypes and a hint.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import GradingError, call, same_bits, verdict
@@ -43,7 +47,8 @@ HINTS = {
                 "table of the region's device_type.)",
     "float64": "float64 tensors are never eligible: autocast leaves them (and integer tensors) alone.",
     "integer": "only floating-point tensors are eligible: integer tensors are left alone.",
-    "device": "only tensors on the region's device type are eligible: a 'cuda' region leaves CPU tensors alone.",
+    "device": "only tensors on the region's device type are eligible: a 'cuda' region leaves CPU tensors alone, "
+              "a 'cpu' region leaves CUDA tensors alone.",
 }
 
 
@@ -93,6 +98,31 @@ CASES = [
      lambda low: (_r((3, 5), 34, low), -1), "device"),
 ]
 
+# The CUDA table, graded on any machine: the same kind of cases on *fake* CUDA tensors
+# (torch._subclasses.FakeTensorMode: tensors with device "cuda", shapes and dtypes, no storage). torch's own
+# Autocast dispatch key casts them as it casts real CUDA tensors, so the oracle is still torch.autocast; outputs
+# are compared by dtype and shape (a fake tensor has no values).
+CUDA_CASES = [
+    ("mm(fp32, fp32), CUDA tensors", "mm", "cuda", torch.mm, lambda low: (_r((3, 4), 50), _r((4, 5), 51)), "lower"),
+    ("linear(x, weight, bias), CUDA tensors", "linear", "cuda", F.linear,
+     lambda low: (_r((3, 4), 52), _r((6, 4), 53), _r((6,), 54)), "lower"),
+    ("exp(low), CUDA tensors", "exp", "cuda", torch.exp, lambda low: (_r((4,), 55, low),), "fp32"),
+    ("layer_norm(low, [5]), CUDA tensors", "layer_norm", "cuda", torch.layer_norm,
+     lambda low: (_r((3, 5), 56, low), [5]), "fp32"),
+    ("pow(low, 2.0), CUDA tensors", "pow", "cuda", torch.pow, lambda low: (_r((4,), 57, low), 2.0), "fp32"),
+    ("mse_loss(low, fp32), CUDA tensors", "mse_loss", "cuda", F.mse_loss,
+     lambda low: (_r((3, 4), 58, low), _r((3, 4), 59)), "fp32"),
+    ("cat([low, fp32]), CUDA tensors", "cat", "cuda", torch.cat, lambda low: ([_r((2, 3), 60, low), _r((1, 3), 61)],),
+     "unlisted"),
+    ("dot(low, fp32), CUDA tensors", "dot", "cuda", torch.dot, lambda low: (_r((4,), 62, low), _r((4,), 63)),
+     "promote"),
+    ("mm(float64, float64), CUDA tensors", "mm", "cuda", torch.mm,
+     lambda low: (_r((3, 4), 64, f64), _r((4, 2), 65, f64)), "float64"),
+    ("mm(fp32, fp32) in a 'cpu' region, CUDA tensors", "mm", "cpu", torch.mm,
+     lambda low: (_r((3, 4), 66), _r((4, 5), 67)), "device"),
+    ("exp(low) in a 'cpu' region, CUDA tensors", "exp", "cpu", torch.exp, lambda low: (_r((4,), 68, low),), "device"),
+]
+
 
 class _Trace(TorchDispatchMode):
     """Logs each aten op (casts excluded) with the dtypes of the tensors it received."""
@@ -103,7 +133,7 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if str(func) not in _CASTS:
+        if str(func) not in _CASTS and not str(func).startswith("prim."):   # prim.device: autocast's device query
             dts = []
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.Tensor):
@@ -126,6 +156,38 @@ def _region(device_type: str, dtype):
     with warnings.catch_warnings():                      # "CUDA is not available": the region is disabled
         warnings.simplefilter("ignore")
         return torch.autocast(device_type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _fake_cuda():
+    """A FakeTensorMode: tensors made with device="cuda" inside it are fake CUDA tensors, on any machine."""
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def _to_fake_cuda(a):
+    """Inside a FakeTensorMode: a fake CUDA tensor of ``a``'s shape and dtype (lists: element by element)."""
+    if isinstance(a, torch.Tensor):
+        return torch.empty(a.shape, dtype=a.dtype, device="cuda")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_fake_cuda(b) for b in a)
+    return a
+
+
+@contextlib.contextmanager
+def _torch_region(device_type, dtype):
+    """torch's autocast state switched on for ``device_type`` directly (``torch.autocast("cuda")`` disables
+    itself on a machine without CUDA; the dispatcher's Autocast key does not need a GPU to cast fake CUDA
+    tensors)."""
+    before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, before[0])
+        torch.set_autocast_dtype(device_type, before[1])
+        torch.clear_autocast_cache()
 
 
 def _oracle(fn, args, device_type, dtype):
@@ -170,32 +232,51 @@ def check_cast_args(cast_args) -> None:
     name = "cast_args"
     n = 0
     for dtype in LOW_DTYPES:
-        for label, op, device_type, fn, make, hint_key in CASES:
+        for case in CASES:
+            _grade_cast_case(name, cast_args, dtype, *case)
+            n += 1
+    for dtype in LOW_DTYPES:
+        for case in CUDA_CASES:
+            _grade_cast_case(name, cast_args, dtype, *case, fake_cuda=True)
+            n += 1
+    verdict(name, f"{n} op calls (bf16 and fp16 regions; CPU tensors, and fake CUDA tensors for the CUDA table) "
+                  "cast exactly as torch.autocast casts them")
+
+
+def _grade_cast_case(name, cast_args, dtype, label, op, device_type, fn, make, hint_key, fake_cuda=False):
+    with contextlib.ExitStack() as stack:
+        if fake_cuda:
+            real = make(dtype)
+            stack.enter_context(_fake_cuda())
+            args_ref, args = _to_fake_cuda(real), _to_fake_cuda(real)
+            with _torch_region(device_type, dtype), _Trace() as tr:
+                expected = _first_tensor(fn(*args_ref))
+            ref_log = tr.log
+        else:
             expected, ref_log = _oracle(fn, make(dtype), device_type, dtype)
             args = make(dtype)
-            got_args = call(name, cast_args, op, args, device_type, dtype)
-            if not isinstance(got_args, (tuple, list)) or len(got_args) != len(args):
-                raise GradingError(f"FAIL {name}: case `{label}`: return the arguments as a tuple of the same "
-                                   f"length ({len(args)}), got {type(got_args).__name__}"
-                                   f"{'' if not isinstance(got_args, (tuple, list)) else f' of length {len(got_args)}'}.")
-            error = None
-            try:
-                with _Trace() as tr:
-                    got = _first_tensor(fn(*got_args))
-            except Exception as e:                          # noqa: BLE001 - reported to the learner
-                error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            if error is not None:
-                _fail(name, label, dtype, device_type, op, hint_key,
-                      [f"running {op} on your arguments raised {error}", f"torch.autocast ran: {_ops(ref_log)}"])
-            if tr.log != ref_log:
-                _fail(name, label, dtype, device_type, op, hint_key,
-                      [f"torch.autocast ran:  {_ops(ref_log)}", f"your arguments ran: {_ops(tr.log)}"])
-            if not _same(got, expected):
-                _fail(name, label, dtype, device_type, op, hint_key,
-                      [f"expected a {_name(expected.dtype)} result equal to torch.autocast's, got "
-                       f"{_name(got.dtype)}{'' if got.dtype != expected.dtype else ' with different values'}"])
-            n += 1
-    verdict(name, f"{n} op calls (bf16 and fp16 regions) cast exactly as torch.autocast casts them")
+        got_args = call(name, cast_args, op, args, device_type, dtype)
+        if not isinstance(got_args, (tuple, list)) or len(got_args) != len(args):
+            raise GradingError(f"FAIL {name}: case `{label}`: return the arguments as a tuple of the same "
+                               f"length ({len(args)}), got {type(got_args).__name__}"
+                               f"{'' if not isinstance(got_args, (tuple, list)) else f' of length {len(got_args)}'}.")
+        error = None
+        try:
+            with _Trace() as tr:
+                got = _first_tensor(fn(*got_args))
+        except Exception as e:                          # noqa: BLE001 - reported to the learner
+            error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        if error is not None:
+            _fail(name, label, dtype, device_type, op, hint_key,
+                  [f"running {op} on your arguments raised {error}", f"torch.autocast ran: {_ops(ref_log)}"])
+        if tr.log != ref_log:
+            _fail(name, label, dtype, device_type, op, hint_key,
+                  [f"torch.autocast ran:  {_ops(ref_log)}", f"your arguments ran: {_ops(tr.log)}"])
+        same = (got.dtype == expected.dtype and got.shape == expected.shape) if fake_cuda else _same(got, expected)
+        if not same:
+            _fail(name, label, dtype, device_type, op, hint_key,
+                  [f"expected a {_name(expected.dtype)} result equal to torch.autocast's, got "
+                   f"{_name(got.dtype)}{'' if got.dtype != expected.dtype else ' with different values'}"])
 
 
 # ----------------------------------------------------------------------------- the mode exercise

@@ -3,7 +3,8 @@
 Oracles, none of them ``mpcourse.core.scaling``:
 
 * ``check_choose_loss_scale``: exact rational arithmetic (``fractions.Fraction``): the largest power of
-  two ``S`` with ``S * grad_abs_max * 2**margin <= fmt_max``, found by exact comparisons.
+  two ``S`` with ``S * grad_abs_max * 2**margin <= fmt_max``, found by exact comparisons; on float32 and
+  float64 inputs, float64 ones one ulp either side of a power-of-two boundary included.
 * ``check_unscale_grads``: PyTorch's fused kernel ``torch._amp_foreach_non_finite_check_and_unscale_``,
   the one ``torch.amp.GradScaler.unscale_`` runs, with GradScaler's
   ``inv_scale = scale.double().reciprocal().float()`` (torch/amp/grad_scaler.py).
@@ -42,8 +43,24 @@ def exact_loss_scale(grad_abs_max: float, fmt_max: float = 65504.0, margin: int 
     return float(s)
 
 
+def boundary_cases() -> list[tuple[float, float, int]]:
+    """float64 inputs at power-of-two boundaries: g = fmt_max / 2**(k+margin) exactly (S = 2**k fits with
+    equality) and its float64 neighbours one ulp above (S = 2**(k-1)) and below (S = 2**k). The neighbours are
+    not float32 values: a function that rounds its input to float32 (or trusts log2 near an integer) lands
+    on the boundary itself and returns the wrong power of two."""
+    out = []
+    for fmt_max, k, margin in ((65504.0, 17, 0), (65504.0, 0, 0), (65504.0, -3, 2), (448.0, 5, 1),
+                               (57344.0, 30, 0), (65504.0, 40, 3)):
+        b = fmt_max / 2.0 ** (k + margin)                               # exact in float64
+        out += [(b, fmt_max, margin), (math.nextafter(b, math.inf), fmt_max, margin),
+                (math.nextafter(b, 0.0), fmt_max, margin)]
+    return out
+
+
 def choose_cases(n_random: int = 300, seed: int = 0) -> list[tuple[float, float, int]]:
-    """(grad_abs_max, fmt_max, margin) cases: hand-picked edges first, then seeded log-uniform ones."""
+    """(grad_abs_max, fmt_max, margin) cases: hand-picked edges, float64 power-of-two boundaries
+    (``boundary_cases``), then seeded log-uniform ones, alternately float32 values and full float64 values;
+    ``n_random`` cases in all after the hand-picked ones."""
     cases = [
         (0.428, 65504.0, 0),                  # a GPT's first weight gradients: S = 2**17
         (1.0, 65504.0, 0),                    # 2**16 * 1 = 65536 > 65504: S = 2**15
@@ -58,12 +75,18 @@ def choose_cases(n_random: int = 300, seed: int = 0) -> list[tuple[float, float,
         (12.5, 57344.0, 1),                   # FP8 E5M2's max
         (7e-3, 65504.0, 2),
     ]
+    edges = boundary_cases()
+    cases += edges
+    n = n_random - len(edges)
     g = torch.Generator().manual_seed(seed)
-    logs = torch.rand(n_random, generator=g, dtype=torch.float64) * 60 - 40          # log2|g| in [-40, 20)
-    fmts = torch.randint(3, (n_random,), generator=g).tolist()
-    margins = torch.randint(5, (n_random,), generator=g).tolist()
-    for lg, f, m in zip(logs.tolist(), fmts, margins):
-        cases.append((float(torch.tensor(2.0 ** lg, dtype=torch.float32)), (65504.0, 448.0, 57344.0)[f], m))
+    logs = torch.rand(n, generator=g, dtype=torch.float64) * 60 - 40          # log2|g| in [-40, 20)
+    fmts = torch.randint(3, (n,), generator=g).tolist()
+    margins = torch.randint(5, (n,), generator=g).tolist()
+    for i, (lg, f, m) in enumerate(zip(logs.tolist(), fmts, margins)):
+        v = 2.0 ** lg                                                   # float64, 53 significant bits
+        if i % 2 == 0:
+            v = float(torch.tensor(v, dtype=torch.float32))             # a float32 value (a recorded max)
+        cases.append((v, (65504.0, 448.0, 57344.0)[f], m))
     return cases
 
 
