@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -52,15 +51,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_serves_lessons_exercises_and_solutions():
+def test_server_serves_lessons_exercises_and_solutions(tmp_path):
     pytest.importorskip("jupyterlab")
     port, token = free_port(), "mpcourse-test-token"
     args = ["--no-browser", f"--port={port}", "--ServerApp.port_retries=0", "--ServerApp.ip=127.0.0.1",
             f"--IdentityProvider.token={token}"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")
+    log = open(tmp_path / "lab.log", "w")                   # a file, not a pipe nobody reads (it could fill)
     proc = subprocess.Popen([sys.executable, "-m", "mpcourse", "lab", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         listing, deadline = None, time.monotonic() + 90
         while listing is None and time.monotonic() < deadline and proc.poll() is None:
@@ -70,7 +70,7 @@ def test_server_serves_lessons_exercises_and_solutions():
                 listing = json.load(urllib.request.urlopen(req, timeout=5))
             except OSError:
                 time.sleep(0.5)
-        assert listing is not None, f"the server did not answer: {proc.poll()=}"
+        assert listing is not None, f"the server did not answer: {(tmp_path / 'lab.log').read_text()[-3000:]}"
         names = {c["name"] for c in listing["content"]}
         assert {"notebooks", "exercises", "solutions"} <= names
         req = urllib.request.Request(f"http://127.0.0.1:{port}/api/contents/exercises",
@@ -84,3 +84,4 @@ def test_server_serves_lessons_exercises_and_solutions():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
