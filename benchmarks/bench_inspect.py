@@ -5,6 +5,10 @@ over repeats, and prints the ratio of the median step times (same run, same mach
 time, which a shared machine's other jobs do not inflate (one thread), and of the wall time.
 
     python benchmarks/bench_inspect.py [--recipe fp32] [--every 1,10] [--steps 20] [--repeats 3]
+
+Measured (``--steps 20 --repeats 5``, fp32, one thread, the 2-core CPU shared with other jobs), CPU time:
+every step 4.38x the step time (per repeat 3.77-4.67x), every 10 steps 1.37x (1.09-1.67x); the wall-time
+ratios were 3.78x and 1.17x with a far wider spread (0.39-4.51x per repeat).
 """
 import argparse
 import statistics
