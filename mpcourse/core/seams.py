@@ -5,10 +5,10 @@ lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(
 ``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
 scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the FP8
 recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``, the block recipes' ``block_quantize_fn`` /
-``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the course autocast's ``cast_args`` / ``cached_cast``). The library calls the rule it is given and checks what comes back
-with these helpers, so that a wrong return value stops with one line naming the function and the fix
-instead of spreading NaNs or shape errors through the training step. Without such a function the
-library runs its own (fused where torch has a kernel).
+``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the course autocast's ``cast_args`` / ``cached_cast``).
+The library calls the rule it is given and checks what comes back with these helpers, so that a wrong
+return value stops with one line naming the function and the fix instead of spreading NaNs or shape errors
+through the training step. Without such a function the library runs its own (fused where torch has a kernel).
 """
 from __future__ import annotations
 
