@@ -143,7 +143,7 @@ def run_rank(job: Job) -> list | None:
         results.append(trainer.result())
     if rank != 0:
         return None
-    print(format_table(results, job.cfg.optim.warmup_steps))
+    print(format_table(results))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,

@@ -190,6 +190,7 @@ class Trainer:
         self.step_memory = None       # that step's StepMemory (state, activations, FP8 copies, peak)
         self.lr_decay, self.evaluate_during, self._emulating = True, True, False
         self.needs_emulation = None   # whether the first step ran a low-precision matmul through the emulation
+        self._last_eval = None        # (step count after the evaluated step, {"train", "val"}) of the last evaluation
         self.inspector = None         # the numerics inspector (mpcourse.core.inspect), see ``inspect``
 
     def inspect(self, every: int) -> None:
@@ -275,13 +276,16 @@ class Trainer:
             if not math.isfinite(loss_value):
                 self.diverged_at = self.step
             elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):
-                rec["val_loss"] = evaluate(recipe, self.corpus, cfg)["val"]
+                losses = evaluate(recipe, self.corpus, cfg)
+                rec["val_loss"] = losses["val"]
+                self._last_eval = (self.step + 1, losses)   # valid until the next step changes the model
         self.history.append(rec)
         self.step += 1
         return rec
 
-    def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0) -> "Trainer":
-        """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN."""
+    def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0, on_step=None) -> "Trainer":
+        """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN.
+        ``on_step(trainer)`` runs after every step (``mpcourse.experiment.pool`` counts progress with it)."""
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)
@@ -289,12 +293,16 @@ class Trainer:
             rec = self.train_step()                          # each step enters the emulation (or not: see above)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+            if on_step is not None:
+                on_step(self)
         bar.close()
         return self
 
     def result(self) -> RunResult:
         """Final evaluation and report (losses NaN if the run diverged: nothing is averaged away)."""
-        if self.diverged_at is None:
+        if self.diverged_at is None and self._last_eval is not None and self._last_eval[0] == self.step:
+            final = self._last_eval[1]     # the last step evaluated this very model on the same batches
+        elif self.diverged_at is None:
             with self.emulation():
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
@@ -331,6 +339,7 @@ class Trainer:
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
         self.recipe.load_state_dict(state["recipe"])
         self.step, self.history = state["step"], list(state["history"])
+        self._last_eval = None
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
         self.batches.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
