@@ -12,10 +12,12 @@ class StaticLossScaler(LossScalerBase):
     gradients hold inf/NaN are skipped and counted in `skipped_steps` (DeepSpeed's static scaler does not check);
     the scale never changes (except by `update(new_scale=...)`). Same methods as `DynamicLossScaler`.
     No overflow needs S * max|g| <= 65504 (FP16 max). enabled=False: every method passes through.
+    all_reduce_found_inf_: lesson 11's ``all_reduce_found_inf_(found_inf, group)`` in place of the library's MAX
+    all-reduce of the inf/NaN flag (used only with more than one rank).
     """
 
-    def __init__(self, loss_scale: float, enabled: bool = True, process_group=None):
-        super().__init__(loss_scale, enabled, process_group)
+    def __init__(self, loss_scale: float, enabled: bool = True, process_group=None, *, all_reduce_found_inf_=None):
+        super().__init__(loss_scale, enabled, process_group, all_reduce_found_inf_)
 
     def _update(self, found_inf, overflow):
         pass

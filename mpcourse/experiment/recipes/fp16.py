@@ -108,16 +108,19 @@ class FP16Static(_ScaledFP16):
     name = "fp16-static"
     description = "FP16 model, FP32 master weights, static loss scale 2**12 (StaticLossScaler)"
 
+    OVERRIDABLE = ("round_to_fp16", "all_reduce_found_inf_")   # lessons 00 and 11 (with --nproc > 1)
+
     def make_scaler(self):
-        return StaticLossScaler(STATIC_LOSS_SCALE)
+        return StaticLossScaler(STATIC_LOSS_SCALE, all_reduce_found_inf_=self.overrides.get("all_reduce_found_inf_"))
 
 
 @register
 class FP16Dynamic(_ScaledFP16):
     name = "fp16-dynamic"
     description = "FP16 model, FP32 master weights, dynamic loss scaling (DynamicLossScaler, growth_interval 50)"
-    OVERRIDABLE = ("round_to_fp16", "update_scale")     # lessons 00 and 04
+    OVERRIDABLE = ("round_to_fp16", "update_scale", "all_reduce_found_inf_")     # lessons 00, 04 and 11
 
     def make_scaler(self):
         return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL,
-                                 update_scale=self.overrides.get("update_scale"))
+                                 update_scale=self.overrides.get("update_scale"),
+                                 all_reduce_found_inf_=self.overrides.get("all_reduce_found_inf_"))
