@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from mpcourse.core.emulation import emulation_enabled
 from mpcourse.experiment.compare import format_table, gap_percent
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.model import GPTConfig
@@ -170,7 +171,32 @@ def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeyp
                  after_step=lambda step, r, res: seen.append(("result", step, res.loss_scale)))
     assert seen == [("grads", 0, True), ("result", 0, 2.0**16)]
     assert len(entered) == before + 1                      # a lone step enters it itself
+    assert t.needs_emulation is emulation_enabled(torch.float16)   # FP16 matmuls: emulated where the CPU lacks units
     t.run()                                                # the other three steps and their evaluations
-    assert len(entered) == before + 2 and t.step == 4
+    assert len(entered) == before + (4 if t.needs_emulation else 1) and t.step == 4
     ref = Trainer("fp16-dynamic", corpus, small(steps=4)).run()
     assert [h["loss"] for h in t.history] == [h["loss"] for h in ref.history]   # hooks that only look change nothing
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp8-current"])
+def test_runs_without_low_precision_matmuls_drop_the_emulation_after_one_step_same_bits(recipe, corpus):
+    from mpcourse.core.emulation import set_emulation
+    from mpcourse.experiment.train import Trainer
+    set_emulation(True)                                    # the dispatch mode is active where it is entered
+    try:
+        fast = Trainer(recipe, corpus, small(steps=4)).run()
+        slow = Trainer(recipe, corpus, small(steps=4))
+        slow.train_step()
+        assert slow.needs_emulation is False               # nothing was emulated in the first step
+        slow.needs_emulation = True                        # keep entering it anyway
+        slow.run()
+    finally:
+        set_emulation(None)
+    assert fast.needs_emulation is False
+    assert fast.history == slow.history
+    assert all(torch.equal(a, b) for a, b in zip(fast.recipe.model.state_dict().values(),
+                                                  slow.recipe.model.state_dict().values()))
+    r_fast, r_slow = fast.result(), slow.result()          # the final evaluation reuses the last step's
+    assert (r_fast.final_train_loss, r_fast.final_val_loss) == (r_slow.final_train_loss, r_slow.final_val_loss)
+    slow._last_eval = None
+    assert slow.result().final_val_loss == r_slow.final_val_loss

@@ -60,9 +60,39 @@ def _fp16_with_bf16_precision(x):                          # 00: keeps 8 signifi
     return x.to(torch.bfloat16).to(torch.float16)
 
 
+def _masters_of_zeros(model_params):                       # 02: right shapes and dtype, not a copy
+    return [torch.zeros(p.shape, dtype=torch.float32, requires_grad=True) for p in model_params]
+
+
+def _master_step_never_copies_down(model_params, master_params, optimizer, loss_scale):   # 02: model never moves
+    for p, m in zip(model_params, master_params):
+        m.grad = p.grad.float() / loss_scale
+    optimizer.step()
+
+
+def _scale_one_power_too_large(grad_abs_max, fmt_max=65504.0, margin=0):   # 03: S * g * 2**margin > fmt_max
+    return 2.0 ** (math.floor(math.log2(fmt_max / 2**margin / grad_abs_max)) + 1)
+
+
+def _unscale_all_but_the_last(grads, scale):                # 03: one gradient left scaled
+    found = False
+    for g in grads[:-1]:
+        found |= not bool(torch.isfinite(g).all())
+        g.mul_(torch.tensor(1 / scale, dtype=torch.float32))
+    return found
+
+
 def _update_scale_always_backs_off(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
                                    growth_interval=2000):  # 04: backs off on clean steps too
     return scale * backoff_factor, 0
+
+
+def _cast_args_never_casts(op_name, args, device_type, dtype):   # 05: everything stays FP32
+    return tuple(args)
+
+
+def _cached_cast_without_history(cache, t, to_type):        # 05: a cast autograd cannot see through
+    return t.detach().to(to_type)
 
 
 def _sr_never_rounds_up(x, generator):                     # 06: not stochastic: always toward zero
@@ -129,16 +159,20 @@ EXERCISES: dict[str, Yours] = {
     # --
     "01_why_fp16_breaks": Yours(missing="no training seam yet for fp16_fate / is_update_lost, no train-yours cell"),
     # --
-    "02_master_weights": Yours(missing="no training seam yet for make_master / master_step, no train-yours cell"),
+    "02_master_weights": Yours(
+        recipes=("fp16-master", "bf16-master"), functions=("make_master", "master_step"),
+        bugs={"make_master": _masters_of_zeros, "master_step": _master_step_never_copies_down}),
     # --
-    "03_static_loss_scaling": Yours(missing="no training seam yet for choose_loss_scale / unscale_grads_, "
-                                            "no train-yours cell"),
+    "03_static_loss_scaling": Yours(
+        recipes=("fp16-static",), functions=("choose_loss_scale", "unscale_grads_"),
+        bugs={"choose_loss_scale": _scale_one_power_too_large, "unscale_grads_": _unscale_all_but_the_last}),
     # --
     "04_dynamic_loss_scaling": Yours(
-        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off},
-        missing="no train-yours cell yet"),
+        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
     # --
-    "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
+    "05_autocast": Yours(
+        recipes=("bf16-autocast",), functions=("cast_args", "cached_cast"),
+        bugs={"cast_args": _cast_args_never_casts, "cached_cast": _cached_cast_without_history}),
     # --
     "06_bf16_training": Yours(
         recipes=("bf16-pure-sr", "bf16-pure-kahan"), functions=("stochastic_round_bf16", "kahan_add_"),

@@ -173,11 +173,22 @@ class TensorCoreEmulation(TorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        global _emulated_calls
         kwargs = kwargs or {}
         impl = EMULATED_OPS.get(func)
         if impl is not None and _wants_emulation(args):
+            _emulated_calls += 1
             return impl(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_emulated_calls = 0
+
+
+def emulated_calls() -> int:
+    """How many matmuls ``TensorCoreEmulation`` has computed in this process so far (a counter: compare two
+    readings to see whether a region ran any low-precision CPU matmul)."""
+    return _emulated_calls
 
 
 @contextlib.contextmanager

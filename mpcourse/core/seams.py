@@ -2,14 +2,17 @@
 
 Several library pieces take, as an optional keyword, one function per concept with the signature of the
 lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(stochastic_round_bf16=...)``,
-``MasterWeights(round_to_model=...)``, the FP8 recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``,
-the block recipes' ``block_quantize_fn`` / ``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the loss scalers'
-``all_reduce_found_inf_``). The library calls the rule it is given and checks what comes back
-with these helpers, so that a wrong return value stops with one line naming the function and the fix
-instead of spreading NaNs or shape errors through the training step. Without such a function the
-library runs its own (fused where torch has a kernel).
+``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
+scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the FP8
+recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``, the block recipes' ``block_quantize_fn`` /
+``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the course autocast's ``cast_args`` / ``cached_cast``).
+The library calls the rule it is given and checks what comes back with these helpers, so that a wrong
+return value stops with one line naming the function and the fix instead of spreading NaNs or shape errors
+through the training step. Without such a function the library runs its own (fused where torch has a kernel).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,6 +37,47 @@ def check_rounded(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.
             bad = out[~same].flatten()[0].item()
             raise SeamError(f"{name} returned {bad!r}, which is not a {str(dtype).replace('torch.', '')} value")
     return low
+
+
+def check_flag(name: str, out) -> bool:
+    """``out`` (from ``name(...)``, a yes/no answer such as found_inf) as a bool: a bool, or a one-element bool or
+    0/1 tensor. Raises ``SeamError`` naming ``name`` otherwise (None: a forgotten ``return``)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and (out.dtype == torch.bool or bool((out == 0) | (out == 1))):
+        return bool(out)
+    if isinstance(out, bool) or type(out).__name__ == "bool_":            # Python or NumPy bool
+        return bool(out)
+    raise SeamError(f"{name} returned {out!r}, expected True or False")
+
+
+def check_loss_scale(name: str, out) -> float:
+    """``out`` (from ``name(...)``, a loss scale) as a float: a positive finite number. ``SeamError`` otherwise."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if isinstance(out, bool) or not isinstance(out, (int, float)) or not (math.isfinite(out) and out > 0):
+        raise SeamError(f"{name} returned {out!r}, expected a positive finite loss scale")
+    return float(out)
+
+
+def check_masters(name: str, params: list, out) -> list:
+    """``out`` (from ``name(params)``, FP32 master copies) as a list: one float32 leaf tensor per param, same shape,
+    equal values, requires_grad, sharing no memory with it. ``SeamError`` naming ``name`` and the index otherwise."""
+    if not isinstance(out, (list, tuple)) or len(out) != len(params):
+        got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise SeamError(f"{name} returned {got}, expected a list of {len(params)} tensors (one per parameter)")
+    for i, (p, m) in enumerate(zip(params, out)):
+        where = f"{name} returned, for parameter {i} of shape {tuple(p.shape)},"
+        if not isinstance(m, torch.Tensor):
+            raise SeamError(f"{where} a {type(m).__name__}, expected a tensor")
+        if m.dtype != torch.float32 or m.shape != p.shape:
+            raise SeamError(f"{where} {m.dtype} of shape {tuple(m.shape)}, expected torch.float32 of its shape")
+        if not (m.is_leaf and m.requires_grad):
+            raise SeamError(f"{where} a tensor that is not a leaf with requires_grad=True (use .detach() then "
+                            ".requires_grad_(True))")
+        if m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            raise SeamError(f"{where} a tensor sharing memory with the parameter (copy it)")
+        if not torch.equal(m.detach(), p.detach().float()):
+            raise SeamError(f"{where} values that differ from the parameter's (a master starts as an exact copy)")
+    return list(out)
 
 
 def _tensor(name: str, out, what: str, shape, dtypes) -> torch.Tensor:
@@ -121,4 +165,43 @@ def check_found_inf(name: str, out) -> torch.Tensor:
     if value not in (0.0, 1.0):
         raise SeamError(f"{name} returned {value!r}: every rank's flag is 0 or 1, so the MAX over the ranks is "
                         "too (a SUM counts the ranks that overflowed): all-reduce with dist.ReduceOp.MAX")
+    return out
+
+
+def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
+    """``out`` (from ``cast_args(op, args, device_type, dtype)``, lesson 05) as a tuple like ``args``: the same
+    length; each non-tensor argument returned as it was; each tensor of the same shape, in its own dtype or one
+    of ``dtypes`` (the region's dtype, float32), holding exactly ``arg.to(that dtype)``; lists element by element."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(args):
+        got = type(out).__name__ + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise SeamError(f"{name} returned {got}, expected a tuple of the {len(args)} arguments")
+    for i, (a, o) in enumerate(zip(args, out)):
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            check_cast_args(name, tuple(a), o, dtypes)
+        elif isinstance(a, torch.Tensor):
+            o = _tensor(name, o, f"argument {i}", a.shape, (a.dtype, *dtypes))
+            if o is a:
+                continue
+            with torch.no_grad():
+                want = a.to(o.dtype)
+            if not bool(((o.detach() == want) | (o.isnan() & want.isnan())).all()):
+                raise SeamError(f"{name} changed the values of argument {i}: return arg.to(dtype), not other values")
+        elif o is not a and o != a:
+            raise SeamError(f"{name} changed argument {i} ({a!r} -> {o!r}): leave non-tensor arguments as they are")
+    return tuple(out)
+
+
+def check_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.Tensor:
+    """``out`` (from ``cached_cast(cache, t, to_type)``, lesson 05): a tensor of t's shape and ``to_type`` equal to
+    ``t.to(to_type)`` of t's *current* value (a stale cast is refused), with autograd history where grad mode is
+    on and ``t`` requires grad."""
+    out = _tensor(name, out, "the cast", t.shape, (to_type,))
+    with torch.no_grad():
+        fresh = t.to(to_type)
+    if not bool(((out.detach() == fresh) | (out.isnan() & fresh.isnan())).all()):
+        raise SeamError(f"{name} returned a cast of another value than the tensor's current one (a stale cast: "
+                        "reuse a cached cast only while t._version is the one recorded with it)")
+    if torch.is_grad_enabled() and t.requires_grad and out.grad_fn is None:
+        raise SeamError(f"{name} returned a cast without autograd history, so no gradient reaches the weight: "
+                        "make cacheable casts under torch.enable_grad()")
     return out

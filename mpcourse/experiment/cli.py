@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
-                   help="comma-separated recipe names (default: all registered but the emulated block-scaled ones; see `mpcourse recipes`)")
+                   help="comma-separated recipe names (default: every registered one; see `mpcourse recipes`)")
     c.add_argument("--quick", action="store_true",
-                   help=f"a first run in about a minute: {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
+                   help=f"a first run, a sixth of the default's tokens (about 3 minutes on one CPU core): {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
                         "(explicit --steps/--batch-size still win)")
     c.add_argument("--steps", type=positive_int, default=None,
                    help=f"optimizer steps per recipe (default {TrainConfig.steps}; {QUICK['steps']} with --quick)")
@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
     c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    c.add_argument("--jobs", type=positive_int, default=None,
+                   help="train this many recipes at once in worker processes, each on cores/jobs threads (default: "
+                        "one per core, at most one per run; 1: all in this process with torch's threads). "
+                        "results.json records jobs and threads: the same pair gives the same bits")
     c.add_argument("--with", dest="with_notebooks", action="append", default=[], metavar="NOTEBOOK",
                    help="an exercise notebook whose functions (e.g. update_scale) train a second row per recipe, "
                         "'NAME [yours]'; repeat for several notebooks")
@@ -87,15 +91,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _peak_flops(device: str) -> float | None:
-    """The peak for the %peak column: the GPU's dense BF16 datasheet peak, or this CPU's measured FP32 GEMM."""
+def _peak_flops(device: str, threads: int | None = None) -> float | None:
+    """The peak for the %peak column: the GPU's dense BF16 datasheet peak, or this CPU's measured FP32 GEMM
+    on ``threads`` threads (a worker's, so that its tok/s and the peak count the same cores)."""
     from .speed import gpu_peak, measure_cpu_peak
 
     if device == "cuda":
         import torch
 
         return gpu_peak(torch.cuda.get_device_name())
-    return measure_cpu_peak()
+    return measure_cpu_peak(threads=threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
                       model=GPTConfig(**PRESETS[args.preset]), device=args.device)
     recipes = args.recipes or default_recipes()
-    if not args.recipes:
-        print(f"not in the default run (slow emulated block GEMMs on a CPU; name them with --recipes): "
-              f"{', '.join(NOT_IN_DEFAULT_RUN)}")
+    if not args.recipes and NOT_IN_DEFAULT_RUN:
+        print(f"not in the default run (name them with --recipes): {', '.join(NOT_IN_DEFAULT_RUN)}")
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         return _main_distributed(args, corpus, cfg, recipes)
@@ -149,13 +153,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
             return 2
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
-    peak = _peak_flops(args.device)
+    n_runs = len(recipes) * len(args.seeds or [args.seed])
+    if args.jobs is not None:
+        from .pool import usable_cores
+        jobs, threads = args.jobs, max(1, usable_cores() // args.jobs)
+    elif args.device == "cuda":
+        jobs, threads = 1, None                  # one GPU: one process
+    else:
+        from .pool import default_jobs
+        jobs, threads = default_jobs(n_runs)
+    if jobs > 1 and args.device == "cuda":
+        print("mpcourse compare: error: --jobs > 1 trains on the CPU; drop --jobs with --device cuda", file=sys.stderr)
+        return 2
+    if jobs > 1:
+        print(f"jobs: {jobs} worker processes x {threads} threads")
+    peak = _peak_flops(args.device, threads if jobs > 1 else None)
     where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
     print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
           else "peak FLOP/s: unknown GPU, %peak not shown")
     t0 = time.time()
-    run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds, peak_flops=peak,
-                inspect_every=args.inspect or 0, learner=learner)
+    from .pool import WorkerError
+    try:
+        run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds,
+                    peak_flops=peak, inspect_every=args.inspect or 0, learner=learner, jobs=jobs, threads=threads)
+    except WorkerError as e:
+        print(f"mpcourse compare: error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
 

@@ -12,9 +12,13 @@ decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
     after_step(step, recipe, result)        # optional hook: look at the updated state
     recipe.zero_grad()
 
-A run enters ``mpcourse.core.emulation.tensor_cores()`` once (``Trainer.emulation()``; ``run`` and
-``result`` do it), so low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor
-cores compute them. Runs are seeded: on CPU the same seed gives the same bits.
+Every step runs inside ``mpcourse.core.emulation.tensor_cores()`` (``Trainer.emulation()``), so
+low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor cores compute them. The
+emulation is a dispatch mode that sees every op in Python (about a third of an FP32 step on a 2-core
+CPU): a run whose first step computed no low-precision matmul through it (FP32 and the FP8 recipes,
+whose GEMM operands are FP32 or FP8) runs its later steps and evaluations without it, which changes no
+bit (the mode passes every other op through unchanged). Runs are seeded: on CPU the same seed gives the
+same bits.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import Corpus
-from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.emulation import emulated_calls, tensor_cores
 from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .memory import STATE_KINDS, measure_step
 from .model import GPT, GPTConfig
@@ -185,6 +189,8 @@ class Trainer:
         self.memory = None            # state bytes by kind (TrainingRecipe.memory) after the first step
         self.step_memory = None       # that step's StepMemory (state, activations, FP8 copies, peak)
         self.lr_decay, self.evaluate_during, self._emulating = True, True, False
+        self.needs_emulation = None   # whether the first step ran a low-precision matmul through the emulation
+        self._last_eval = None        # (step count after the evaluated step, {"train", "val"}) of the last evaluation
         self.inspector = None         # the numerics inspector (mpcourse.core.inspect), see ``inspect``
 
     def inspect(self, every: int) -> None:
@@ -215,8 +221,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def emulation(self):
-        """Enter ``tensor_cores()`` for everything inside, once; nested calls (each step's) do nothing more."""
-        if self._emulating:
+        """Enter ``tensor_cores()`` for everything inside, once; nested calls (each step's) do nothing more.
+        Nothing either once the first step has shown that this run has no matmul to emulate (module docstring)."""
+        if self._emulating or self.needs_emulation is False:
             yield
             return
         with tensor_cores():
@@ -242,10 +249,13 @@ class Trainer:
         ab = (lambda r: after_backward(self.step, r)) if after_backward is not None else None
         with self.emulation():
             if self.step_memory is None:                     # memory counted on the first step (not timed)
+                calls = emulated_calls()
                 loss, result, self.step_memory = measure_step(
                     recipe, x, y, forward_loss=self.forward_loss, after_backward=ab,
                     after_step=(lambda r, res: after_step(self.step, r, res)) if after_step is not None else None)
                 self.memory = {k: getattr(self.step_memory, k) for k in STATE_KINDS}
+                if self.needs_emulation is None and self._emulating:
+                    self.needs_emulation = emulated_calls() > calls
             else:
                 t0 = time.perf_counter()
                 with recipe.forward_context():
@@ -266,27 +276,33 @@ class Trainer:
             if not math.isfinite(loss_value):
                 self.diverged_at = self.step
             elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):
-                rec["val_loss"] = evaluate(recipe, self.corpus, cfg)["val"]
+                losses = evaluate(recipe, self.corpus, cfg)
+                rec["val_loss"] = losses["val"]
+                self._last_eval = (self.step + 1, losses)   # valid until the next step changes the model
         self.history.append(rec)
         self.step += 1
         return rec
 
-    def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0) -> "Trainer":
-        """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN."""
+    def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0, on_step=None) -> "Trainer":
+        """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN.
+        ``on_step(trainer)`` runs after every step (``mpcourse.experiment.pool`` counts progress with it)."""
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)
-        with self.emulation():                               # once for the whole run
-            while self.step < stop and self.diverged_at is None:
-                rec = self.train_step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+        while self.step < stop and self.diverged_at is None:
+            rec = self.train_step()                          # each step enters the emulation (or not: see above)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+            if on_step is not None:
+                on_step(self)
         bar.close()
         return self
 
     def result(self) -> RunResult:
         """Final evaluation and report (losses NaN if the run diverged: nothing is averaged away)."""
-        if self.diverged_at is None:
+        if self.diverged_at is None and self._last_eval is not None and self._last_eval[0] == self.step:
+            final = self._last_eval[1]     # the last step evaluated this very model on the same batches
+        elif self.diverged_at is None:
             with self.emulation():
                 final = evaluate(self.recipe, self.corpus, self.cfg)
         else:
@@ -323,6 +339,7 @@ class Trainer:
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
         self.recipe.load_state_dict(state["recipe"])
         self.step, self.history = state["step"], list(state["history"])
+        self._last_eval = None
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
         self.batches.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])

@@ -8,14 +8,16 @@ with the library's own code and once with yours (the row ``NAME [yours]``,
 ``mpcourse.experiment.compare.train_with_learner``), and prints a small table and one verdict line
 per recipe::
 
-    recipe               loss@0  loss@9  loss@19   val  skipped  scale
-    -------------------  ------  ------  -------  -----  -------  -----
-    bf16-pure             4.653   4.012    3.341  3.338        0      -
-    bf16-pure [yours]     4.653   4.012    3.341  3.338        0      -
+    the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
+    recipe             loss@0  loss@9  loss@19    val  skipped  scale
+    -----------------  ------  ------  -------  -----  -------  -----
+    bf16-pure           4.474   3.549    3.045  3.325        0      -
+    bf16-pure [yours]   4.474   3.549    3.045  3.325        0      -
     bf16-pure [yours]: identical to the library's bit for bit (20 training losses, loss scales, final losses)
 
-A different row says where it first differs ("differs from the library's: first at step 3, loss
-4.2571 (library 4.2569)"), so a planted bug is visible even where three decimals agree. A function
+A different row says where it first differs (a round_to_bf16 that truncates: "differs from the library's:
+first at step 1, loss 4.43648 (library 4.4340181)"), so a planted bug is visible even where three
+decimals agree. A function
 that raises (``NotImplementedError``, as a shipped exercise does), or returns something the library
 cannot use (another dtype, shape or type, a value off the format's grid), gives one line naming the
 function and why, and no row; never a traceback from inside the training step. So in a shipped

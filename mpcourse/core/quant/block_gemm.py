@@ -4,8 +4,9 @@
 each with its scales in blocks along K (the contraction dimension). Which path runs:
 
 * ``F.scaled_mm`` (torch >= 2.10, ``ScalingType``) when both operands map onto one of its scalings and the
-  device runs it: ``TensorWise`` x ``TensorWise`` and ``RowWise`` x ``RowWise`` on this CPU (torch 2.13,
-  measured: it upcasts to FP32 and its output equals dequantize-then-FP32-GEMM bit for bit);
+  device runs it: ``TensorWise`` x ``TensorWise`` and ``RowWise`` x ``RowWise`` on a CPU (torch 2.13,
+  measured: it upcasts to FP32 and its output equals dequantize-then-FP32-GEMM bit for bit, so ``auto`` runs
+  the faster emulation there and ``backend="native"`` the real call);
   ``BlockWise1x128`` x ``BlockWise128x128`` also on Hopper (SM 9.0); MX (``BlockWise1x32``) and NVFP4
   (``BlockWise1x16``) need Blackwell and are not wired here (no such GPU to test on).
 * otherwise the emulation: every block of each operand multiplied by its own scale in FP32, then one FP32
@@ -80,7 +81,8 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
     """``a @ b`` for block-scaled operands: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
 
     a's blocks and b's blocks must each lie along K (e.g. a 1x128 / 1x32 / 1x16 / 128x128 a, and b the
-    transpose of such a tensor). backend: "auto" (F.scaled_mm where supported, else the emulation),
+    transpose of such a tensor). backend: "auto" (F.scaled_mm where a GPU supports the scaling, else the
+    emulation, which on a CPU is what F.scaled_mm computes there, bit for bit, only faster),
     "emulate" or "native" (RuntimeError where the device does not take this scaling).
     """
     if out_dtype not in OUT_DTYPES:
@@ -96,7 +98,9 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
                            "use backend='emulate' (or 'auto')")
     if backend not in ("auto", "emulate", "native"):
         raise ValueError(f"backend must be 'auto', 'emulate' or 'native', got {backend!r}")
-    if native and backend != "emulate":
+    # On a CPU F.scaled_mm upcasts to FP32 as the emulation does (equal bit for bit, tested) but with torch's slow
+    # element-by-element FP8 upcast: "auto" takes the emulation there.
+    if native and (backend == "native" or (backend == "auto" and a.data.device.type != "cpu")):
         return _native(a, b, kind, out_dtype, use_fast_accum)
     return emulated_gemm(a, b, out_dtype)
 

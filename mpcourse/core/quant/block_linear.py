@@ -9,14 +9,18 @@ takes the scaling, else the exact emulation)::
     dgrad    dx = Q(dy, 1) @ Q(W, 0)                  -> (M, K) x dtype
     wgrad    dW = Q(dy, 0, wgrad)^T @ Q(x, 0, wgrad)  -> (N, K) weight dtype  (NVFP4: RHT on both)
 
-The high-precision x and W are saved for the backward (the re-quantization needs them). The bias is added
-after the GEMM in the output dtype; its gradient is summed in FP32.
+The high-precision x and W are saved for the backward (the re-quantization needs them). A 2-D weight block
+(128x128, NVFP4's 16x16) is the same block along either axis, so Q(W, 0) *is* Q(W, 1): the forward's copy is
+saved and used again by the input-gradient GEMM (TE quantizes such a weight once per step for both GEMMs),
+the same bits without a second quantization. The bias is added after the GEMM in the output dtype; its
+gradient is summed in FP32.
 """
 from __future__ import annotations
 
 import torch
 
 from .block_gemm import scaled_gemm
+from .scaled import ScaledTensor
 
 
 class BlockScaledLinearFunction(torch.autograd.Function):
@@ -28,7 +32,12 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         y = scaled_gemm(xq, wq.t(), out_dtype)                    # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x, weight)
+        if same_both_axes(recipe, "weight"):                     # Q(W, 0) == Q(W, 1): keep it for dgrad
+            ctx.save_for_backward(x, weight, wq.data, wq.scale_inv, wq.tensor_scale_inv)
+            ctx.w0 = (wq.block, wq.elem_format, wq.orig_dtype)
+        else:
+            ctx.save_for_backward(x, weight)
+            ctx.w0 = None
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -36,13 +45,16 @@ class BlockScaledLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):  # (M, N) out dtype
-        x, weight = ctx.saved_tensors
+        x, weight, *w0 = ctx.saved_tensors
         recipe = ctx.recipe
         dx = dw = db = None
         grad_y = grad_y.contiguous()
         if ctx.needs_input_grad[0]:
             g1 = recipe.quantize("grad_output", grad_y, 1)          # (M, N), blocks along N
-            w0 = recipe.quantize("weight", weight, 0)               # (N, K), blocks along N
+            if ctx.w0 is not None:                                  # the forward's copy, (N, K)
+                w0 = ScaledTensor(w0[0], w0[1], ctx.w0[0], ctx.w0[1], w0[2], ctx.w0[2])
+            else:
+                w0 = recipe.quantize("weight", weight, 0)           # (N, K), blocks along N
             dx = scaled_gemm(g1, w0, x.dtype)                       # (M, K)
         if ctx.needs_input_grad[1]:
             g0 = recipe.quantize("grad_output", grad_y, 0, wgrad=True)   # (M, N), blocks along M
@@ -51,3 +63,10 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
+
+
+def same_both_axes(recipe, role: str) -> bool:
+    """Whether ``recipe.quantize(role, x, 0)`` equals ``recipe.quantize(role, x, 1)``: a square 2-D block (the
+    same blocks whichever axis is contracted), rounded to nearest (weights are; stochastic rounding draws)."""
+    blocks = {recipe.block_for(role, axis) for axis in (0, 1)}
+    return len(blocks) == 1 and role != "grad_output"

@@ -2,7 +2,7 @@
 
 Each recipe builds the quantizer of each tensor role ("input", "weight", "grad_output") along an axis:
 ``recipe.quantize(role, x, axis)`` returns a ``ScaledTensor`` whose blocks run along dimension ``axis`` of the
-2-D tensor x, the GEMM's contraction dimension. A linear layer y = x W^T needs (TE re-quantizes each copy
+2-D tensor x, the GEMM's contraction dimension; ``recipe.block_for(role, axis)`` names that block. A linear layer y = x W^T needs (TE re-quantizes each copy
 from the high-precision tensor, never one FP8 copy from another):
 
     forward  y  = x  @ W^T    x along K (axis 1), W (N, K) along K (axis 1)
@@ -55,9 +55,13 @@ class Float8RowwiseScaling:
         if self.fp8_format is not Format.E4M3:
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
 
+    def block_for(self, role: str, axis: int) -> tuple[int, int]:
+        return _along(axis, -1)
+
     def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
-        return quantize_fp32_scaled(x, _along(axis, -1), "e4m3", power_2_scale=self.round_scales_to_power_of_2)
+        return quantize_fp32_scaled(x, self.block_for(role, axis), "e4m3",
+                                    power_2_scale=self.round_scales_to_power_of_2)
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,13 @@ class MXFP8BlockScaling:
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
 
+    def block_for(self, role: str, axis: int) -> tuple[int, int]:
+        return _along(axis, self.block_len)
+
     def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         elem = self.fp8_format.bwd if role == "grad_output" else self.fp8_format.fwd
-        return quantize_mx(x, _along(axis, self.block_len), elem, self.scale_rule, self.mx_shared_exponent_fn)
+        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule, self.mx_shared_exponent_fn)
 
 
 def hadamard(n: int = 16) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from ..formats import FORMATS, round_to
 from ..seams import check_exponents, check_nvfp4_scales
+from .fastpath import fp8_to_float32, round_e2m1
 from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
 
 ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
@@ -108,7 +109,8 @@ class ScaledTensor:
         return s
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        x = block_view(self.data.float(), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
+        # float32(data) (``fastpath.fp8_to_float32``: torch's cast, by table) times each block's multiplier
+        x = block_view(fp8_to_float32(self.data), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
         return x.reshape(self.shape).to(self.orig_dtype if dtype is None else dtype)
 
     def t(self) -> "ScaledTensor":
@@ -123,6 +125,9 @@ def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
     top = FORMATS[elem].max
     if elem in FP8_DTYPES and rounding == "nearest":
         return y.clamp(-top, top).to(FP8_DTYPES[elem])   # in range: the cast only rounds (to nearest even)
+    if elem == "e2m1" and rounding in ("nearest", "stochastic"):
+        # the rule below, bit for bit, in a few int32/FP32 passes (tests/test_quant_fastpath.py)
+        return round_e2m1(y.contiguous(), rounding, generator).to(_CONTAINER[elem])
     return round_to(y, elem, rounding=rounding, saturate=True, generator=generator).to(_CONTAINER[elem])
 
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from ..distributed import all_reduce_max_, world_size
-from ..seams import check_found_inf
+from ..seams import check_flag, check_found_inf
 from . import validate
 from .check import check_and_unscale_, has_inf_or_nan
 
@@ -49,7 +49,9 @@ class LossScaleFloorError(RuntimeError):
 class LossScalerBase:
     """What both scalers share; subclasses define `_update(found_inf, overflow)` and `_bound_after_overflow`."""
 
-    def __init__(self, init_scale: float, enabled: bool = True, process_group=None, all_reduce_found_inf_=None):
+    def __init__(self, init_scale: float, enabled: bool = True, process_group=None, unscale_grads_=None,
+                 all_reduce_found_inf_=None):
+        self.unscale_grads_ = unscale_grads_  # optional rule: fn(list of fp32 grads, scale) -> found_inf (lesson 03)
         self._enabled = validate.boolean(enabled, "enabled")
         # lesson 11's all_reduce_found_inf_(found_inf, group) -> found_inf in place of all_reduce_max_ (None: it)
         self.all_reduce_found_inf_ = all_reduce_found_inf_
@@ -123,6 +125,9 @@ class LossScalerBase:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 if inv_scale is None:  # check only (the optimizer unscales)
                     found[device] = torch.maximum(found[device], has_inf_or_nan(grads).float())
+                elif self.unscale_grads_ is not None:  # a given rule (lesson 03's signature), on Python numbers
+                    flag = check_flag("unscale_grads_", self.unscale_grads_(grads, float(scale)))
+                    found[device] = torch.maximum(found[device], torch.tensor(float(flag), device=device))
                 else:
                     check_and_unscale_(grads, found[device], inv_scale.to(device), may_overflow)
             if distributed:  # one flag for all ranks (FSDP ShardedGradScaler): all skip or all step, same scale

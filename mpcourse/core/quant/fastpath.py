@@ -1,0 +1,100 @@
+"""Fused fast paths for the emulated low-precision steps on a CPU, each equal bit for bit to the rule it replaces.
+
+The rules stay where they are written for reading (``formats.round_to``, ``ScaledTensor.dequantize``,
+``torch._scaled_mm``); what is here computes the same bits in fewer passes over memory, and
+``tests/test_quant_fastpath.py`` checks each against its rule on every code point and on random tensors
+(NaN, inf, signed zeros and ties included). Measured with ``benchmarks/bench_block_recipes.py``.
+
+* ``fp8_to_float32(data, scale=None)``: upcast of a float8 tensor (E4M3 / E5M2 containers, so E2M1 data too).
+  torch's CPU cast from float8 converts element by element (about as slow as a 128-wide FP32 GEMM
+  over the same tensor); a gather from a 256-entry table of torch's own cast of every code is the same
+  cast. With a per-tensor ``scale`` the table holds ``float32(code) * scale``, so the dequantization
+  multiply is folded in: each element is the one FP32 product it was before.
+* ``cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)``: what ``torch._scaled_mm`` computes on a CPU
+  (upcast both operands, multiply by their scales, make them row-major, one FP32 GEMM, one rounding to
+  ``out_dtype``; measured on torch 2.13), with the fast upcast.
+* ``round_e2m1(y, rounding, generator)``: ``round_to(y, "e2m1", saturate=True)`` for nearest and
+  stochastic rounding, with int32 arithmetic and without the general formats' many 64-bit passes.
+  The stochastic path draws the same random integers as the rule (``torch.randint(0, 2**62, ...)``), so a
+  seeded run gives the same bits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _table(dtype: torch.dtype) -> torch.Tensor:
+    """(256,) float32: torch's cast of every code of the float8 ``dtype`` (the rule, by construction)."""
+    if dtype not in _TABLES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _TABLES[dtype] = codes.view(dtype).float()
+    return _TABLES[dtype]
+
+
+def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``data.float()`` (times ``scale``, a one-element float32 tensor, if given), same shape and strides
+    for a contiguous tensor or the transpose of one; other layouts come back contiguous. Non-CPU tensors
+    take the plain rule."""
+    if data.device.type != "cpu":
+        return data.float() if scale is None else data.float() * scale
+    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
+        return fp8_to_float32(data.t(), scale).t()
+    table = _table(data.dtype)
+    if scale is not None:
+        table = table * scale.reshape(()).float()   # (256,) fp32: float32(code) * scale, each rounded once
+    codes = data.contiguous().view(torch.uint8).reshape(-1).long()
+    return table.index_select(0, codes).reshape(data.shape)
+
+
+def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype)`` on a CPU for per-tensor scales:
+    ``(float32(a) * scale_a) @ (float32(b) * scale_b)`` in FP32, rounded once to ``out_dtype``.
+    a: (M, K) float8, b: (K, N) float8 (any of the layouts ``_scaled_mm`` takes)."""
+    # _scaled_mm makes both FP32 operands row-major before its GEMM (for small shapes the layout changes the
+    # bits); so does this, on the 1-byte codes, before the upcast
+    out = torch.mm(fp8_to_float32(a.contiguous(), scale_a), fp8_to_float32(b.contiguous(), scale_b))   # (M, N) fp32
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ E2M1
+E2M1_MAX = 6.0
+
+
+def round_e2m1(y: torch.Tensor, rounding: str = "nearest", generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``formats.round_to(y, "e2m1", rounding=rounding, saturate=True, generator=generator)``, float32: the same
+    bits, except that a NaN may carry another payload (the float8 container holds one NaN per sign).
+
+    |y| is saturated to 6 first (the rule rounds first, then saturates: every |y| > 6 ends at 6 either way).
+    E2M1's step is 0.5 below 2 (subnormals included), 1 in [2, 4), 2 in [4, 6]: Q = 2^(max(e, 127) - 128)
+    for the FP32 exponent field e of |y|.
+    nearest: ``(a + M) - M`` with M = Q * 2^23 is one FP32 addition, which rounds a to a multiple of Q,
+      ties to even (the sum lies in [M, 2M), whose spacing is Q), and an exact subtraction.
+    stochastic: the rule's integers, without its branches: the significand sig (24 bits, hidden bit in),
+      drop = clamp(149 - max(e, 1), 22, 62) low bits to go, n = (sig + (r mod 2^drop)) >> drop with the
+      rule's draw r = randint(0, 2^62); the value is n * Q (drop >= 24 leaves n in {0, 1}, Q = 0.5 there).
+    The sign is copied back last, so -0.0 stays -0.0 and a NaN keeps its sign.
+    """
+    if y.dtype != torch.float32:
+        raise TypeError(f"round_e2m1 takes float32, got {y.dtype}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"round_e2m1 rounds 'nearest' or 'stochastic', got {rounding!r}")
+    a = y.abs().clamp_(max=E2M1_MAX)                                # (...) fp32 in [0, 6], NaN stays NaN
+    e = a.view(torch.int32) >> 23                                   # FP32 exponent field (NaN: 255)
+    if rounding == "nearest":
+        magic = ((e.clamp(min=127, max=129) + 22) << 23).view(torch.float32)   # 2^22, 2^23, 2^24 = Q * 2^23
+        mag = (a + magic).sub_(magic)
+    else:
+        r = torch.randint(0, 2 ** 62, y.shape, generator=generator, device=y.device)   # as the rule draws
+        e1 = e.clamp(min=1)
+        sig = (a.view(torch.int32) - ((e1 - 1) << 23)).long()        # 1.mant * 2^23 (normal) or mant (subnormal)
+        drop = (149 - e1).clamp_(min=22, max=62).long()
+        n = (sig + (r & ((1 << drop) - 1))) >> drop                   # 0 .. 5
+        q = ((e1.clamp(min=127) - 1) << 23).view(torch.float32)       # Q
+        mag = n.float().mul_(q)
+        mag = mag + (a - a)                                          # NaN back in (a - a is 0 elsewhere)
+    return torch.copysign(mag, y)

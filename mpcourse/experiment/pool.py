@@ -1,0 +1,130 @@
+"""``mpcourse compare --jobs N``: train the recipes in N worker processes at once, each on its share of the cores.
+
+A small GPT's step does not keep two cores busy: on a 2-core CPU two 1-thread processes train about 1.45x as
+many steps per second as one 2-thread process (measured with ``benchmarks/bench_block_recipes.py``). So the
+job runs each (recipe, seed) in a pool of ``jobs`` processes (``concurrent.futures.ProcessPoolExecutor``,
+spawned, not forked: a forked child of a process that already ran OpenMP threads can hang), each worker
+calling ``torch.set_num_threads(threads)``, with ``jobs x threads`` the cores this process may use
+(``default_jobs``). What a run computes does not depend on which worker runs it or when: every run seeds its
+own model, batches and torch's global generator (``Trainer``). It can depend on the thread count (a GEMM may
+split its sums differently), so ``results.json`` records ``jobs`` and ``threads``: the same pair gives the
+same bits. tok/s is then one worker's speed on ``threads`` threads while the other workers run too.
+
+Progress: the workers report every step through a queue and the parent draws one bar over all steps
+(per-process bars would overwrite each other). A worker that raises ends the job with ``WorkerError``,
+naming the run and carrying the worker's message.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+from .data import Corpus
+from .train import RunResult, TrainConfig
+
+
+class WorkerError(RuntimeError):
+    """A run failed in a worker process; the message names the run and repeats the worker's error."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_jobs(n_runs: int, cores: Optional[int] = None) -> tuple[int, int]:
+    """(jobs, threads per job) for ``n_runs`` runs: one single-threaded worker per core, at most one per run;
+    the threads of the cores left over go to the workers (e.g. 8 cores, 3 runs: 3 workers x 2 threads)."""
+    cores = usable_cores() if cores is None else cores
+    jobs = max(1, min(cores, n_runs))
+    return jobs, max(1, cores // jobs)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One run: recipe ``name`` under ``cfg`` (its seed included); ``inspect_every`` > 0 also writes the
+    numerics inspector's files into ``out``."""
+
+    name: str
+    cfg: TrainConfig
+    inspect_every: int = 0
+    out: Optional[Path] = None
+
+
+_progress: Optional[mp.Queue] = None
+
+
+def _init_worker(threads: int, progress) -> None:
+    global _progress
+    import torch
+
+    torch.set_num_threads(threads)
+    _progress = progress
+
+
+def _run_task(task: Task, corpus: Corpus) -> RunResult:
+    from .compare import _inspected
+    from .train import Trainer
+
+    def tick(_trainer):
+        if _progress is not None:
+            _progress.put(1)
+
+    if task.inspect_every:
+        return _inspected(task.name, corpus, task.cfg, task.out, task.inspect_every, False, on_step=tick)
+    return Trainer(task.name, corpus, task.cfg).run(on_step=tick).result()
+
+
+def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, progress: bool = True) -> list[RunResult]:
+    """Run ``tasks`` in ``jobs`` spawned workers of ``threads`` threads each; results in the order of ``tasks``.
+    Raises ``WorkerError`` (the other runs are cancelled) when one fails."""
+    ctx = mp.get_context("spawn")
+    ticks = ctx.Queue()
+    results: dict[int, RunResult] = {}
+    bar = tqdm(total=sum(t.cfg.steps for t in tasks), disable=not progress, dynamic_ncols=True,
+               desc=f"{len(tasks)} runs, {jobs} jobs x {threads} threads")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                             initargs=(threads, ticks)) as pool:
+        futures = {pool.submit(_run_task, t, corpus): i for i, t in enumerate(tasks)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                _drain(ticks, bar)
+                for f in done:
+                    i = futures[f]
+                    try:
+                        results[i] = f.result()
+                    except Exception as e:   # the worker's exception, re-raised here by the executor
+                        raise WorkerError(f"{tasks[i].name} (seed {tasks[i].cfg.seed}) failed in a worker: "
+                                          f"{type(e).__name__}: {e}") from e
+                    bar.write(f"{tasks[i].name:>16} done: val {results[i].final_val_loss:.3f}")
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+        finally:
+            _drain(ticks, bar)
+            bar.close()
+    return [results[i] for i in range(len(tasks))]
+
+
+def _drain(ticks, bar) -> None:
+    n = 0
+    while True:
+        try:
+            n += ticks.get_nowait()
+        except queue_mod.Empty:
+            break
+    if n:
+        bar.update(n)

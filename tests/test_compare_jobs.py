@@ -1,0 +1,43 @@
+"""``mpcourse compare --jobs``: recipes trained in worker processes give the rows one process gives (same threads)."""
+import dataclasses
+
+import pytest
+import torch
+
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.pool import Task, WorkerError, default_jobs, run_pool
+from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, default_recipes
+from mpcourse.experiment.train import TrainConfig, Trainer
+
+SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+@pytest.mark.parametrize("runs, cores, want", [(19, 2, (2, 1)), (1, 2, (1, 2)), (3, 8, (3, 2)), (19, 1, (1, 1))])
+def test_default_jobs_one_worker_per_core_and_at_most_one_per_run(runs, cores, want):
+    assert default_jobs(runs, cores) == want
+
+
+def test_every_main_recipe_is_in_the_default_run():
+    assert NOT_IN_DEFAULT_RUN == ("mxfp8-floor",)        # a variant of mxfp8 (the OCP floor rule), not a row
+    assert {"fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"} <= set(default_recipes())
+
+
+def test_pool_rows_equal_in_process_rows_and_a_failing_worker_names_its_run():
+    corpus = load_corpus()
+    cfg = TrainConfig(steps=3, batch_size=2, eval_interval=2, eval_batches=1, model=SMALL)
+    tasks = [Task("fp32", cfg), Task("fp8-current", dataclasses.replace(cfg, seed=1))]
+    pooled = run_pool(tasks, corpus, jobs=2, threads=1, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = [Trainer(t.name, corpus, t.cfg).run().result() for t in tasks]
+    finally:
+        torch.set_num_threads(threads)
+    for p, q in zip(pooled, local):
+        assert (p.recipe, p.final_val_loss, p.final_train_loss) == (q.recipe, q.final_val_loss, q.final_train_loss)
+        assert [h["loss"] for h in p.history] == [h["loss"] for h in q.history]
+    # 1x128 tiles along the 2 x 16 = 32 tokens of a step: the worker's ValueError comes back, with the run's name
+    bad = Task("fp8-block", dataclasses.replace(cfg, model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=128)))
+    with pytest.raises(WorkerError, match=r"fp8-block \(seed 0\) failed in a worker: ValueError: .*block"):
+        run_pool([bad], corpus, jobs=1, threads=1, progress=False)

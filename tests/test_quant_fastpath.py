@@ -1,0 +1,117 @@
+"""The fused fast paths of ``mpcourse.core.quant.fastpath`` equal the rules they replace, bit for bit.
+
+Rules: torch's own float8 -> float32 cast, ``torch._scaled_mm`` on a CPU, ``formats.round_to(..., "e2m1",
+saturate=True)`` (itself checked against ml_dtypes in tests/test_formats_mx.py), and the block layer's
+re-quantization of a 2-D weight block.
+"""
+import pytest
+import torch
+
+from mpcourse.core.formats import round_to
+from mpcourse.core.quant import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
+from mpcourse.core.quant.block_gemm import scaled_gemm
+from mpcourse.core.quant.block_linear import same_both_axes
+from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, round_e2m1
+from mpcourse.core.quant.scaled import quantize_fp32_scaled
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same FP32 bit patterns; NaN only where the other has NaN (payloads may differ)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(torch.where(na, 0, a.view(torch.int32)),
+                                               torch.where(nb, 0, b.view(torch.int32)))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_upcast_equals_torch_cast_on_every_code_and_layout(dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    assert bits_equal(fp8_to_float32(codes), codes.float())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (48, 80), generator=g, dtype=torch.int32).to(torch.uint8).view(dtype)
+    for t in (x, x.t(), x[:, ::2]):
+        out = fp8_to_float32(t)
+        assert bits_equal(out, t.float()) and out.shape == t.shape
+    assert fp8_to_float32(x.t()).stride() == x.t().float().stride()      # a column-major operand stays one
+    s = torch.tensor(0.3712)                                             # not a power of two: products round
+    assert bits_equal(fp8_to_float32(x, s), x.float() * s)
+
+
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("mkn", [(1024, 128, 384), (1024, 512, 128), (384, 1024, 128), (128, 1024, 512), (33, 17, 5)])
+def test_cpu_scaled_mm_equals_torch_scaled_mm(mkn, out_dtype):
+    M, K, N = mkn
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
+    b = (torch.randn(N, K, generator=g) * 900).to(torch.float8_e5m2).t()           # (K, N) column-major
+    sa, sb = torch.tensor(0.0371), torch.tensor(3.3)
+    ref = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    assert torch.equal(cpu_scaled_mm(a, b, sa, sb, out_dtype), ref)
+    a_col = a.t().contiguous().t()                                                  # a column-major A too
+    assert torch.equal(cpu_scaled_mm(a_col, b, sa, sb, out_dtype),
+                       torch._scaled_mm(a_col, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype))
+    b_row = b.contiguous()                                                          # row-major B too
+    assert torch.equal(cpu_scaled_mm(a, b_row, sa, sb, out_dtype),
+                       torch._scaled_mm(a, b_row.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype))
+
+
+def _e2m1_cases() -> torch.Tensor:
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 7, 8, 1e30, float("inf"),
+                         float("nan"), 1e-45, 1e-40, 2.0 ** -126, 0.125, 5.9, 6.1, 2.0 ** -40, 2.0 ** -39, 2.0 ** -62])
+    up, down = torch.nextafter(grid, torch.tensor(float("inf"))), torch.nextafter(grid, torch.tensor(0.0))
+    g = torch.Generator().manual_seed(2)
+    every_bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (100_000,), generator=g, dtype=torch.int64).int().view(torch.float32)
+    x = torch.cat([grid, up, down, torch.randn(50_000, generator=g) * 3, torch.rand(50_000, generator=g) * 8,
+                   torch.randn(5_000, generator=g) * 1e-20, every_bits])
+    return torch.cat([x, -x])
+
+
+def test_round_e2m1_nearest_equals_the_rule():
+    x = _e2m1_cases()
+    fast, rule = round_e2m1(x), round_to(x, "e2m1", saturate=True)
+    assert bits_equal(fast, rule)
+    assert torch.equal(fast.to(torch.float8_e4m3fn).view(torch.uint8), rule.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.signbit(round_e2m1(torch.tensor([-0.0, -0.1]))).all()              # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_e2m1_stochastic_draws_and_rounds_as_the_rule(seed):
+    x = _e2m1_cases()
+    fast = round_e2m1(x, "stochastic", torch.Generator().manual_seed(seed))
+    rule = round_to(x, "e2m1", rounding="stochastic", saturate=True, generator=torch.Generator().manual_seed(seed))
+    assert bits_equal(fast, rule)
+    torch.manual_seed(seed)                                                         # the global generator too
+    fast = round_e2m1(x, "stochastic")
+    after_fast = torch.get_rng_state()
+    torch.manual_seed(seed)
+    rule = round_to(x, "e2m1", rounding="stochastic", saturate=True)
+    assert bits_equal(fast, rule) and torch.equal(after_fast, torch.get_rng_state())
+
+
+def test_round_e2m1_refuses_what_it_does_not_cover():
+    with pytest.raises(TypeError, match="float32"):
+        round_e2m1(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="nearest"):
+        round_e2m1(torch.ones(2), "toward_zero")
+
+
+@pytest.mark.parametrize("recipe, same", [(Float8BlockScaling(), True), (NVFP4BlockScaling(), True),
+                                          (NVFP4BlockScaling(disable_2d_quantization=True), False),
+                                          (MXFP8BlockScaling(), False), (Float8RowwiseScaling(), False)])
+def test_weight_copy_is_kept_only_where_both_axes_quantize_alike(recipe, same):
+    assert same_both_axes(recipe, "weight") is same
+    assert not same_both_axes(recipe, "grad_output")
+    if same:   # the reuse is exact: Q(W, 0) and Q(W, 1) hold the same bits
+        w = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * 0.02
+        w0, w1 = recipe.quantize("weight", w, 0), recipe.quantize("weight", w, 1)
+        assert torch.equal(w0.data.view(torch.uint8), w1.data.view(torch.uint8))
+        assert torch.equal(w0.scale_inv.float(), w1.scale_inv.float()) and w0.block == w1.block
+
+
+def test_auto_gemm_on_cpu_equals_f_scaled_mm_for_the_kinds_it_takes():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(1024, 512, generator=g), torch.randn(128, 512, generator=g) * 0.02
+    for block in ((-1, -1), (1, -1)):
+        a, b = quantize_fp32_scaled(x, block), quantize_fp32_scaled(w, block)
+        assert torch.equal(scaled_gemm(a, b.t()), scaled_gemm(a, b.t(), backend="native"))
