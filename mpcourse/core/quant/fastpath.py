@@ -35,6 +35,17 @@ def _table(dtype: torch.dtype) -> torch.Tensor:
     return _TABLES[dtype]
 
 
+# Built at import, not at the first cast: a table made inside a training step would be counted in that step's
+# memory peak (``mpcourse.experiment.memory``) by whichever run came first, so peaks would depend on run order.
+for _dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    _table(_dtype)
+
+
+def tables() -> list[torch.Tensor]:
+    """The upcast tables alive for the whole process (2 x 1 KiB): memory a step reads but does not allocate."""
+    return list(_TABLES.values())
+
+
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``data.float()`` (times ``scale``, a one-element float32 tensor, if given), same shape and strides
     for a contiguous tensor or the transpose of one; other layouts come back contiguous. Non-CPU tensors
