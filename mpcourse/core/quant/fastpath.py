@@ -24,15 +24,17 @@ from typing import Optional
 
 import torch
 
-_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_TABLES: dict[torch.dtype, list] = {}
 
 
-def _table(dtype: torch.dtype) -> torch.Tensor:
-    """(256,) float32: torch's cast of every code of the float8 ``dtype`` (the rule, by construction)."""
+def _table(dtype: torch.dtype, device) -> torch.Tensor:
+    """(256,) float32: torch's cast of every code of the float8 ``dtype`` (the rule, by construction). Built
+    anew on each call from a cached list (1 KB): a tensor kept between steps would be counted by the memory
+    trackers of one step and not another's."""
     if dtype not in _TABLES:
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        _TABLES[dtype] = codes.view(dtype).float()
-    return _TABLES[dtype]
+        _TABLES[dtype] = codes.view(dtype).float().tolist()
+    return torch.tensor(_TABLES[dtype], dtype=torch.float32, device=device)
 
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -43,7 +45,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
         return data.float() if scale is None else data.float() * scale
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
         return fp8_to_float32(data.t(), scale).t()
-    table = _table(data.dtype)
+    table = _table(data.dtype, data.device)
     if scale is not None:
         table = table * scale.reshape(()).float()   # (256,) fp32: float32(code) * scale, each rounded once
     codes = data.contiguous().view(torch.uint8).reshape(-1).long()
