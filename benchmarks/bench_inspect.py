@@ -43,7 +43,8 @@ def main():
     print(f"recipe {a.recipe}, {a.steps} steps x {a.repeats} repeats, {a.threads} thread(s); median step "
           f"{base * 1e3:.1f} ms without the inspector")
     for e in everies[1:]:
-        print(f"--inspect {e}: {statistics.median(times[e]) / base:.2f}x the step time")
+        per_repeat = ", ".join(f"{t / t0:.2f}" for t, t0 in zip(times[e], times[0]))
+        print(f"--inspect {e}: {statistics.median(times[e]) / base:.2f}x the step time (per repeat: {per_repeat})")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from mpcourse.experiment.compare import (SPIKE_RATIO, family, format_table, loss_peak, plot_curves,
-                                         results_payload, strict_json)
+from mpcourse.experiment.compare import (family, format_seed_table, format_table, peak_after, plot_curves,
+                                         results_payload, spike_reports, strict_json)
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.train import RunResult, TrainConfig
 
@@ -44,23 +44,31 @@ def corpus():
     return load_corpus(None)
 
 
-def test_peak_flags_a_spike_and_not_a_smooth_run():
-    assert loss_peak(run("a", SMOOTH), 20) == (pytest.approx(SMOOTH[20]), 20, False)
-    peak, step, spiked = loss_peak(run("b", SPIKY), 20)
-    assert (peak, step, spiked) == (5.4, 30, True)
-    # just under / over the threshold relative to the best loss before it
-    best = min(SMOOTH[:30])
-    assert not loss_peak(run("c", SMOOTH[:30] + [best * SPIKE_RATIO * 0.999] + SMOOTH[31:]), 20)[2]
-    assert loss_peak(run("d", SMOOTH[:30] + [best * SPIKE_RATIO * 1.001] + SMOOTH[31:]), 20)[2]
-    # the untrained first steps (high loss) are warm-up, not spikes
-    assert loss_peak(run("e", SMOOTH), 0)[0] == SMOOTH[0]
+def test_peak_after_warm_up():
+    assert peak_after(run("a", SMOOTH), 20) == (pytest.approx(SMOOTH[20]), 20)
+    assert peak_after(run("b", SPIKY), 20) == (5.4, 30)
+    assert peak_after(run("e", SMOOTH), 0) == (SMOOTH[0], 0)       # the untrained first steps are warm-up
+    assert peak_after(run("f", [4.6, math.nan], diverged_at=1), 5) == (None, None)
+
+
+def test_spikes_are_judged_per_seed_against_that_seeds_runs():
+    """Three runs of seed 0 make a consensus; seed 1's two runs are judged on their own."""
+    runs = [run("fp32", SMOOTH), run("fp16-master", SMOOTH), run("fp8-delayed", SPIKY),
+            run("fp32", SMOOTH), run("fp8-delayed", SPIKY)]
+    reports = spike_reports(runs, [0, 0, 0, 1, 1])
+    assert [r.against for r in reports] == ["consensus"] * 3 + ["itself"] * 2
+    assert [r.spike_steps for r in reports] == [[], [], [30], [], [30]]
 
 
 def test_table_shows_the_spike():
-    text = format_table([run("fp32", SMOOTH), run("fp8-delayed", SPIKY)], warmup_steps=20)
+    text = format_table([run("fp32", SMOOTH), run("fp8-delayed", SPIKY)])
     rows = {line.split()[0]: line for line in text.splitlines()[2:4]}
-    assert "5.40!" in rows["fp8-delayed"] and "!" not in rows["fp32"]
-    assert "peak" in text.splitlines()[0]
+    assert "x1.49@30" in rows["fp8-delayed"] and "@" not in rows["fp32"]
+    assert "spike" in text.splitlines()[0]
+    seeds = format_seed_table({0: [run("fp32", SMOOTH), run("fp8-delayed", SPIKY)],
+                               1: [run("fp32", SMOOTH), run("fp8-delayed", SMOOTH)]})
+    rows = {line.split()[0]: line for line in seeds.splitlines()[2:4]}
+    assert "x1.49@30/-" in rows["fp8-delayed"] and "-/-" in rows["fp32"]
 
 
 def test_results_json_is_strict_and_says_why(corpus, tmp_path):
@@ -73,6 +81,8 @@ def test_results_json_is_strict_and_says_why(corpus, tmp_path):
     assert "step 1" in pure["null_reason"]
     assert pure["history"][1]["loss"] is None and pure["history"][1]["nonfinite"] == {"loss": "nan"}
     assert data["results"][2]["loss_spiked"] is True and data["results"][0]["loss_spiked"] is False
+    assert data["results"][2]["spikes"]["spike_steps"] == [30] and data["results"][2]["peak_loss"] == 5.4
+    assert data["results"][1]["spikes"]["jump"] is None                 # diverged at step 1: nothing to judge
     env = data["environment"]
     import torch
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"

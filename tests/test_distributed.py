@@ -84,6 +84,57 @@ def _plain_shard_case(group):
     return {"skipped": scaler.last_step_skipped, "scale_after": scaler.get_scale()}
 
 
+SHARDS = {"0": (64 * 128 // 2, 128 // 2), "2": (128 * 64 // 2, 64 // 2)}  # layer -> (weight, bias) elements a rank
+
+
+def _fp8_all_gather_case():
+    """torchao ``Float8Linear`` under FSDP2 with an FP32 or an FP8 all-gather (``enable_fsdp_float8_all_gather``),
+    and plain ``nn.Linear`` with a 16-bit one (``MixedPrecisionPolicy(param_dtype=float16)``, a bytes reference).
+    Returns per way the (dtype, bytes) this rank sent into each FSDP2 all-gather during 3 steps, and the losses.
+    The bytes are counted at ``dist.all_gather_single``, which torch 2.13's FSDP2 ``DefaultAllGather`` calls; the
+    test asserts calls were seen, so a torch that gathers elsewhere fails instead of passing with zero bytes.
+    The layers have biases on purpose: gloo has no FP8 dtype, and an all-gather whose inputs are all
+    float8_e4m3fn fails on gloo ("Invalid scalar type"); with an FP32 bias in the group FSDP2 gathers bytes
+    (uint8), which gloo can."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    sent, gather = [], dist.all_gather_single
+
+    def counting(out, inp, *args, **kwargs):
+        sent.append((str(inp.dtype), inp.numel() * inp.element_size()))
+        return gather(out, inp, *args, **kwargs)
+
+    out = {}
+    dist.all_gather_single = counting
+    try:
+        for way in ("fp32", "16-bit", "fp8"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+            if way != "16-bit":
+                convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=way == "fp8"))
+            policy = MixedPrecisionPolicy(param_dtype=torch.float16 if way == "16-bit" else None)
+            for layer in model[::2]:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(dist.get_rank()))  # this rank's rows
+            sent.clear()
+            losses = []
+            for _ in range(3):
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                t = loss.detach().reshape(1)
+                dist.all_reduce(t)
+                losses.append(float(t) / 2)
+            out[way] = {"sent": list(sent), "losses": losses}
+    finally:
+        dist.all_gather_single = gather
+    return out
+
+
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -96,8 +147,12 @@ def _worker(rank, port, out_dir):
             t = DataParallelTrainer(name, corpus, CFG, parallel, reduce_dtype).run()
             res[(parallel, name)] = {"losses": _losses(t), "memory": t.memory,
                                      "n_params": sum(p.numel() for p in t.recipe.model.parameters())}
+        t = DataParallelTrainer("bf16-pure", corpus, CFG, "ddp").run()
+        res[("ddp", "bf16-pure")] = {"losses": _losses(t),
+                                     "params": [p.detach().clone() for p in t.recipe.model.parameters()]}
         for name in ("fp16-dynamic", "torch-amp-fp16"):
             res[("overflow", name)] = _overflow_case(name, corpus)
+        res["fp8-all-gather"] = _fp8_all_gather_case()
         solo = [dist.new_group([r]) for r in range(2)][rank]  # every rank creates every group
         res[("plain", "all-reduce")] = _plain_shard_case(None)
         res[("plain", "alone")] = _plain_shard_case(solo)
@@ -125,7 +180,7 @@ def single():
     """The same recipes in one process, the whole batch at once: losses and bytes."""
     corpus = load_corpus(None)
     out = {}
-    for name in ("fp32", "fp16-master"):
+    for name in ("fp32", "fp16-master", "bf16-pure"):
         t = Trainer(name, corpus, CFG).run()
         out[name] = {"losses": _losses(t), "memory": t.memory}
     return out
@@ -139,12 +194,45 @@ def test_ddp_equals_one_process_up_to_reduction_order(ranks, single, name):
     assert ddp != single[name]["losses"] or name == "fp16-master"  # not bitwise: the tolerance is needed
 
 
+def test_ddp_bf16_pure_replicas_stay_identical(ranks, single):
+    """``BF16Optimizer`` changes the parameters' dtype around its step, which unhooks DDP's reducer: without the
+    hand-made all-reduce (``parallel.replicate_by_hand``) each rank steps on its own half batch from the second
+    step on and the replicas drift apart. Both ranks must hold the same bits, and the losses follow one process
+    (BF16 gradients averaged in BF16: one more rounding per element, measured ~2e-5 relative over 5 steps)."""
+    a, b = (r[("ddp", "bf16-pure")] for r in ranks)
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert a["losses"] == b["losses"]
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(single["bf16-pure"]["losses"]),
+                               rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("name", ["fp32", "fp16-master"])
 def test_fsdp_fp32_reduce_matches_ddp(ranks, name):
     fsdp = ranks[0][("fsdp", name)]["losses"]
     assert fsdp == ranks[1][("fsdp", name)]["losses"]
     torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ranks[0][("ddp", name)]["losses"]),
                                rtol=RTOL[name], atol=0)
+
+
+def test_fsdp2_fp8_all_gather_moves_a_quarter_of_fp32_and_trains_the_same(ranks):
+    """torchao's FSDP2 float8 all-gather runs on gloo CPU ranks (torch 2.13, torchao 0.18; see
+    ``_fp8_all_gather_case`` for the one case where gloo refuses it). Each rank casts its weight shard to E4M3
+    with the scale of the *whole* weight (torchao's ``fsdp_pre_all_gather`` all-reduces the shards' amax with MAX)
+    and gathers the FP8 bytes: 1 byte per weight element against FP32's 4 and a 16-bit gather's 2 (the FP32
+    biases are gathered as they are). Without it the FP32 weight is gathered and cast after the gather with the
+    same amax: the same FP8 operand element by element, so the losses are equal bit for bit (tolerance 0: one
+    cast of the same values with the same scale; the all-gather only moves bytes)."""
+    for r in ranks:
+        ag = r["fp8-all-gather"]
+        n = len(ag["fp32"]["sent"])
+        assert n > 0 and len(ag["fp8"]["sent"]) == len(ag["16-bit"]["sent"]) == n
+        by_fp32_bytes = {4 * (w + b): (w, b) for w, b in SHARDS.values()}
+        for (d32, b32), (d16, b16), (d8, b8) in zip(ag["fp32"]["sent"], ag["16-bit"]["sent"], ag["fp8"]["sent"]):
+            w, b = by_fp32_bytes[b32]
+            assert (d32, d16, d8) == ("torch.float32", "torch.float16", "torch.uint8")   # FP8 + FP32 bias as bytes
+            assert b16 == 2 * (w + b) and b8 == 1 * w + 4 * b
+        assert ag["fp8"]["losses"] == ag["fp32"]["losses"]
+    assert ranks[0]["fp8-all-gather"] == ranks[1]["fp8-all-gather"]
 
 
 def test_one_rank_overflow_all_ranks_skip_with_the_same_scale(ranks):

@@ -45,8 +45,10 @@ def test_te_field_names_and_defaults():
     r = DelayedScaling()
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.scaling_factor_compute_algo,
             r.reduce_amax) == (0, Format.HYBRID, 1024, "max", None, True)
-    assert [f.name for f in dataclasses.fields(DelayedScaling)] == [
-        "margin", "fp8_format", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo", "reduce_amax"]
+    assert [f.name for f in dataclasses.fields(DelayedScaling)] == [   # TE's, then the learner's seams (default None)
+        "margin", "fp8_format", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo", "reduce_amax",
+        "quantize_fn", "update_fn"]
+    assert (r.quantize_fn, r.update_fn) == (None, None)
     assert CurrentScaling().fp8_format is Format.HYBRID and Float8CurrentScaling is CurrentScaling
     assert (Format.E4M3.max_fwd, Format.E4M3.max_bwd) == (448.0, 448.0)
     assert (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd) == (448.0, 57344.0)

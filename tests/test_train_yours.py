@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mpcourse.experiment.learner import load_functions
-from mpcourse.experiment.yours import YOURS_CONFIG, Comparison, train_yours
+from mpcourse.experiment.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, Comparison, train_yours
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "train-yours"
@@ -38,12 +38,14 @@ class Yours:
     functions: the exercise's functions those recipes use (each used by at least one of them).
     bugs: one planted bug per function: a wrong implementation with the exercise's signature.
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
+    cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
     """
 
     recipes: tuple[str, ...] = ()
     functions: tuple[str, ...] = ()
     bugs: dict[str, Callable] = field(default_factory=dict)
     missing: str = ""
+    cfg: object = None
 
 
 # -- planted bugs, by lesson (each keeps the exercise's signature) ---------------------------------------
@@ -56,9 +58,39 @@ def _fp16_with_bf16_precision(x):                          # 00: keeps 8 signifi
     return x.to(torch.bfloat16).to(torch.float16)
 
 
+def _masters_of_zeros(model_params):                       # 02: right shapes and dtype, not a copy
+    return [torch.zeros(p.shape, dtype=torch.float32, requires_grad=True) for p in model_params]
+
+
+def _master_step_never_copies_down(model_params, master_params, optimizer, loss_scale):   # 02: model never moves
+    for p, m in zip(model_params, master_params):
+        m.grad = p.grad.float() / loss_scale
+    optimizer.step()
+
+
+def _scale_one_power_too_large(grad_abs_max, fmt_max=65504.0, margin=0):   # 03: S * g * 2**margin > fmt_max
+    return 2.0 ** (math.floor(math.log2(fmt_max / 2**margin / grad_abs_max)) + 1)
+
+
+def _unscale_all_but_the_last(grads, scale):                # 03: one gradient left scaled
+    found = False
+    for g in grads[:-1]:
+        found |= not bool(torch.isfinite(g).all())
+        g.mul_(torch.tensor(1 / scale, dtype=torch.float32))
+    return found
+
+
 def _update_scale_always_backs_off(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
                                    growth_interval=2000):  # 04: backs off on clean steps too
     return scale * backoff_factor, 0
+
+
+def _cast_args_never_casts(op_name, args, device_type, dtype):   # 05: everything stays FP32
+    return tuple(args)
+
+
+def _cached_cast_without_history(cache, t, to_type):        # 05: a cast autograd cannot see through
+    return t.detach().to(to_type)
 
 
 def _sr_never_rounds_up(x, generator):                     # 06: not stochastic: always toward zero
@@ -67,6 +99,47 @@ def _sr_never_rounds_up(x, generator):                     # 06: not stochastic:
 
 def _kahan_drops_compensation(w, comp, update):            # 06: a plain BF16 add
     w.copy_((w.float() + update).to(torch.bfloat16))
+
+
+def _scale_upside_down(amax, fp8_max, margin=0):        # 07: amax / fp8_max, the inverse scale
+    return torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+
+
+def _quantize_always_e4m3(x, scale, fp8_max):            # 07: ignores E5M2 for gradients
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+
+
+def _update_most_recent(history, scale, amax, fp8_max, margin=0, algo="max"):   # 08: ignores algo="max"
+    h = history.clone()
+    h[0] = torch.maximum(h[0], amax)
+    a = h[0].clone()
+    h = torch.roll(h, -1)
+    h[0] = 0.0
+    new = torch.where((a > 0) & torch.isfinite(a), fp8_max / a / 2.0 ** margin, scale)
+    return h, new
+
+
+def _block_scale_not_power_of_2(x, block):              # 10: keeps the mantissa of 448 / amax
+    M, K = x.shape
+    r, c = block
+    v = x.reshape(M // r, r, K // c, c)
+    amax = v.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    data = (v * scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(M, K)
+    return data, scale.reciprocal()
+
+
+def _mx_exponent_off_by_one(amax, elem):                 # 10: emax of E4M3 taken as 7
+    emax = {"e4m3": 7, "e5m2": 15, "e2m1": 2}[elem]
+    e = ((amax.view(torch.int32).long() >> 23) & 0xFF) - 127
+    return (e - emax).clamp(-127, 127)
+
+
+def _nvfp4_tensor_scale_without_6(x):                    # 10: t = amax / 448, forgetting E2M1's max
+    M, K = x.shape
+    t = x.abs().amax() / 448.0
+    amax_b = x.reshape(M, K // 16, 16).abs().amax(dim=2)
+    return t, ((amax_b / 6.0) / t).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
 
 
 # -- the registry: one entry per solution notebook (keep a comment line between entries) -----------------
@@ -78,28 +151,37 @@ EXERCISES: dict[str, Yours] = {
     # --
     "01_why_fp16_breaks": Yours(missing="no training seam yet for fp16_fate / is_update_lost, no train-yours cell"),
     # --
-    "02_master_weights": Yours(missing="no training seam yet for make_master / master_step, no train-yours cell"),
+    "02_master_weights": Yours(
+        recipes=("fp16-master", "bf16-master"), functions=("make_master", "master_step"),
+        bugs={"make_master": _masters_of_zeros, "master_step": _master_step_never_copies_down}),
     # --
-    "03_static_loss_scaling": Yours(missing="no training seam yet for choose_loss_scale / unscale_grads_, "
-                                            "no train-yours cell"),
+    "03_static_loss_scaling": Yours(
+        recipes=("fp16-static",), functions=("choose_loss_scale", "unscale_grads_"),
+        bugs={"choose_loss_scale": _scale_one_power_too_large, "unscale_grads_": _unscale_all_but_the_last}),
     # --
     "04_dynamic_loss_scaling": Yours(
-        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off},
-        missing="no train-yours cell yet"),
+        recipes=("fp16-dynamic",), functions=("update_scale",), bugs={"update_scale": _update_scale_always_backs_off}),
     # --
-    "05_autocast": Yours(missing="no training seam yet for cast_args / MiniAutocast, no train-yours cell"),
+    "05_autocast": Yours(
+        recipes=("bf16-autocast",), functions=("cast_args", "cached_cast"),
+        bugs={"cast_args": _cast_args_never_casts, "cached_cast": _cached_cast_without_history}),
     # --
     "06_bf16_training": Yours(
         recipes=("bf16-pure-sr", "bf16-pure-kahan"), functions=("stochastic_round_bf16", "kahan_add_"),
         bugs={"stochastic_round_bf16": _sr_never_rounds_up, "kahan_add_": _kahan_drops_compensation}),
     # --
-    "07_fp8_formats_and_scaling": Yours(missing="no training seam yet for compute_scale / quantize, "
-                                                "no train-yours cell"),
+    "07_fp8_formats_and_scaling": Yours(
+        recipes=("fp8-current",), functions=("compute_scale", "quantize"),
+        bugs={"compute_scale": _scale_upside_down, "quantize": _quantize_always_e4m3}),
     # --
-    "08_delayed_scaling": Yours(missing="no training seam yet for the delayed-scaling update, no train-yours cell"),
+    "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
-    "10_finer_grained_scaling": Yours(missing="no training seam yet for block_quantize / mx_shared_exponent / "
-                                              "nvfp4_scales, no train-yours cell"),
+    "09_capstone": Yours(missing="no training seam yet for diagnose (it reads a run's log), no train-yours cell"),
+    # --
+    "10_finer_grained_scaling": Yours(
+        recipes=("fp8-block", "mxfp8-floor", "nvfp4"), functions=("block_quantize", "mx_shared_exponent", "nvfp4_scales"),
+        bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
+              "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
     "11_beyond_one_machine": Yours(missing="no training seam yet for all_reduce_found_inf_, no train-yours cell"),
 }
@@ -143,11 +225,14 @@ def _called_recipes(source: str) -> tuple[str, ...]:
 
 
 _LIBRARY_RUNS: dict = {}          # the library's runs under YOURS_CONFIG, shared by every test here
+_BLOCK_RUNS: dict = {}            # the same under YOURS_BLOCK_CONFIG
 
 
-def _train(namespace, recipes) -> tuple[list[Comparison], list[str]]:
+def _train(namespace, recipes, cfg=None) -> tuple[list[Comparison], list[str]]:
     lines: list[str] = []
-    return train_yours(namespace, recipes, echo=lines.append, library_runs=_LIBRARY_RUNS), lines
+    runs = _BLOCK_RUNS if cfg is YOURS_BLOCK_CONFIG else _LIBRARY_RUNS
+    assert cfg in (None, YOURS_BLOCK_CONFIG), "cache the library's runs of a new cfg apart"
+    return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, library_runs=runs), lines
 
 
 # -- the tests ------------------------------------------------------------------------------------------
@@ -178,7 +263,7 @@ def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
     functions = load_functions(ROOT / "solutions" / f"{stem}.ipynb")
-    comps, lines = _train(functions, e.recipes)
+    comps, lines = _train(functions, e.recipes, e.cfg)
     assert [c.recipe for c in comps] == list(e.recipes)
     for c in comps:
         assert c.identical, c.verdict()
@@ -194,7 +279,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     e = _entry(stem)
     assert e.bugs, "no planted bugs listed for this exercise"
     namespace = {**load_functions(ROOT / "solutions" / f"{stem}.ipynb"), fn: e.bugs[fn]}
-    comps, lines = _train(namespace, e.recipes)
+    comps, lines = _train(namespace, e.recipes, e.cfg)
     hit = [c for c in comps if fn in c.used]
     assert hit, f"no recipe of {e.recipes} uses {fn}"
     for c in hit:
@@ -210,7 +295,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
 def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
-    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes)
+    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg)
     for c in comps:
         assert c.yours is None and "is not implemented yet (it raises NotImplementedError)" in c.message, c.verdict()
         assert c.verdict().startswith(f"{c.recipe} [yours]: your ")

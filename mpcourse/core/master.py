@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
-from .seams import check_rounded
+from .seams import SeamError, check_masters, check_rounded
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + (
@@ -117,6 +117,46 @@ def cast_model(model: nn.Module, dtype=torch.float16, keep_fp32=None, cast_input
     return model
 
 
+def make_master(model_params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The rule of the master copy (lesson 02's signature): one FP32 leaf per FP16/BF16 parameter, an exact copy
+    (every FP16 and BF16 value is an FP32 value), requires_grad, sharing no memory with the model.
+    ``MasterWeights`` builds its masters with it (or with a function of this signature, ``make_master=``)."""
+    return [nn.Parameter(p.detach().float()) for p in model_params]      # (shape of p) fp32
+
+
+_library_make_master = make_master      # MasterWeights' keyword of the same name shadows it there
+
+
+@torch.no_grad()
+def master_step(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
+                optimizer: torch.optim.Optimizer, loss_scale: float) -> None:
+    """The rule of one step through FP32 masters (lesson 02's signature), unfused: every master's grad :=
+    its model param's grad (FP16/BF16 -> FP32, exact) times float32(1 / loss_scale); ``optimizer.step()``;
+    every model param := its master rounded to nearest even. ``MasterWeights.copy_grads_to_master`` and
+    ``copy_master_to_model`` are the same three lines with the loss scaler's fused unscale and inf check;
+    ``MasterWeights.step_with`` runs a function of this signature in their place."""
+    inv_scale = torch.tensor(loss_scale, dtype=torch.float64).reciprocal().float()   # fp32 (), 1/S rounded once
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float() * inv_scale            # (shape) fp32
+    optimizer.step()
+    for p, m in zip(model_params, master_params):
+        p.copy_(m)                                                                  # fp32 -> fp16/bf16, nearest even
+
+
+class _BeforeStep:
+    """An optimizer whose ``step()`` first calls ``hook()`` (e.g. clip the master grads); all else delegated."""
+
+    def __init__(self, optimizer, hook):
+        self._optimizer, self._hook = optimizer, hook
+
+    def step(self, closure=None):
+        self._hook()
+        return self._optimizer.step() if closure is None else self._optimizer.step(closure)
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
 def _param_groups(params):
     """nn.Module | iterable of tensors | list of dicts -> list of param-group dicts (as torch optimizers)."""
     if isinstance(params, nn.Module):
@@ -143,27 +183,34 @@ class MasterWeights:
             built over the FP32 master params.
         round_to_model: optional fn(fp32 tensor) -> the same values rounded to the model dtype (float32 or that
             dtype), used by copy_master_to_model in place of the cast; None (default): the cast.
+        make_master: optional fn(list of FP16/BF16 params) -> list of their FP32 masters (lesson 02's signature),
+            called once per param group, checked by ``mpcourse.core.seams.check_masters``; None: ``make_master``.
         **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
     FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
     are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
     (aligned lists). Raises ValueError for non-floating or non-leaf params.
     """
 
-    def __init__(self, params, optimizer_cls=torch.optim.SGD, *, round_to_model=None, **optimizer_kwargs):
+    def __init__(self, params, optimizer_cls=torch.optim.SGD, *, round_to_model=None, make_master=None,
+                 **optimizer_kwargs):
         self.model_params, self.master_params, master_groups, seen = [], [], [], set()
         for group in _param_groups(params):
-            masters = []
             for p in group["params"]:
                 if not (isinstance(p, torch.Tensor) and p.is_floating_point() and p.is_leaf):
                     raise ValueError("MasterWeights needs floating-point leaf parameters (model.parameters()).")
                 if id(p) in seen:
                     raise ValueError("a parameter appears twice in MasterWeights' params; list each once.")
-                # (shape of p) fp32: a new leaf for fp16/bf16 params, the param itself otherwise
-                m = nn.Parameter(p.detach().float()) if p.dtype in LOW_PRECISION else p
                 seen.add(id(p))
-                self.model_params.append(p)
-                self.master_params.append(m)
-                masters.append(m)
+            low = [p for p in group["params"] if p.dtype in LOW_PRECISION]
+            if make_master is None:
+                copies = _library_make_master(low)
+            else:
+                copies = check_masters("make_master", low, make_master(low))
+            copies = iter(copies)
+            # (shape of p) fp32: a new leaf for fp16/bf16 params, the param itself otherwise
+            masters = [next(copies) if p.dtype in LOW_PRECISION else p for p in group["params"]]
+            self.model_params += group["params"]
+            self.master_params += masters
             master_groups.append({**group, "params": masters})
         self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
         self._grads_copied = False
@@ -236,6 +283,26 @@ class MasterWeights:
             else:
                 p.copy_(check_rounded(getattr(self.round_to_model, "__name__", "round_to_model"), m,
                                       self.round_to_model(m.detach()), p.dtype))
+        self._record_versions()
+
+    def step_with(self, master_step, loss_scale: float = 1.0, before_step=None) -> None:
+        """One step by ``master_step(model_params, master_params, optimizer, loss_scale)`` (lesson 02's signature)
+        in place of ``copy_grads_to_master`` / ``optimizer.step()`` / ``copy_master_to_model``: it gets the FP16/BF16
+        params and their masters (kept-FP32 params, their own master, are left to the optimizer) and an
+        optimizer whose ``step()`` first calls ``before_step()`` (e.g. clip the master grads) when given. No loss
+        scaler is involved (no inf check, no skip): ``loss_scale`` is the factor the loss was multiplied by.
+        Raises ``SeamError`` if the function changed a model param's dtype or shape (write with ``p.copy_``)."""
+        self._refresh_if_model_changed()
+        pairs = list(self._pairs())
+        model, masters = [p for p, _ in pairs], [m for _, m in pairs]
+        kinds = [(p.dtype, p.shape) for p in model]
+        optimizer = self.optimizer if before_step is None else _BeforeStep(self.optimizer, before_step)
+        master_step(model, masters, optimizer, loss_scale)
+        for i, (p, (dtype, shape)) in enumerate(zip(model, kinds)):
+            if (p.dtype, p.shape) != (dtype, shape):
+                raise SeamError(f"master_step turned model parameter {i} into {p.dtype} of shape {tuple(p.shape)} "
+                                f"(was {dtype}, {tuple(shape)}): write the rounded master with p.copy_(master)")
+        self._grads_copied = False
         self._record_versions()
 
     def step(self, scaler=None):

@@ -2,12 +2,17 @@
 
 Several library pieces take, as an optional keyword, one function per concept with the signature of the
 lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(stochastic_round_bf16=...)``,
-``MasterWeights(round_to_model=...)``). The library calls the rule it is given and checks what comes back
-with these helpers, so that a wrong return value stops with one line naming the function and the fix
-instead of spreading NaNs or shape errors through the training step. Without such a function the
-library runs its own (fused where torch has a kernel).
+``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
+scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the FP8
+recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``, the block recipes' ``block_quantize_fn`` /
+``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the course autocast's ``cast_args`` / ``cached_cast``).
+The library calls the rule it is given and checks what comes back with these helpers, so that a wrong
+return value stops with one line naming the function and the fix instead of spreading NaNs or shape errors
+through the training step. Without such a function the library runs its own (fused where torch has a kernel).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,3 +37,160 @@ def check_rounded(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.
             bad = out[~same].flatten()[0].item()
             raise SeamError(f"{name} returned {bad!r}, which is not a {str(dtype).replace('torch.', '')} value")
     return low
+
+
+def check_flag(name: str, out) -> bool:
+    """``out`` (from ``name(...)``, a yes/no answer such as found_inf) as a bool: a bool, or a one-element bool or
+    0/1 tensor. Raises ``SeamError`` naming ``name`` otherwise (None: a forgotten ``return``)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and (out.dtype == torch.bool or bool((out == 0) | (out == 1))):
+        return bool(out)
+    if isinstance(out, bool) or type(out).__name__ == "bool_":            # Python or NumPy bool
+        return bool(out)
+    raise SeamError(f"{name} returned {out!r}, expected True or False")
+
+
+def check_loss_scale(name: str, out) -> float:
+    """``out`` (from ``name(...)``, a loss scale) as a float: a positive finite number. ``SeamError`` otherwise."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if isinstance(out, bool) or not isinstance(out, (int, float)) or not (math.isfinite(out) and out > 0):
+        raise SeamError(f"{name} returned {out!r}, expected a positive finite loss scale")
+    return float(out)
+
+
+def check_masters(name: str, params: list, out) -> list:
+    """``out`` (from ``name(params)``, FP32 master copies) as a list: one float32 leaf tensor per param, same shape,
+    equal values, requires_grad, sharing no memory with it. ``SeamError`` naming ``name`` and the index otherwise."""
+    if not isinstance(out, (list, tuple)) or len(out) != len(params):
+        got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise SeamError(f"{name} returned {got}, expected a list of {len(params)} tensors (one per parameter)")
+    for i, (p, m) in enumerate(zip(params, out)):
+        where = f"{name} returned, for parameter {i} of shape {tuple(p.shape)},"
+        if not isinstance(m, torch.Tensor):
+            raise SeamError(f"{where} a {type(m).__name__}, expected a tensor")
+        if m.dtype != torch.float32 or m.shape != p.shape:
+            raise SeamError(f"{where} {m.dtype} of shape {tuple(m.shape)}, expected torch.float32 of its shape")
+        if not (m.is_leaf and m.requires_grad):
+            raise SeamError(f"{where} a tensor that is not a leaf with requires_grad=True (use .detach() then "
+                            ".requires_grad_(True))")
+        if m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            raise SeamError(f"{where} a tensor sharing memory with the parameter (copy it)")
+        if not torch.equal(m.detach(), p.detach().float()):
+            raise SeamError(f"{where} values that differ from the parameter's (a master starts as an exact copy)")
+    return list(out)
+
+
+def _tensor(name: str, out, what: str, shape, dtypes) -> torch.Tensor:
+    """``out`` if it is a tensor of ``shape`` with a dtype in ``dtypes``; ``SeamError`` naming ``name`` otherwise."""
+    if not isinstance(out, torch.Tensor):
+        raise SeamError(f"{name} returned {type(out).__name__} for {what}, expected a tensor")
+    if tuple(out.shape) != tuple(shape):
+        raise SeamError(f"{name} returned {what} of shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise SeamError(f"{name} returned {what} of dtype {out.dtype}, expected {want}")
+    return out
+
+
+def _pair(name: str, out, what: str) -> tuple:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise SeamError(f"{name} returned {type(out).__name__}, expected a tuple {what}")
+    return tuple(out)
+
+
+def check_scale(name: str, amax: torch.Tensor, out, what: str = "the scale") -> torch.Tensor:
+    """``out`` (from e.g. ``compute_scale(amax, ...)``) as float32 of amax's shape, every element finite and > 0."""
+    out = _tensor(name, out, what, amax.shape, (torch.float32,))
+    ok = torch.isfinite(out) & (out > 0)
+    if not bool(ok.all()):
+        bad = out[~ok].flatten()[0].item()
+        raise SeamError(f"{name} returned {what} {bad!r}: an FP8 scale must be finite and > 0 (amax 0, inf or "
+                        "NaN keeps a usable scale; an overflowing one is capped at the largest float32)")
+    return out
+
+
+def check_fp8(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (from e.g. ``quantize(x, ...)``) as FP8 ``dtype`` of x's shape, NaN only where x is NaN."""
+    out = _tensor(name, out, "the FP8 data", x.shape, (dtype,))
+    if bool((out.float().isnan() & ~x.isnan()).any()):
+        raise SeamError(f"{name} returned NaN for a finite input: clamp to [-fp8_max, fp8_max] before the cast")
+    return out
+
+
+def check_delayed_update(name: str, history: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (from ``update(history, scale, amax, ...)``) as (history (L,) float32, scale () float32 finite > 0)."""
+    new_history, new_scale = _pair(name, out, "(new_history, new_scale)")
+    new_history = _tensor(name, new_history, "the history", history.shape, (torch.float32,))
+    return new_history, check_scale(name, torch.zeros(()), new_scale)
+
+
+def check_block_scaled(name: str, x: torch.Tensor, block: tuple[int, int], out, dtype: torch.dtype,
+                       scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (from ``block_quantize(x, block)``) as (data ``dtype`` x's shape, scale_inv ``scale_dtype`` per
+    block, finite and > 0)."""
+    data, scale_inv = _pair(name, out, "(data, scale_inv)")
+    (M, K), (r, c) = x.shape, block
+    data = check_fp8(name, x, data, dtype)
+    scale_inv = _tensor(name, scale_inv, "scale_inv", (M // r, K // c), (scale_dtype,))
+    return data, check_scale(name, scale_inv.float(), scale_inv.float(), "scale_inv").to(scale_dtype)
+
+
+def check_exponents(name: str, amax: torch.Tensor, out) -> torch.Tensor:
+    """``out`` (from ``mx_shared_exponent(amax, elem)``) as int64 of amax's shape within E8M0's [-127, 127]."""
+    ints = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    out = _tensor(name, out, "the exponents", amax.shape, ints).long()
+    if bool(((out < -127) | (out > 127)).any()):
+        raise SeamError(f"{name} returned an exponent outside [-127, 127]: clamp k to E8M0's range")
+    return out
+
+
+def check_nvfp4_scales(name: str, x: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (from ``nvfp4_scales(x)``) as (t () float32 finite >= 0, s (M, K/16) float8_e4m3fn, no NaN)."""
+    t, s = _pair(name, out, "(t, s)")
+    t = _tensor(name, t, "t", (), (torch.float32,))
+    if not (bool(torch.isfinite(t)) and float(t) >= 0):
+        raise SeamError(f"{name} returned t = {float(t)!r}: the tensor scale amax / (448 * 6) is finite and >= 0")
+    M, K = x.shape
+    s = _tensor(name, s, "s", (M, K // 16), (torch.float8_e4m3fn,))
+    if bool(s.float().isnan().any()):
+        raise SeamError(f"{name} returned NaN block scales: clamp amax_block / 6 / t to [2**-6, 448] before the cast")
+    return t, s
+
+
+def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
+    """``out`` (from ``cast_args(op, args, device_type, dtype)``, lesson 05) as a tuple like ``args``: the same
+    length; each non-tensor argument returned as it was; each tensor of the same shape, in its own dtype or one
+    of ``dtypes`` (the region's dtype, float32), holding exactly ``arg.to(that dtype)``; lists element by element."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(args):
+        got = type(out).__name__ + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise SeamError(f"{name} returned {got}, expected a tuple of the {len(args)} arguments")
+    for i, (a, o) in enumerate(zip(args, out)):
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            check_cast_args(name, tuple(a), o, dtypes)
+        elif isinstance(a, torch.Tensor):
+            o = _tensor(name, o, f"argument {i}", a.shape, (a.dtype, *dtypes))
+            if o is a:
+                continue
+            with torch.no_grad():
+                want = a.to(o.dtype)
+            if not bool(((o.detach() == want) | (o.isnan() & want.isnan())).all()):
+                raise SeamError(f"{name} changed the values of argument {i}: return arg.to(dtype), not other values")
+        elif o is not a and o != a:
+            raise SeamError(f"{name} changed argument {i} ({a!r} -> {o!r}): leave non-tensor arguments as they are")
+    return tuple(out)
+
+
+def check_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.Tensor:
+    """``out`` (from ``cached_cast(cache, t, to_type)``, lesson 05): a tensor of t's shape and ``to_type`` equal to
+    ``t.to(to_type)`` of t's *current* value (a stale cast is refused), with autograd history where grad mode is
+    on and ``t`` requires grad."""
+    out = _tensor(name, out, "the cast", t.shape, (to_type,))
+    with torch.no_grad():
+        fresh = t.to(to_type)
+    if not bool(((out.detach() == fresh) | (out.isnan() & fresh.isnan())).all()):
+        raise SeamError(f"{name} returned a cast of another value than the tensor's current one (a stale cast: "
+                        "reuse a cached cast only while t._version is the one recorded with it)")
+    if torch.is_grad_enabled() and t.requires_grad and out.grad_fn is None:
+        raise SeamError(f"{name} returned a cast without autograd history, so no gradient reaches the weight: "
+                        "make cacheable casts under torch.enable_grad()")
+    return out

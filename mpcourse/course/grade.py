@@ -92,7 +92,10 @@ def execute_fresh(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600) -> n
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+    # the kernel's own log (e.g. ipykernel 7's warning that it talks over local TCP) would print above the
+    # verdicts; the learner's errors and warnings come back as cell outputs, not through that log
     NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                   extra_arguments=["--IPKernelApp.log_level=ERROR"],
                    resources={"metadata": {"path": str(cwd)}}).execute()
     return nb
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
                    help="comma-separated recipe names (default: every registered one; see `mpcourse recipes`)")
     c.add_argument("--quick", action="store_true",
-                   help=f"a first run in about a minute: {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
+                   help=f"a first run, a sixth of the default's tokens (about 3 minutes on one CPU core): {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
                         "(explicit --steps/--batch-size still win)")
     c.add_argument("--steps", type=positive_int, default=None,
                    help=f"optimizer steps per recipe (default {TrainConfig.steps}; {QUICK['steps']} with --quick)")

@@ -1,6 +1,7 @@
 """``mpcourse compare``: train one model under every precision recipe and report side by side.
 
-For each recipe: final train and validation loss and the gap to FP32, skipped steps, the final
+For each recipe: final train and validation loss and the gap to FP32, its largest loss spike
+(``mpcourse.experiment.spikes``, judged against the runs of the same seed on the same batches), skipped steps, the final
 loss scale, tokens per second, bytes per parameter (weights + gradients + master copy + optimizer
 state), the activation bytes and the peak bytes of one step (``mpcourse.experiment.memory``), and the
 fraction of the machine's peak FLOP/s the step reaches (``mpcourse.experiment.speed``). With several
@@ -27,6 +28,7 @@ from mpcourse.core.seams import SeamError
 from .learner import overrides_for
 from .recipes import get_recipe
 from .recipes.base import OverrideError
+from .spikes import SPIKE_MIN_JUMP, SpikeReport, consensus, find_spikes, finite_losses
 from .train import RunResult, TrainConfig, Trainer, train
 
 
@@ -45,26 +47,25 @@ def _fmt(x, spec):
     return format(x, spec)
 
 
-SPIKE_RATIO = 1.2   # a post-warm-up loss this many times the best loss before it counts as a spike
+def spike_reports(results: list[RunResult], seeds: list[int] | None = None) -> list[SpikeReport]:
+    """Each run's :class:`~mpcourse.experiment.spikes.SpikeReport`, judged against the consensus of the runs
+    of its seed (``seeds[i]`` is run i's; default: all one seed): they all trained on the same batches."""
+    seeds = seeds if seeds is not None else [0] * len(results)
+    groups: dict[int, list[list[dict]]] = {}
+    for seed, r in zip(seeds, results):
+        groups.setdefault(seed, []).append(r.history)
+    expected = {seed: consensus(hs) for seed, hs in groups.items()}
+    return [find_spikes(r.history, expected[seed]) for seed, r in zip(seeds, results)]
 
 
-def loss_peak(result: RunResult, warmup_steps: int) -> tuple[float | None, int | None, bool]:
-    """Highest finite training loss after warm-up, its step, and whether it was a spike.
+def _spike_cell(s: SpikeReport) -> str:
+    return f"x{s.jump:.2f}@{s.jump_step}" if s.spiked else "-"
 
-    A spike: the loss rose above ``SPIKE_RATIO`` x the lowest loss seen before that step (batch to
-    batch noise on this corpus is a few percent; a 20% jump is the optimizer or the number format).
-    """
-    best, peak, peak_step, spiked = math.inf, None, None, False
-    for h in result.history:
-        loss = h["loss"]
-        if not math.isfinite(loss):
-            break
-        if h["step"] >= warmup_steps:
-            if peak is None or loss > peak:
-                peak, peak_step = loss, h["step"]
-            spiked |= loss > SPIKE_RATIO * best
-        best = min(best, loss)
-    return peak, peak_step, spiked
+
+def peak_after(result: RunResult, warmup_steps: int) -> tuple[float | None, int | None]:
+    """Highest finite training loss at or after ``warmup_steps``, and its step (None, None: none)."""
+    losses = [(loss, step) for step, loss in finite_losses(result.history).items() if step >= warmup_steps]
+    return max(losses) if losses else (None, None)
 
 
 def _bytes_cell(b: dict) -> str:
@@ -86,8 +87,9 @@ def _peak_pct(r: RunResult, peak_flops: float | None) -> str:
 
 
 LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
-          "(negative = lower); nan@N: diverged at step N;\npeak: highest training loss after warm-up "
-          f"(!: a spike, over {SPIKE_RATIO:g}x the best loss before it); scale: final loss scale; B/param: bytes per "
+          "(negative = lower); nan@N: diverged at step N;\nspike: the largest loss spike, xSIZE@STEP (a training "
+          f"loss over {1 + SPIKE_MIN_JUMP:g}x the expected one: the median of the runs on that batch, times the run's "
+          "recent ratio to it; -: none); scale: final loss scale; B/param: bytes per "
           "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: tensors saved for "
           "backward in one step (FP8 weight copies included);\npeak MB: most bytes alive during one step, state "
           "included; %peak: model FLOP/s over the machine's peak FLOP/s")
@@ -105,19 +107,18 @@ def family(recipe: str) -> str:
     return "torch.amp" if recipe.startswith("torch-amp") else recipe.split("-")[0]
 
 
-def format_table(results: list[RunResult], warmup_steps: int = 0, peak_flops: float | None = None) -> str:
-    """The comparison table as monospaced text (one row per recipe)."""
+def format_table(results: list[RunResult], *, peak_flops: float | None = None) -> str:
+    """The comparison table as monospaced text (one row per recipe; the runs of one seed)."""
     ref = next((r for r in results if r.recipe == "fp32"), None)
-    head = ["recipe", "train", "val", "gap%", "peak", "skipped", "scale", "tok/s", "%peak",
+    head = ["recipe", "train", "val", "gap%", "spike", "skipped", "scale", "tok/s", "%peak",
             "B/param w+g+m+o=total", "act MB", "peak MB"]
     rows = []
-    for r in results:
+    for r, spikes in zip(results, spike_reports(results)):
         val = _fmt(r.final_val_loss, ".3f")
         if r.diverged_at is not None:
             val = f"nan@{r.diverged_at}"
-        peak, _, spiked = loss_peak(r, warmup_steps)
         rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
-                     _fmt(peak, ".2f") + ("!" if spiked else " "), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
+                     _spike_cell(spikes), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
                      _peak_pct(r, peak_flops), _bytes_cell(r.bytes_per_param),
                      _fmt(r.activation_bytes / 2**20, ".2f"), _mb(r, "peak")])
     return _layout(head, rows, LEGEND)
@@ -139,8 +140,9 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None
     seeds = list(runs)
     names = [r.recipe for r in runs[seeds[0]]]
     by = {s: {r.recipe: r for r in rs} for s, rs in runs.items()}
-    head = ["recipe", "train", "val", "gap%", "skipped", "tok/s", "%peak", "B/param w+g+m+o=total", "act MB",
-            "peak MB"]
+    head = ["recipe", "train", "val", "gap%", "spikes", "skipped", "tok/s", "%peak", "B/param w+g+m+o=total",
+            "act MB", "peak MB"]
+    spikes = {(s, r.recipe): rep for s in seeds for r, rep in zip(runs[s], spike_reports(runs[s]))}
     rows = []
     for n in names:
         rs = [by[s][n] for s in seeds]
@@ -151,19 +153,20 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None
             val = f"nan@{min(diverged)} ({len(diverged)}/{len(rs)})"
         first = rs[0]
         rows.append([n, _mean_std([r.final_train_loss for r in rs], ".3f"), val, _mean_std(gaps, "+.1f"),
-                     "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
+                     "/".join(_spike_cell(spikes[s, n]) for s in seeds), "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
                      _peak_pct(dataclasses.replace(first, tokens_per_s=statistics.mean(r.tokens_per_s for r in rs)),
                                peak_flops),
                      _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
     legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run); "
-              "skipped: per seed\n" + LEGEND)
+              "spikes, skipped: per seed\n" + LEGEND)
     return _layout(head, rows, legend)
 
 
 def plot_curves(results: list[RunResult], path: Path) -> None:
     """Save one small panel per recipe family (fp16, bf16, fp8, ...): training loss per step on a
     log y-axis (so a spike or a climb is visible at any height), validation losses as dots, the
-    fp32 run as a grey reference in every panel, and a cross where a run diverged."""
+    fp32 run as a grey reference in every panel, a triangle on each spike of the table's ``spike``
+    column (:func:`spike_reports`) and a cross where a run diverged."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -183,8 +186,12 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     finite = [h[k] for r in results for h in r.history for k in ("loss", "val_loss")
               if k in h and math.isfinite(h[k])]
     lo, hi = (min(finite), max(finite)) if finite else (1.0, 10.0)
+    ticks = [t / 2 for t in range(1, 200) if lo * 0.95 <= t / 2 <= hi * 1.08] or [lo, hi]
+    if len(ticks) > 12:                                   # a run that went far up: fewer labels
+        ticks = ticks[::math.ceil(len(ticks) / 12)]
     styles = ["-", "--", "-.", ":"]
     colors = plt.get_cmap("tab10").colors
+    spikes = {id(r): rep.spike_steps for r, rep in zip(results, spike_reports(results))}
 
     def draw(ax, r, **kw):
         steps = [h["step"] for h in r.history]
@@ -193,6 +200,9 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
         val = [(h["step"], h["val_loss"]) for h in r.history if "val_loss" in h and math.isfinite(h["val_loss"])]
         if val:
             ax.plot(*zip(*val), "o", color=line.get_color(), ms=4)
+        at = [(s, loss) for s, loss in zip(steps, losses) if s in spikes[id(r)]]
+        if at:
+            ax.plot(*zip(*at), "^", color=line.get_color(), ms=8, mec="black", mew=0.6)
         if r.diverged_at is not None:
             ax.plot([r.diverged_at], [hi], "x", color=line.get_color(), ms=9, mew=2, clip_on=False)
         return line
@@ -205,8 +215,9 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
             draw(ax, r, color=colors[i % len(colors)], ls=styles[i % len(styles)], lw=1.1, label=label)
         ax.set_title(fam, fontsize=10)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))     # labelled every half nat
+        ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="upper right")
     for ax in axes.flat[len(groups):]:
@@ -216,7 +227,7 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel("train loss (nats/char, log)")
-    fig.suptitle("mpcourse compare: one model, every precision recipe (dots: validation; x: diverged)", fontsize=11)
+    fig.suptitle("mpcourse compare: one model, every precision recipe (dots: validation; triangles: spikes; x: diverged)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -287,11 +298,12 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
                     seeds: list[int] | None = None) -> dict:
     """The ``results.json`` object, strict JSON (see the module docstring); ``seeds[i]`` is run i's seed."""
     rows = []
-    for i, r in enumerate(results):
+    seeds = list(seeds) if seeds is not None else [cfg.seed] * len(results)
+    for i, (r, spikes) in enumerate(zip(results, spike_reports(results, seeds))):
         d = r.to_dict()
-        d["seed"] = seeds[i] if seeds is not None else cfg.seed
-        peak, peak_step, spiked = loss_peak(r, cfg.optim.warmup_steps)
-        d.update(peak_loss=peak, peak_loss_step=peak_step, loss_spiked=spiked)
+        d["seed"] = seeds[i]
+        peak, peak_step = peak_after(r, cfg.optim.warmup_steps)
+        d.update(peak_loss=peak, peak_loss_step=peak_step, loss_spiked=spikes.spiked, spikes=spikes.to_dict())
         if r.diverged_at is not None:
             d["null_reason"] = f"the run diverged at step {r.diverged_at} (non-finite loss); its null values are the non-finite ones named in nonfinite"
         rows.append(d)
@@ -363,7 +375,7 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
                     rows.append(mine)
         runs[seed] = rows
     if len(seeds) == 1:
-        echo(format_table(runs[seeds[0]], cfg.optim.warmup_steps, peak_flops))
+        echo(format_table(runs[seeds[0]], peak_flops=peak_flops))
     else:
         echo(format_seed_table(runs, peak_flops))
     flat = [(s, r) for s, rs in runs.items() for r in rs]

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .parallel import PARALLEL_MODES, REDUCE_DTYPES, shard_recipe, unsupported, wrap_ddp
+from .parallel import (PARALLEL_MODES, REDUCE_DTYPES, replicate_by_hand, shard_recipe, swaps_param_dtype,
+                       unsupported, wrap_ddp)
 from .train import Trainer, TrainConfig
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -72,7 +73,13 @@ class DataParallelTrainer(Trainer):
     def build_recipe(self, recipe_cls, model, overrides):
         if self.parallel == "ddp":
             recipe = recipe_cls(model, self.cfg.optim, overrides)
+            if swaps_param_dtype(recipe):                                # DDP's hooks would come off: by hand
+                self.wrapped = replicate_by_hand(recipe, self.reduce_dtype)
+                return recipe
             self.wrapped = wrap_ddp(recipe.model, self.reduce_dtype)    # grads all-reduced in backward
+            master = getattr(recipe, "master", None)
+            if master is not None:    # DDP's init broadcast wrote the (identical) params: not a model-only load
+                master._record_versions()
         else:
             recipe = shard_recipe(recipe_cls, model, self.cfg.optim, overrides, self.reduce_dtype)
             self.wrapped = recipe.model                                  # the sharded module itself
@@ -87,6 +94,18 @@ class DataParallelTrainer(Trainer):
         t = loss.detach().float().reshape(1)
         dist.all_reduce(t)                                               # sum of the slice means
         return float(t) / self.world                                     # the whole batch's mean
+
+    def save(self, path) -> Path:
+        """Write a ``torch.distributed.checkpoint`` directory at ``path`` (every rank, between steps): sharded
+        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``)."""
+        from . import dist_checkpoint
+        return dist_checkpoint.save(self, path)
+
+    def load(self, path) -> "DataParallelTrainer":
+        """Resume from ``save``'s directory, bit for bit, on the same number of ranks, mode and recipe
+        (anything else: ``CheckpointError`` naming the mismatch, before anything is read)."""
+        from . import dist_checkpoint
+        return dist_checkpoint.load(self, path)
 
 
 @dataclass
@@ -124,7 +143,7 @@ def run_rank(job: Job) -> list | None:
         results.append(trainer.result())
     if rank != 0:
         return None
-    print(format_table(results, job.cfg.optim.warmup_steps))
+    print(format_table(results))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,

@@ -2,7 +2,7 @@
 
 ``load_functions(path)`` reads a notebook (``exercises/NN_*.ipynb`` or ``solutions/NN_*.ipynb``) and runs
 only what *defines* things: top-level ``import`` statements, ``def`` and ``class`` statements and
-assignments to UPPER_CASE names, from every code cell except the check cells (tagged ``check``) and the
+assignments to UPPER_CASE names (``A, B = 1, 2`` too), from every code cell except the check cells (tagged ``check``) and the
 cell that trains with the learner's code (tagged ``train-yours``). Nothing else runs: no training, no
 plots, no prints. The result maps function names to functions; ``overrides_for(recipe_cls, functions)``
 keeps those a recipe accepts (its ``OVERRIDABLE``), and ``mpcourse compare --with NB`` adds a row per
@@ -26,7 +26,8 @@ def _keep(node: ast.stmt) -> bool:
         return True
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        return all(isinstance(t, ast.Name) and t.id.isupper() for t in targets)
+        names = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]   # A, B = 1, 2 too
+        return all(isinstance(t, ast.Name) and t.id.isupper() for t in names)
     return False
 
 

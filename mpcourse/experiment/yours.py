@@ -8,14 +8,16 @@ with the library's own code and once with yours (the row ``NAME [yours]``,
 ``mpcourse.experiment.compare.train_with_learner``), and prints a small table and one verdict line
 per recipe::
 
-    recipe               loss@0  loss@9  loss@19   val  skipped  scale
-    -------------------  ------  ------  -------  -----  -------  -----
-    bf16-pure             4.653   4.012    3.341  3.338        0      -
-    bf16-pure [yours]     4.653   4.012    3.341  3.338        0      -
+    the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
+    recipe             loss@0  loss@9  loss@19    val  skipped  scale
+    -----------------  ------  ------  -------  -----  -------  -----
+    bf16-pure           4.474   3.549    3.045  3.325        0      -
+    bf16-pure [yours]   4.474   3.549    3.045  3.325        0      -
     bf16-pure [yours]: identical to the library's bit for bit (20 training losses, loss scales, final losses)
 
-A different row says where it first differs ("differs from the library's: first at step 3, loss
-4.2571 (library 4.2569)"), so a planted bug is visible even where three decimals agree. A function
+A different row says where it first differs (a round_to_bf16 that truncates: "differs from the library's:
+first at step 1, loss 4.43648 (library 4.4340181)"), so a planted bug is visible even where three
+decimals agree. A function
 that raises (``NotImplementedError``, as a shipped exercise does), or returns something the library
 cannot use (another dtype, shape or type, a value off the format's grid), gives one line naming the
 function and why, and no row; never a traceback from inside the training step. So in a shipped
@@ -53,6 +55,12 @@ from .train import RunResult, TrainConfig, train
 YOURS_CONFIG = TrainConfig(steps=20, batch_size=8, eval_interval=10, eval_batches=2, seed=0,
                            optim=OptimConfig(warmup_steps=5),
                            model=GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+#: The run for block-scaled recipes (fp8-block, mxfp8, mxfp8-floor, nvfp4): their blocks need widths and token
+#: counts in multiples of 128, and their GEMMs run in the slower exact emulation on a CPU, so one block of width
+#: 128, 10 steps of 4 x 32 characters (128 tokens), validation at step 10 on one batch, seed 0.
+YOURS_BLOCK_CONFIG = TrainConfig(steps=10, batch_size=4, eval_interval=10, eval_batches=1, seed=0,
+                                 optim=OptimConfig(warmup_steps=3),
+                                 model=GPTConfig(n_layer=1, n_head=4, n_embd=128, block_size=32))
 LOSS_STEPS_SHOWN = 3          # training losses shown per row: first, middle, last step
 
 _corpus: Corpus | None = None
@@ -181,7 +189,8 @@ def format_rows(comparisons: Sequence[Comparison]) -> str:
 
 def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg: TrainConfig | None = None,
                 corpus: Corpus | None = None, echo: Callable[[str], object] | None = print,
-                library_runs: dict[str, RunResult] | None = None) -> list[Comparison]:
+                library_runs: dict[str, RunResult] | None = None, nproc: int = 1,
+                parallel: str = "fsdp") -> list[Comparison]:
     """Train each of ``recipes`` with the library's code and with the learner's, print both rows and a verdict.
 
     Args:
@@ -194,6 +203,11 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         echo: where the table goes (default ``print``; None: print nothing).
         library_runs: a cache of the library's runs by recipe name, made with the same ``cfg`` and ``corpus``
             (tests reuse one run across many learners); recipes missing from it are trained and added.
+        nproc, parallel: with ``nproc`` > 1, both rows train data-parallel over ``nproc`` gloo processes
+            spawned here (``mpcourse.experiment.distributed``, ``parallel`` "fsdp" or "ddp"), for the functions
+            that only run with several ranks (lesson 11's ``all_reduce_found_inf_``). The functions reach the
+            processes as their source (``inspect.getsource``): they may use ``torch`` and ``dist`` only.
+            ``library_runs`` is not used then.
 
     Returns:
         One ``Comparison`` per recipe, in order (``.identical``, ``.difference``, ``.message``, the two runs).
@@ -209,6 +223,11 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         get_recipe(name)                                   # unknown names fail before anything trains
     cfg = cfg or YOURS_CONFIG
     corpus = corpus or _default_corpus()
+    if nproc > 1:
+        comparisons = _compare_distributed(namespace, recipes, cfg, corpus, nproc, parallel)
+        if echo is not None:
+            echo(describe(cfg, comparisons) + f" ({parallel} over {nproc} processes)\n" + format_rows(comparisons))
+        return comparisons
     threads = torch.get_num_threads()
     comparisons = []
     try:
@@ -246,3 +265,44 @@ def _compare_one(name: str, library: RunResult, namespace: Mapping[str, object],
         lines.append(f"{yours(name)}: training with your {', '.join(used)} failed: {type(e).__name__}: {first}")
         mine = None
     return Comparison(name, used, library, mine, lines[0] if mine is None and lines else None)
+
+
+def _compare_distributed(namespace, recipes, cfg: TrainConfig, corpus: Corpus, nproc: int,
+                         parallel: str) -> list[Comparison]:
+    """Both rows of every recipe trained over ``nproc`` spawned gloo processes (one job, rank 0's results)."""
+    import inspect
+    import tempfile
+    import textwrap
+    from pathlib import Path
+
+    from .distributed import Job, RankFailed, run_distributed_compare
+    from .parallel import overridable
+
+    used = {r: tuple(n for n in functions_for(namespace, r) if n in overridable(get_recipe(r), parallel))
+            for r in recipes}
+    sources = {}
+    for name in dict.fromkeys(n for names in used.values() for n in names):
+        try:
+            sources[name] = textwrap.dedent(inspect.getsource(namespace[name]))
+        except (OSError, TypeError) as e:
+            raise ValueError(f"the source of your {name} cannot be read ({e}): define it with def in a cell") from None
+    with tempfile.TemporaryDirectory() as d:
+        job = Job(recipes=list(recipes), corpus=corpus, cfg=cfg, out=Path(d), parallel=parallel,
+                  learner_sources=sources, quiet=True)
+        try:
+            rows = run_distributed_compare(job, nproc)
+        except RankFailed as e:
+            rows, job.messages[:] = [], [f"{e.message}"]
+    runs = {r["recipe"]: RunResult(**r) for r in rows}
+    out = []
+    for name in recipes:
+        if name not in runs:
+            raise RuntimeError(f"{name}: no library run came back from the {nproc} processes: "
+                               f"{'; '.join(job.messages) or 'unknown reason'}")
+        mine = runs.get(yours(name))
+        message = next((m for m in job.messages if m.startswith(yours(name))), None)
+        if mine is None and message is None:
+            message = (f"{name}: this notebook defines none of the functions it can use under {parallel} "
+                       f"({', '.join(overridable(get_recipe(name), parallel))})")
+        out.append(Comparison(name, used[name], runs[name], mine, message))
+    return out

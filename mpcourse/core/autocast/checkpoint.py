@@ -39,13 +39,13 @@ def _replaying(fn):
     if STATE.nesting == 0:
         return fn
     saved = [(dev, STATE.enabled[dev], STATE.dtype[dev]) for dev in _DEVICE_TYPES]
-    cache_enabled = STATE.cache_enabled
+    cache_enabled, given = STATE.cache_enabled, {"cast_args": STATE.cast_args, "cached_cast": STATE.cached_cast}
 
     @functools.wraps(fn)
     def replay(*args, **kwargs):
         with contextlib.ExitStack() as stack:
             for dev, enabled, dtype in saved:
-                stack.enter_context(autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+                stack.enter_context(autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled, **given))
             return fn(*args, **kwargs)
     return replay
 

@@ -52,6 +52,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, redispatch_function
 
+from .. import seams
 from .policy import UNSUPPORTED
 from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_PRECISION_FP, PROMOTE,
                      policy_for)
@@ -165,9 +166,34 @@ def _dtype_given(args, kwargs) -> bool:
     return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
 
 
+def _recast(a, o, device_type):
+    """The argument ``a`` in the dtype a given ``cast_args`` chose for it (``o``, checked equal to ``a.to(o.dtype)``
+    by ``seams.check_cast_args``): an eligible tensor cast through the weight-cast cache, as ``_cast`` casts it,
+    so a weight used twice is still cast once; anything else as ``cast_args`` returned it."""
+    if isinstance(a, torch.Tensor) and isinstance(o, torch.Tensor) and o.dtype is not a.dtype \
+            and _eligible(a, device_type):
+        return cached_cast(a, o.dtype, device_type)
+    if isinstance(a, (list, tuple)) and isinstance(o, (list, tuple)):
+        return type(a)(_recast(b, p, device_type) for b, p in zip(a, o))
+    return o
+
+
+def _cast_all_given(func, args, kwargs, device_type):
+    """The casts of a ``cast_args`` given to ``autocast`` (lesson 05's signature): it sees the positional
+    arguments followed by the keyword arguments' values, as one tuple."""
+    values = (*args, *kwargs.values())
+    out = seams.check_cast_args("cast_args", values, STATE.cast_args(op_name(func), values, device_type,
+                                                                       STATE.dtype[device_type]),
+                                (STATE.dtype[device_type], torch.float32))
+    out = [_recast(a, o, device_type) for a, o in zip(values, out)]
+    return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):]))
+
+
 def _apply(policy, func, args, kwargs, device_type):
     """Run ``func`` under ``policy`` (see policy.py); ``device_type``'s region is enabled."""
-    if policy == LOWER_PRECISION_FP:
+    if STATE.cast_args is not None and policy in (LOWER_PRECISION_FP, FP32, PROMOTE):
+        args, kwargs = _cast_all_given(func, args, kwargs, device_type)
+    elif policy == LOWER_PRECISION_FP:
         args, kwargs = _cast_all(args, kwargs, STATE.dtype[device_type], device_type)
     elif policy == FP32:
         args, kwargs = _cast_all(args, kwargs, torch.float32, device_type)
@@ -243,6 +269,17 @@ class autocast:
         enabled: False makes a region where nothing is cast (it still counts for nesting).
         cache_enabled: cache casts of FP32 weights inside the region; None = keep the current
             setting (True by default), as torch.autocast does.
+        cast_args: optional, lesson 05's ``cast_args(op_name, args, device_type, dtype) -> args`` in place of
+            the library's casts for the lower-precision, FP32 and promote policies: it gets the call's
+            positional arguments then its keyword arguments' values as one tuple, and decides each one's
+            dtype (checked by ``mpcourse.core.seams.check_cast_args``: same values, cast exactly); eligible
+            tensors are then cast through the weight-cast cache as the library casts them. None = keep the
+            enclosing region's (the library's by default).
+        cached_cast: optional, lesson 05's ``cached_cast(cache, t, to_type) -> tensor`` in place of the
+            library's weight-cast cache, given a dict that lives until the outermost region exits; what it
+            returns is checked (``seams.check_cast``: dtype, shape, a cast of the current value, autograd
+            history). Called for every cast of an eligible tensor while ``cache_enabled``. None = keep the
+            enclosing region's.
 
     Raises:
         ValueError: ``device_type`` is not a string or not "cpu"/"cuda".
@@ -255,7 +292,7 @@ class autocast:
     """
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
-                 cache_enabled: bool | None = None):
+                 cache_enabled: bool | None = None, *, cast_args=None, cached_cast=None):
         if not isinstance(device_type, str):
             raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
         _check_device_type(device_type)
@@ -264,6 +301,11 @@ class autocast:
         self.device = device_type
         self.fast_dtype = STATE.dtype[device_type] if dtype is None else dtype
         self._cache_enabled = STATE.cache_enabled if cache_enabled is None else bool(cache_enabled)
+        for fname, f in (("cast_args", cast_args), ("cached_cast", cached_cast)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{fname} must be a function with lesson 05's signature, got {f!r}")
+        self._cast_args = STATE.cast_args if cast_args is None else cast_args
+        self._cached_cast = STATE.cached_cast if cached_cast is None else cached_cast
         if enabled and device_type == "cuda":
             if not torch.cuda.is_available():
                 warnings.warn("CUDA is not available. Disabling mpcourse autocast.", stacklevel=2)
@@ -283,8 +325,9 @@ class autocast:
             raise RuntimeError(f"torch.autocast({self.device!r}) is active: mpcourse.core.autocast would cast a "
                                "second time. Use one of the two for a region, not both.")
         st, dev = STATE, self.device
-        self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled))
+        self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast))
         st.enabled[dev], st.dtype[dev], st.cache_enabled = self._enabled, self.fast_dtype, self._cache_enabled
+        st.cast_args, st.cached_cast = self._cast_args, self._cached_cast
         st.nesting += 1
         if st.mode is None:
             st.mode = AutocastMode()
@@ -296,12 +339,13 @@ class autocast:
         st.nesting -= 1
         if st.nesting == 0:
             st.cache.clear()                      # casts must not outlive the outermost region
+            st.given_cache.clear()
             mode, st.mode = st.mode, None
             if _get_current_function_mode() is not mode:
                 raise RuntimeError("a TorchFunctionMode entered inside mpcourse.core.autocast is still "
                                    "active at the region's exit; exit it inside the region")
             mode.__exit__(exc_type, exc_val, exc_tb)
-        st.enabled[dev], st.dtype[dev], st.cache_enabled = self._saved.pop()
+        st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast = self._saved.pop()
         return False
 
     def _copy(self) -> "autocast":

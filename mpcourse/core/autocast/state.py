@@ -39,6 +39,8 @@ import weakref
 
 import torch
 
+from ..seams import check_cast
+
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
 
 
@@ -52,6 +54,9 @@ class _State(threading.local):
         self.nesting = 0
         self.cache: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}  # (id(leaf), dtype) -> (ref, version, cast)
         self.mode = None            # the TorchFunctionMode pushed by the outermost region
+        self.cast_args = None       # a cast_args given to autocast (lesson 05), or None: the library's
+        self.cached_cast = None     # a cached_cast given to autocast (lesson 05), or None: the library's cache
+        self.given_cache: dict = {}  # the dict handed to that cached_cast, emptied at the outermost exit
 
 
 STATE = _State()
@@ -103,6 +108,7 @@ def is_autocast_cache_enabled() -> bool:
 def clear_autocast_cache() -> None:
     """Drop every cached weight cast of this thread (done automatically at the outermost exit)."""
     STATE.cache.clear()
+    STATE.given_cache.clear()
 
 
 def cache_size() -> int:
@@ -126,6 +132,10 @@ def cached_cast(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> torc
     The cast is recorded by autograd (``ToCopyBackward0``), so the gradient flows back to ``t`` in
     FP32, as with ``torch.autocast``.
     """
+    if STATE.cached_cast is not None:    # a cache given to autocast (lesson 05's signature), checked
+        if not STATE.cache_enabled:
+            return t.to(to_type)
+        return check_cast("cached_cast", t, STATE.cached_cast(STATE.given_cache, t, to_type), to_type)
     if not _cacheable(t, to_type, device_type):
         return t.to(to_type)
     key = (id(t), to_type)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
+from ..seams import check_block_scaled
 from .recipe import ROLES, Format
 from .scaled import ScaledTensor, quantize_fp32_scaled, quantize_mx, quantize_nvfp4
 
@@ -80,6 +82,8 @@ class Float8BlockScaling(_BlockRecipe):
     grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
     amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
     attention; so does this class. Every dimension a block runs along must be a multiple of 128.
+    Not TE's: block_quantize_fn, a learner's lesson 10 ``block_quantize(x, block) -> (data, scale_inv)`` in place
+    of the library's quantizer (only with the defaults power_2_scales=True, amax_epsilon=0.0, its rule).
     """
 
     fp8_format: Format = Format.E4M3
@@ -91,8 +95,12 @@ class Float8BlockScaling(_BlockRecipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     block_len: int = 128
+    block_quantize_fn: Optional[Callable] = None
 
     def __post_init__(self):
+        if self.block_quantize_fn is not None and not (self.power_2_scales and self.amax_epsilon == 0.0):
+            raise ValueError("block_quantize_fn is lesson 10's rule (power-of-two scales, no amax epsilon): keep "
+                             "power_2_scales=True and amax_epsilon=0.0")
         if self.fp8_format is not Format.E4M3:
             raise ValueError("Float8BlockScaling uses E4M3 for every tensor (fine blocks make E5M2's range "
                              "unnecessary): fp8_format=Format.E4M3")
@@ -116,7 +124,13 @@ class Float8BlockScaling(_BlockRecipe):
 
     def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
-        return quantize_fp32_scaled(x, self.block_for(role, axis), "e4m3", power_2_scale=self.power_2_scales,
+        block = self.block_for(role, axis)
+        if self.block_quantize_fn is not None:   # a learner's quantizer, checked
+            xf = x.detach().float()
+            data, scale_inv = check_block_scaled("block_quantize", xf, block, self.block_quantize_fn(xf, block),
+                                                 torch.float8_e4m3fn)
+            return ScaledTensor(data, scale_inv, block, "e4m3", None, x.dtype)
+        return quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scales,
                                     amax_epsilon=self.amax_epsilon)
 
 
@@ -131,14 +145,20 @@ class MXFP8BlockScaling(_BlockRecipe):
     (k = ceil(log2(amax / elem_max)), torchao ``ScaleCalculationMode.RCEIL``, what TE's and cuBLAS' MXFP8
     quantizers compute), so no block max ever exceeds the element max. "floor" is the OCP spec's rule
     (k = floor(log2 amax) - emax_elem), under which a block max up to 2x the element max saturates.
+    Not TE's: mx_shared_exponent_fn, a learner's lesson 10 ``mx_shared_exponent(amax, elem) -> k`` (the floor
+    rule, so only with scale_rule="floor") in place of the library's.
     """
 
     margin: int = 0
     fp8_format: Format = Format.E4M3
     scale_rule: str = "rceil"
     block_len: int = 32
+    mx_shared_exponent_fn: Optional[Callable] = None
 
     def __post_init__(self):
+        if self.mx_shared_exponent_fn is not None and self.scale_rule != "floor":
+            raise ValueError("mx_shared_exponent_fn is lesson 10's floor rule: use it with scale_rule='floor' "
+                             "(the mxfp8-floor recipe)")
         if self.margin != 0:
             raise ValueError("MXFP8 scales are powers of two from each block's amax: margin must be 0")
         if self.fp8_format is Format.E5M2:
@@ -152,7 +172,7 @@ class MXFP8BlockScaling(_BlockRecipe):
     def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         elem = self.fp8_format.bwd if role == "grad_output" else self.fp8_format.fwd
-        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule)
+        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule, self.mx_shared_exponent_fn)
 
 
 def hadamard(n: int = 16) -> torch.Tensor:
@@ -183,6 +203,8 @@ class NVFP4BlockScaling(_BlockRecipe):
       disable_2d_quantization: False quantizes weights in 16x16 blocks, so forward and backward use the same
           FP4 weight; True uses 1x16 blocks along each GEMM's contraction dimension.
     Keep some layers in BF16 (NVIDIA's 12B run kept about 16% of its linear layers, arXiv 2509.25149).
+    Not TE's: nvfp4_scales_fn, a learner's lesson 10 ``nvfp4_scales(x) -> (t, s)`` in place of the library's two
+    scale levels (``mpcourse.core.quant.scaled.nvfp4_scales_from`` applies it to 16x1 and 16x16 blocks too).
     """
 
     disable_rht: bool = False
@@ -191,6 +213,7 @@ class NVFP4BlockScaling(_BlockRecipe):
     fp4_format: str = "e2m1"
     fp8_format: Format = Format.E4M3   # the block scales' format
     rht_seed: int = 0
+    nvfp4_scales_fn: Optional[Callable] = None
 
     def block_for(self, role: str, axis: int) -> tuple[int, int]:
         if role == "weight" and not self.disable_2d_quantization:
@@ -210,7 +233,8 @@ class NVFP4BlockScaling(_BlockRecipe):
         if wgrad and not self.disable_rht and role != "weight":
             x = self.rht(x)
         sr = role == "grad_output" and not self.disable_stochastic_rounding
-        return quantize_nvfp4(x, self.block_for(role, axis), rounding="stochastic" if sr else "nearest")
+        return quantize_nvfp4(x, self.block_for(role, axis), rounding="stochastic" if sr else "nearest",
+                              scales_fn=self.nvfp4_scales_fn)
 
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)

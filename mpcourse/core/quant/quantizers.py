@@ -33,7 +33,8 @@ class CurrentQuantizer:
 
     def __call__(self, x: torch.Tensor, record: bool) -> Float8Tensor:
         return quantize_current(x, self.fmt, power_2_scale=self.recipe.use_power_2_scales,
-                                amax_epsilon=self.recipe.amax_epsilon)
+                                amax_epsilon=self.recipe.amax_epsilon, compute_scale_fn=self.recipe.compute_scale_fn,
+                                quantize_fn=self.recipe.quantize_fn)
 
 
 class DelayedQuantizer:
@@ -48,7 +49,7 @@ class DelayedQuantizer:
         self.key = f"{key}.{role}:{self.fmt}"
 
     def __call__(self, x: torch.Tensor, record: bool) -> Float8Tensor:
-        x8 = quantize(x, self.fmt, self.state.scale)  # the scale from earlier steps
+        x8 = quantize(x, self.fmt, self.state.scale, quantize_fn=self.recipe.quantize_fn)  # earlier steps' scale
         if record:
             self.state.record(compute_amax(x))
             schedule_update(self.state, fp8_max(self.fmt), self.recipe, key=self.key)

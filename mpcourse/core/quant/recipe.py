@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from ..seams import check_delayed_update
 from .tensor import compute_scale, fp8_max
 
 
@@ -95,6 +96,10 @@ class DelayedScaling:
       amax_compute_algo: "max" | "most_recent" | Callable[[history (L,)], amax ()] = "max"
       scaling_factor_compute_algo: None | Callable[[amax, scale, fp8_max, recipe], scale] = None
       reduce_amax: bool = True            all-reduce amaxes with MAX over ranks before each update
+    Not TE's: a learner's functions in place of the library's (``mpcourse.core.seams`` checks what they return):
+      quantize_fn: None | lesson 07's ``quantize(x, scale, fp8_max) -> fp8 tensor``
+      update_fn: None | lesson 08's ``update(history, scale, amax, fp8_max, margin, algo) -> (history, scale)``;
+                 only with amax_compute_algo "max" / "most_recent" and no scaling_factor_compute_algo
     Raises ValueError / TypeError for values TE rejects.
     """
 
@@ -104,9 +109,14 @@ class DelayedScaling:
     amax_compute_algo: Union[str, Callable] = "max"
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
+    quantize_fn: Optional[Callable] = None
+    update_fn: Optional[Callable] = None
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        if self.update_fn is not None and (callable(self.amax_compute_algo) or self.scaling_factor_compute_algo):
+            raise ValueError("update_fn is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the "
+                             "library's scale rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int):
             raise TypeError(f"margin must be an int, got {self.margin!r}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
@@ -131,11 +141,15 @@ class CurrentScaling:
     tensorwise dynamic scaling. No state survives between steps.
     Fields: fp8_format (Format.HYBRID; Format.E5M2 raises ValueError), use_power_2_scales (False: round
     each scale down to a power of two), amax_epsilon (0.0: floor for the amax).
+    Not TE's: compute_scale_fn / quantize_fn, a learner's lesson 07 ``compute_scale(amax, fp8_max, margin)`` and
+    ``quantize(x, scale, fp8_max)`` in place of the library's (None: the library's).
     """
 
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
     amax_epsilon: float = 0.0
+    compute_scale_fn: Optional[Callable] = None
+    quantize_fn: Optional[Callable] = None
 
     def __post_init__(self):
         _check_format(self.fp8_format)
@@ -210,9 +224,14 @@ class DelayedScalingState:
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(self.amax_history))
 
     def update(self, fp8_max: float, recipe: DelayedScaling) -> None:
-        history, scale = amax_and_scale_update(self.amax_history, self.scale, fp8_max, recipe.margin,
-                                               recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
-                                               recipe)
+        if recipe.update_fn is not None:  # a learner's update: row 0 already holds this step's amax (recorded)
+            history, scale = check_delayed_update("update", self.amax_history, recipe.update_fn(
+                self.amax_history.clone(), self.scale.clone(), self.amax_history[0].clone(), fp8_max, recipe.margin,
+                recipe.amax_compute_algo))
+        else:
+            history, scale = amax_and_scale_update(self.amax_history, self.scale, fp8_max, recipe.margin,
+                                                   recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
+                                                   recipe)
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
 

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..formats import FORMATS, round_to
+from ..seams import check_exponents, check_nvfp4_scales
 from .fastpath import fp8_to_float32, round_e2m1
 from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
 
@@ -190,15 +191,22 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
     return k.clamp(-127, 127)
 
 
-def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor") -> ScaledTensor:
+def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
+                exponent_fn=None) -> ScaledTensor:
     """MX quantization: each block of 32 shares the E8M0 scale 2^k (``mx_shared_exponent``); elements are
     ``saturate(x / 2^k)`` cast to ``elem`` (round to nearest even). x: (M, K); block (1, 32) or (32, 1).
-    A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao."""
+    A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao.
+    exponent_fn: a learner's ``mx_shared_exponent(amax (n,), elem) -> k (n,)`` (lesson 10, the floor rule) in
+    place of the library's, checked by ``mpcourse.core.seams.check_exponents``."""
     if elem not in ELEMENT_FORMATS:
         raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
     b = resolve_block(x.shape, block)
-    amax = block_amax(x, b)
-    k = mx_shared_exponent(amax, elem, rule)
+    amax = block_amax(x, b)                                    # (M/r, K/c) fp32
+    if exponent_fn is None:
+        k = mx_shared_exponent(amax, elem, rule)
+    else:
+        flat = amax.flatten()                                  # (n,) as the lesson's signature takes it
+        k = check_exponents("mx_shared_exponent", flat, exponent_fn(flat.clone(), elem)).reshape(amax.shape)
     scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
     # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
@@ -218,8 +226,25 @@ def nvfp4_tensor_scale_inv(amax: torch.Tensor) -> torch.Tensor:
     return amax.float() / (E4M3_MAX * E2M1_MAX)
 
 
+def nvfp4_scales_from(scales_fn, x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t () fp32, s (M/r, K/c) e4m3) for ``block`` from a learner's lesson 10 ``nvfp4_scales(x)``, which scales
+    1x16 blocks along rows: (16, 1) blocks are the rows of x^T; a 16x16 block's scale is the largest of its 16
+    row scales (each step, amax / 6 / t, the clamp and the E4M3 rounding, is monotone, so the max commutes)."""
+    if block == (16, 1):
+        t, s = check_nvfp4_scales("nvfp4_scales", x.t(), scales_fn(x.t().contiguous()))
+        return t, s.t()
+    t, s = check_nvfp4_scales("nvfp4_scales", x, scales_fn(x))      # s: (M, K/16)
+    if block == (16, 16):
+        M, K = x.shape
+        s = s.float().reshape(M // 16, 16, K // 16).amax(dim=1).to(torch.float8_e4m3fn)   # exact: E4M3 values
+    elif block != (1, 16):
+        raise ValueError(f"nvfp4_scales takes 1x16, 16x1 or 16x16 blocks, got {block}")
+    return t, s
+
+
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
-                   rounding: str = "nearest", generator: Optional[torch.Generator] = None) -> ScaledTensor:
+                   rounding: str = "nearest", generator: Optional[torch.Generator] = None,
+                   scales_fn=None) -> ScaledTensor:
     """NVFP4: E2M1 data, an E4M3 decode scale per 16 elements and one FP32 decode scale per tensor.
 
     Two-level rule (torchao ``nvfp4_quantize`` with a per-tensor scale; TE's NVFP4 recipe):
@@ -229,13 +254,21 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
         x  ~= float32(q) * (float32(s_b) * t)
     block: (1, 16), (16, 1) or (16, 16) (2-D weight blocks). rounding: "nearest" or "stochastic" (gradients).
     An all-zero tensor gets t = 0 and is stored as zeros with t = 0 (dequantizes to zeros, no NaN).
+    scales_fn: a learner's ``nvfp4_scales(x) -> (t, s)`` (lesson 10) in place of the two scale lines below
+    (``nvfp4_scales_from``); not with ``tensor_amax``.
     """
     b = resolve_block(x.shape, block)
-    amax_t = (x.detach().abs().amax().float() if tensor_amax is None else tensor_amax.float()).reshape(())
-    t = nvfp4_tensor_scale_inv(amax_t)
-    safe_t = torch.where(t > 0, t, torch.ones_like(t))
-    amax_b = block_amax(x, b)
-    s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
+    if scales_fn is not None:
+        if tensor_amax is not None:
+            raise ValueError("scales_fn computes the tensor scale from x itself: drop tensor_amax")
+        t, s = nvfp4_scales_from(scales_fn, x.detach().float(), b)
+        safe_t = torch.where(t > 0, t, torch.ones_like(t))
+    else:
+        amax_t = (x.detach().abs().amax().float() if tensor_amax is None else tensor_amax.float()).reshape(())
+        t = nvfp4_tensor_scale_inv(amax_t)
+        safe_t = torch.where(t > 0, t, torch.ones_like(t))
+        amax_b = block_amax(x, b)
+        s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
     recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
     y = block_view(x.float(), b) * expand(recip, b)
     data = _cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)

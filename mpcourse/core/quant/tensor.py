@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..formats import FORMATS
+from ..seams import check_fp8, check_scale
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
 # "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
@@ -234,7 +235,7 @@ def _as_scale(scale, device: torch.device) -> torch.Tensor:
     return s
 
 
-def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float8Tensor:
+def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize_fn=None) -> Float8Tensor:
     """Cast ``x`` to FP8 with a per-tensor scale: ``data = fp8(saturate(float32(x) * scale))``.
 
     Args:
@@ -246,6 +247,8 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
     Returns: ``Float8Tensor`` with ``data`` of x's shape and ``scale_inv = 1 / scale`` (fp32, shape ()).
     NaN in x stays NaN in ``data`` (both formats have a NaN). Rounding is round-to-nearest-even.
     Gradient: ``quantize(x).dequantize()`` is straight-through (identity backward), see ``Float8Tensor``.
+    quantize_fn: a learner's ``quantize(x, scale, fp8_max) -> fp8 tensor`` (lesson 07's signature; saturating)
+      in place of the cast below; what it returns is checked (``mpcourse.core.seams.check_fp8``).
     Raises TypeError for non-float inputs, ValueError for a bad format or scale.
     """
     if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
@@ -254,6 +257,12 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
     name = fp8_format_name(fp8_format)
     dtype, top = FP8_DTYPES[name], fp8_max(name)
     scale = _as_scale(scale, x.device)
+    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
+    if quantize_fn is not None:
+        if not saturate:
+            raise ValueError("quantize_fn is the saturating cast: use it with saturate=True")
+        data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
+        return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
     y_clamped = y.clamp(-top, top)  # torch.clamp lets NaN through
     if not saturate:
@@ -267,21 +276,27 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
     # Every value is now in range (or NaN / an E5M2 inf, which are representable): the cast below only
     # rounds, so its overflow behaviour, which differs between torch versions, never matters.
     data = y_clamped.to(dtype)  # no autograd through FP8: see Float8Tensor (straight-through)
-    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
     return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
 
 
 def quantize_current(x: torch.Tensor, fp8_format, margin: int = 0, power_2_scale: bool = False,
-                     amax_epsilon: float = 0.0) -> Float8Tensor:
+                     amax_epsilon: float = 0.0, compute_scale_fn=None, quantize_fn=None) -> Float8Tensor:
     """Current ("just-in-time") scaling: scale from this tensor's own amax, then ``quantize``.
 
     ``scale = fp8_max / max(amax, amax_epsilon) / 2**margin``; amax 0, inf or NaN gives scale 1.0, so an
     all-zero tensor gives zeros (TE ``Float8CurrentScaling``, ``recipe_common.cuh``; torchao tensorwise
     scaling instead clamps amax to >= 1e-12 first, ``torchao/float8/float8_utils.py``).
-    Args as in ``quantize`` and ``compute_scale``. Returns a ``Float8Tensor``.
+    Args as in ``quantize`` and ``compute_scale``; compute_scale_fn: a learner's ``compute_scale(amax, fp8_max,
+    margin)`` (lesson 07) in place of the library's (power_2_scale then rounds its result down), checked by
+    ``mpcourse.core.seams.check_scale``. Returns a ``Float8Tensor``.
     """
     amax = compute_amax(x)
     if amax_epsilon > 0:
         amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)  # NaN compares False
-    scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
-    return quantize(x, fp8_format, scale)
+    if compute_scale_fn is None:
+        scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
+    else:
+        scale = check_scale("compute_scale", amax, compute_scale_fn(amax, fp8_max(fp8_format), margin))
+        if power_2_scale:
+            scale = round_down_to_power_of_2(scale)
+    return quantize(x, fp8_format, scale, quantize_fn=quantize_fn)

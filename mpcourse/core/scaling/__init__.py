@@ -62,9 +62,11 @@ Policies (where public implementations disagree; each is tested against torch.am
 """
 from .base import READY, STEPPED, UNSCALED, LossScaleFloorError, LossScalerBase
 from .check import FP32_TINY as _FP32_TINY
-from .check import has_inf_or_nan
+from .check import has_inf_or_nan, unscale_grads_
+from .choose import choose_loss_scale
 from .dynamic import DynamicLossScaler
 from .static import StaticLossScaler
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "LossScaleFloorError", "LossScalerBase", "has_inf_or_nan",
+           "choose_loss_scale", "unscale_grads_",
            "READY", "UNSCALED", "STEPPED"]

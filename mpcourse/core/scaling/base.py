@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 from ..distributed import all_reduce_max_, world_size
+from ..seams import check_flag
 from . import validate
 from .check import check_and_unscale_, has_inf_or_nan
 
@@ -48,7 +49,8 @@ class LossScaleFloorError(RuntimeError):
 class LossScalerBase:
     """What both scalers share; subclasses define `_update(found_inf, overflow)` and `_bound_after_overflow`."""
 
-    def __init__(self, init_scale: float, enabled: bool = True, process_group=None):
+    def __init__(self, init_scale: float, enabled: bool = True, process_group=None, unscale_grads_=None):
+        self.unscale_grads_ = unscale_grads_  # optional rule: fn(list of fp32 grads, scale) -> found_inf (lesson 03)
         self._enabled = validate.boolean(enabled, "enabled")
         self._init_scale = validate.scale(init_scale, "init_scale")
         self._scale = None                    # fp32, shape (), created at the first scale() on the loss's device
@@ -120,6 +122,9 @@ class LossScalerBase:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 if inv_scale is None:  # check only (the optimizer unscales)
                     found[device] = torch.maximum(found[device], has_inf_or_nan(grads).float())
+                elif self.unscale_grads_ is not None:  # a given rule (lesson 03's signature), on Python numbers
+                    flag = check_flag("unscale_grads_", self.unscale_grads_(grads, float(scale)))
+                    found[device] = torch.maximum(found[device], torch.tensor(float(flag), device=device))
                 else:
                     check_and_unscale_(grads, found[device], inv_scale.to(device), may_overflow)
             if distributed:  # one flag for all ranks (FSDP ShardedGradScaler): all skip or all step, same scale

@@ -44,6 +44,19 @@ def has_inf_or_nan(tensors) -> torch.Tensor:
     return ~torch.isfinite(torch.cat(maxes)).all()
 
 
+def unscale_grads_(grads, scale: float) -> bool:
+    """The rule of the unscale, unfused (lesson 03's signature): ``g *= float32(1 / scale)`` in place for every
+    gradient; returns whether any element was inf/NaN before or after. ``check_and_unscale_`` is the fused form the
+    scalers run; this one is what a learner's ``unscale_grads_`` given to a scaler replaces.
+
+    grads: list of fp32/fp64 tensors (any shapes). scale: the loss scale S (positive).
+    """
+    inv_scale = torch.tensor(scale, dtype=torch.float64).reciprocal().float()    # fp32 (): 1/S rounded once
+    found = bool(has_inf_or_nan(grads))
+    torch._foreach_mul_(list(grads), inv_scale)
+    return found or bool(has_inf_or_nan(grads))
+
+
 def check_and_unscale_(grads, found_inf, inv_scale, may_overflow: bool) -> None:
     """found_inf := max(found_inf, 1.0 if some grads[i] * inv_scale is inf/NaN); grads[i] *= inv_scale in place.
 

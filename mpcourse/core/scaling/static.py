@@ -11,11 +11,15 @@ class StaticLossScaler(LossScalerBase):
     loss_scale: a finite float in [2**-126, FP32 max]; powers of two make scaling exact. Steps whose unscaled FP32
     gradients hold inf/NaN are skipped and counted in `skipped_steps` (DeepSpeed's static scaler does not check);
     the scale never changes (except by `update(new_scale=...)`). Same methods as `DynamicLossScaler`.
-    No overflow needs S * max|g| <= 65504 (FP16 max). enabled=False: every method passes through.
+    No overflow needs S * max|g| <= 65504 (FP16 max); `mpcourse.core.scaling.choose_loss_scale` picks the largest
+    such power of two. enabled=False: every method passes through.
+    unscale_grads_: optional rule with lesson 03's signature, ``unscale_grads_(grads, scale) -> found_inf`` (a list
+    of fp32 gradient tensors, modified in place, and the scale as a float), used by ``unscale_`` in place of the
+    fused kernel (one host sync per step; its flag is checked by ``mpcourse.core.seams.check_flag``).
     """
 
-    def __init__(self, loss_scale: float, enabled: bool = True, process_group=None):
-        super().__init__(loss_scale, enabled, process_group)
+    def __init__(self, loss_scale: float, enabled: bool = True, process_group=None, *, unscale_grads_=None):
+        super().__init__(loss_scale, enabled, process_group, unscale_grads_)
 
     def _update(self, found_inf, overflow):
         pass

@@ -223,7 +223,9 @@ class MasterWeightsRecipe(TrainingRecipe):
     loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
 
     model_dtype = torch.float16
-    OVERRIDABLE = ("round_to_fp16",)          # lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16)
+    #: lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16); lesson 02: the master copy and the
+    #: step through it (``master_step`` does its own rounding: given both, ``round_to_fp16`` is not used).
+    OVERRIDABLE = ("round_to_fp16", "make_master", "master_step")
 
     def round_name(self) -> str:
         return {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}[self.model_dtype]
@@ -235,10 +237,15 @@ class MasterWeightsRecipe(TrainingRecipe):
         o = self.optim
         # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
         self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
-                                    weight_decay=o.weight_decay, round_to_model=self.overrides.get(self.round_name()))
+                                    weight_decay=o.weight_decay, round_to_model=self.overrides.get(self.round_name()),
+                                    make_master=self.overrides.get("make_master"))
         return self.master.optimizer                                   # steps the fp32 master params
 
     def step(self) -> StepResult:
+        if "master_step" in self.overrides:                            # lesson 02's step, clipping before AdamW
+            self.master.step_with(self.overrides["master_step"], 1.0,
+                                  before_step=lambda: self.clip_grads(self.optimizer))
+            return StepResult()
         self.master.copy_grads_to_master()                             # fp16 grads -> fp32 master grads
         self.clip_grads(self.optimizer)                                # on the fp32 master grads
         self.optimizer.step()                                          # AdamW in fp32

@@ -2,7 +2,8 @@
 
 * ``bf16-autocast``: the course's ``mpcourse.core.autocast.autocast(dtype=torch.bfloat16)`` around the forward pass,
   FP32 weights, gradients and AdamW; no loss scaling (BF16 has FP32's exponent range). The same recipe as the
-  ``torch-amp-bf16`` anchor, with the course's op policy in place of torch's.
+  ``torch-amp-bf16`` anchor, with the course's op policy in place of torch's. Takes lesson 05's ``cast_args`` and
+  ``cached_cast`` as overrides (``autocast(cast_args=, cached_cast=)``).
 * ``bf16-master``: BF16 model (``cast_model``, every module), FP32 master weights + AdamW (``MasterWeights``),
   Micikevicius et al. 2018 section 3.1 with BF16 in place of FP16 (no loss scaling needed).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 model and BF16 AdamW state, no master copy; AdamW
@@ -39,9 +40,11 @@ SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (check
 class BF16Autocast(TrainingRecipe):
     name = "bf16-autocast"
     description = "course autocast (mpcourse.core.autocast, bfloat16), FP32 weights, no loss scaling"
+    OVERRIDABLE = ("cast_args", "cached_cast")        # lesson 05: the casts of one call, the weight-cast cache
 
     def forward_context(self):
-        return autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
+        return autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16,
+                        cast_args=self.overrides.get("cast_args"), cached_cast=self.overrides.get("cached_cast"))
 
 
 @register
@@ -51,7 +54,7 @@ class BF16Master(MasterWeightsRecipe):
     name = "bf16-master"
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.bfloat16
-    OVERRIDABLE = ("round_to_bf16",)                   # lesson 00: the master -> model rounding
+    OVERRIDABLE = ("round_to_bf16", "make_master", "master_step")   # lessons 00 (the rounding) and 02
 
 
 class _BF16Pure(TrainingRecipe):

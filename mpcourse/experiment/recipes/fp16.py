@@ -3,7 +3,8 @@
 * ``fp16-master``: FP16 model, FP32 master weights (``mpcourse.core.master.MasterWeights``), no loss scaling.
   Section 3.1: the optimizer steps an FP32 copy, so small updates are not swamped and Adam's eps (1e-8, 0 in
   FP16) keeps its meaning. Gradients still underflow (the FP16 backward flushes |g| < 2**-24 to 0).
-* ``fp16-static``: plus a constant loss scale (``StaticLossScaler``, section 3.2), here 2**12.
+* ``fp16-static``: plus a constant loss scale (``StaticLossScaler``, section 3.2), here 2**12, chosen by
+  ``mpcourse.core.scaling.choose_loss_scale`` from the largest measured gradient.
 * ``fp16-dynamic``: plus dynamic loss scaling (``DynamicLossScaler``: skip and back off on inf/NaN, grow after
   ``growth_interval`` clean steps; torch/amp/grad_scaler.py semantics), here with ``growth_interval=50``.
 
@@ -34,7 +35,8 @@ meant to show; PyTorch's LayerNorm kernels for FP16 inputs already accumulate me
 and CUDA); the model has no BatchNorm running statistics (Apex's reason for keeping BN in FP32). The loss is
 computed in FP32 by the model itself (``logits.float()``).
 
-Choice of the static scale, 2**12 (= 4096). The scale must keep every gradient of the FP16 backward below 65504
+Choice of the static scale, 2**12 (= 4096), by ``choose_loss_scale(2.7, 65504, margin=2)`` (lesson 03's rule:
+the largest power of two S with S * 2.7 * 2**2 <= 65504). The scale must keep every gradient of the FP16 backward below 65504
 and should lift the small ones out of FP16's zero and subnormal range. Measured on the default compare config
 (seed 0): the largest gradient is a bias gradient (a sum over all B*T = 1024 positions), 0.62 at step 0 and
 0.1-0.4 most of the time, but it spikes to 2.7 around step 10-12 (``blocks.0.attn.proj.bias``, at the end of the
@@ -52,10 +54,14 @@ from __future__ import annotations
 
 import torch
 
-from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
+from mpcourse.core.formats import get_format
+from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler, choose_loss_scale
+from mpcourse.core.seams import check_loss_scale
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
-STATIC_LOSS_SCALE = 2.0**12          # fp16-static: see the module docstring for why
+STATIC_GRAD_ABS_MAX = 2.7            # fp16-static: the largest gradient measured (module docstring)
+STATIC_MARGIN = 2                    # powers of two of headroom above it
+STATIC_LOSS_SCALE = choose_loss_scale(STATIC_GRAD_ABS_MAX, get_format("fp16").max, STATIC_MARGIN)   # 2**12
 DYNAMIC_INIT_SCALE = 2.0**16         # torch.amp.GradScaler's default
 DYNAMIC_GROWTH_INTERVAL = 50         # torch: 2000, longer than a whole compare run
 
@@ -108,16 +114,22 @@ class FP16Static(_ScaledFP16):
     name = "fp16-static"
     description = "FP16 model, FP32 master weights, static loss scale 2**12 (StaticLossScaler)"
 
+    OVERRIDABLE = ("round_to_fp16", "make_master", "choose_loss_scale", "unscale_grads_")   # lessons 00, 02, 03
+
     def make_scaler(self):
-        return StaticLossScaler(STATIC_LOSS_SCALE)
+        choose = self.overrides.get("choose_loss_scale")
+        scale = STATIC_LOSS_SCALE if choose is None else check_loss_scale(
+            "choose_loss_scale", choose(STATIC_GRAD_ABS_MAX, get_format("fp16").max, STATIC_MARGIN))
+        return StaticLossScaler(scale, unscale_grads_=self.overrides.get("unscale_grads_"))
 
 
 @register
 class FP16Dynamic(_ScaledFP16):
     name = "fp16-dynamic"
     description = "FP16 model, FP32 master weights, dynamic loss scaling (DynamicLossScaler, growth_interval 50)"
-    OVERRIDABLE = ("round_to_fp16", "update_scale")     # lessons 00 and 04
+    OVERRIDABLE = ("round_to_fp16", "make_master", "unscale_grads_", "update_scale")     # lessons 00, 02, 03, 04
 
     def make_scaler(self):
         return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL,
-                                 update_scale=self.overrides.get("update_scale"))
+                                 update_scale=self.overrides.get("update_scale"),
+                                 unscale_grads_=self.overrides.get("unscale_grads_"))

@@ -54,6 +54,8 @@ Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from mpcourse.core import quant
@@ -76,6 +78,8 @@ class _FP8Recipe(TrainingRecipe):
     fp8_recipe: DelayedScaling | CurrentScaling
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.overrides:  # a learner's functions: the recipe object's field NAME_fn for each name in OVERRIDABLE
+            self.fp8_recipe = dataclasses.replace(self.fp8_recipe, **{f"{n}_fn": f for n, f in self.overrides.items()})
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
         # steps them and the head stays tied to tok_emb.
         return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe)
@@ -99,6 +103,7 @@ class FP8Current(_FP8Recipe):
     name = "fp8-current"
     description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
     fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
+    OVERRIDABLE = ("compute_scale", "quantize")        # lesson 07
 
 
 @register
@@ -106,3 +111,4 @@ class FP8Delayed(_FP8Recipe):
     name = "fp8-delayed"
     description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
     fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
+    OVERRIDABLE = ("quantize", "update")               # lessons 07 and 08

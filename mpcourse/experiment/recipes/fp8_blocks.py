@@ -10,6 +10,8 @@ and NVIDIA's NVFP4 recipe (arXiv 2509.25149: embeddings and head in BF16) keep t
 * ``fp8-block``: TE ``Float8BlockScaling`` (E4M3 everywhere, 1x128 tiles for activations and gradients,
   128x128 weight blocks, power-of-two scales), DeepSeek-V3's scheme.
 * ``mxfp8``: TE ``MXFP8BlockScaling`` (E4M3 in blocks of 32 sharing an E8M0 scale; RCEIL scale rule).
+* ``mxfp8-floor``: the same with the OCP MX spec's floor scale rule (a block max up to 2x E4M3's max saturates),
+  the rule lesson 10's ``mx_shared_exponent`` builds.
 * ``nvfp4``: TE ``NVFP4BlockScaling`` with its defaults (E2M1 data, E4M3 scale per 16, FP32 tensor scale,
   16x16 weight blocks, RHT on the weight-gradient inputs, stochastic rounding of gradients).
 
@@ -39,6 +41,7 @@ class FP8Block(_FP8Recipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
+    OVERRIDABLE = ("block_quantize",)                  # lesson 10
 
 
 @register
@@ -49,7 +52,16 @@ class MXFP8(_FP8Recipe):
 
 
 @register
+class MXFP8Floor(_FP8Recipe):
+    name = "mxfp8-floor"
+    description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
+    fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
+    OVERRIDABLE = ("mx_shared_exponent",)              # lesson 10
+
+
+@register
 class NVFP4(_FP8Recipe):
     name = "nvfp4"
     description = "NVFP4 linear layers (E2M1, E4M3 scale per 16 + FP32 per tensor, RHT, SR grads); emb/head FP32"
     fp8_recipe = NVFP4BlockScaling()
+    OVERRIDABLE = ("nvfp4_scales",)                    # lesson 10
