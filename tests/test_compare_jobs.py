@@ -41,3 +41,11 @@ def test_pool_rows_equal_in_process_rows_and_a_failing_worker_names_its_run():
     bad = Task("fp8-block", dataclasses.replace(cfg, model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=128)))
     with pytest.raises(WorkerError, match=r"fp8-block \(seed 0\) failed in a worker: ValueError: .*block"):
         run_pool([bad], corpus, jobs=1, threads=1, progress=False)
+
+
+def test_longest_runs_start_first_and_results_keep_the_task_order():
+    from mpcourse.experiment.pool import start_order
+    cfg = TrainConfig(steps=10)
+    tasks = [Task("fp32", cfg), Task("bf16-pure", cfg), Task("nvfp4", cfg), Task("fp8-current", cfg),
+             Task("fp32", dataclasses.replace(cfg, steps=100))]
+    assert start_order(tasks) == [4, 2, 3, 1, 0]          # 100 x 1.0, 10 x 6.9, 10 x 2.0, 10 x 1.5, 10 x 1.0

@@ -10,6 +10,11 @@ own model, batches and torch's global generator (``Trainer``). It can depend on 
 split its sums differently), so ``results.json`` records ``jobs`` and ``threads``: the same pair gives the
 same bits. tok/s is then one worker's speed on ``threads`` threads while the other workers run too.
 
+Order: the runs start longest first (``STEP_COST``, each recipe's step time over the FP32 step, measured with
+``benchmarks/bench_block_recipes.py`` on a 2-core AVX2 CPU; a scheduling hint only, so a stale number costs
+time, never a result): started last, the slowest run (``nvfp4``, about 7 FP32 steps a step) would train alone
+while the other workers sit idle. The results come back in the order of the tasks.
+
 Progress: the workers report every step through a queue and the parent draws one bar over all steps
 (per-process bars would overwrite each other). A worker that raises ends the job with ``WorkerError``,
 naming the run and carrying the worker's message.
@@ -28,6 +33,16 @@ from tqdm.auto import tqdm
 
 from .data import Corpus
 from .train import RunResult, TrainConfig
+
+
+# step time over the FP32 step (benchmarks/bench_block_recipes.py, one interleaved 1-thread run); others: 1.5
+STEP_COST = {"fp32": 1.0, "nvfp4": 6.9, "fp8-rowwise": 2.5, "mxfp8": 2.4, "mxfp8-floor": 2.4, "fp8-block": 2.2,
+             "fp8-current": 2.0, "fp8-delayed": 2.0}
+
+
+def start_order(tasks: list["Task"]) -> list[int]:
+    """Indices of ``tasks``, the longest expected run first (steps x ``STEP_COST``); ties keep their order."""
+    return sorted(range(len(tasks)), key=lambda i: -tasks[i].cfg.steps * STEP_COST.get(tasks[i].name, 1.5))
 
 
 class WorkerError(RuntimeError):
@@ -95,7 +110,7 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, prog
                desc=f"{len(tasks)} runs, {jobs} jobs x {threads} threads")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
                              initargs=(threads, ticks)) as pool:
-        futures = {pool.submit(_run_task, t, corpus): i for i, t in enumerate(tasks)}
+        futures = {pool.submit(_run_task, tasks[i], corpus): i for i in start_order(tasks)}
         pending = set(futures)
         try:
             while pending:
