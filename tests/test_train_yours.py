@@ -58,6 +58,10 @@ def _fp16_with_bf16_precision(x):                          # 00: keeps 8 signifi
     return x.to(torch.bfloat16).to(torch.float16)
 
 
+def _zero_update_counted_as_lost(w, dw):                   # 01: forgets dw != 0 (a zero update is not lost)
+    return (w.double() + dw.double()).half() == w
+
+
 def _masters_of_zeros(model_params):                       # 02: right shapes and dtype, not a copy
     return [torch.zeros(p.shape, dtype=torch.float32, requires_grad=True) for p in model_params]
 
@@ -149,7 +153,9 @@ EXERCISES: dict[str, Yours] = {
         recipes=("fp16-master", "bf16-master", "bf16-pure"), functions=("round_to_fp16", "round_to_bf16"),
         bugs={"round_to_fp16": _fp16_with_bf16_precision, "round_to_bf16": _bf16_toward_zero}),
     # --
-    "01_why_fp16_breaks": Yours(missing="no training seam yet for fp16_fate / is_update_lost, no train-yours cell"),
+    "01_why_fp16_breaks": Yours(
+        recipes=("fp16-master",), functions=("is_update_lost",),
+        bugs={"is_update_lost": _zero_update_counted_as_lost}),
     # --
     "02_master_weights": Yours(
         recipes=("fp16-master", "bf16-master"), functions=("make_master", "master_step"),
