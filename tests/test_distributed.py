@@ -68,20 +68,40 @@ def _overflow_case(name, corpus):
             "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
-def _plain_shard_case(group):
-    """A rank holding its gradient shard as a plain tensor (ZeRO-style, no DTensor): rank 1's overflows.
-    ``group`` is the scaler's process group (a one-rank group: each rank decides alone)."""
+def _plain_shard_case(group, all_reduce_found_inf_=None, inf_ranks=(1,)):
+    """A rank holding its gradient shard as a plain tensor (ZeRO-style, no DTensor): the shards of ``inf_ranks``
+    overflow. ``group`` is the scaler's process group (a one-rank group: each rank decides alone);
+    ``all_reduce_found_inf_`` a learner's all-reduce in place of the library's (a SeamError becomes its message)."""
     from mpcourse.core.scaling import DynamicLossScaler
+    from mpcourse.core.seams import SeamError
 
     w = torch.nn.Parameter(torch.ones(4))                      # this rank's shard, fp32
     opt = torch.optim.SGD([w], lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**16, process_group=group)
+    scaler = DynamicLossScaler(init_scale=2.0**16, process_group=group, all_reduce_found_inf_=all_reduce_found_inf_)
     scaler.scale((w * 1.0).sum()).backward()                  # grad = S everywhere
-    if dist.get_rank() == 1:
+    if dist.get_rank() in inf_ranks:
         w.grad[0] = float("inf")
-    scaler.step(opt)
+    try:
+        scaler.step(opt)
+    except SeamError as e:
+        return {"error": str(e)}
     scaler.update()
     return {"skipped": scaler.last_step_skipped, "scale_after": scaler.get_scale()}
+
+
+def _max_all_reduce(found_inf, group=None):                   # lesson 11's solution
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    return found_inf
+
+
+def _sum_all_reduce(found_inf, group=None):                   # planted bug: the default op, SUM
+    dist.all_reduce(found_inf, group=group)
+    return found_inf
+
+
+def _no_all_reduce(found_inf, group=None):                    # planted bug: each rank keeps its own flag
+    return found_inf
 
 
 SHARDS = {"0": (64 * 128 // 2, 128 // 2), "2": (128 * 64 // 2, 64 // 2)}  # layer -> (weight, bias) elements a rank
@@ -156,6 +176,9 @@ def _worker(rank, port, out_dir):
         solo = [dist.new_group([r]) for r in range(2)][rank]  # every rank creates every group
         res[("plain", "all-reduce")] = _plain_shard_case(None)
         res[("plain", "alone")] = _plain_shard_case(solo)
+        res[("plain", "yours-max")] = _plain_shard_case(None, _max_all_reduce)
+        res[("plain", "yours-local")] = _plain_shard_case(None, _no_all_reduce)
+        res[("plain", "yours-sum")] = _plain_shard_case(None, _sum_all_reduce, inf_ranks=(0, 1))
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -252,6 +275,15 @@ def test_plain_shards_need_the_all_reduce(ranks):
     assert [r[("plain", "all-reduce")] for r in ranks] == [{"skipped": True, "scale_after": 2.0**15}] * 2
     assert [r[("plain", "alone")] for r in ranks] == [{"skipped": False, "scale_after": 2.0**16},
                                                       {"skipped": True, "scale_after": 2.0**15}]
+
+
+def test_a_learners_found_inf_all_reduce_runs_in_the_scaler(ranks):
+    """Lesson 11's ``all_reduce_found_inf_`` in ``DynamicLossScaler``: the solution behaves as the library's MAX;
+    a rank keeping its own flag drifts as the one-rank control does; a SUM stops with one line naming it."""
+    assert [r[("plain", "yours-max")] for r in ranks] == [r[("plain", "all-reduce")] for r in ranks]
+    assert [r[("plain", "yours-local")] for r in ranks] == [r[("plain", "alone")] for r in ranks]
+    for r in ranks:
+        assert r[("plain", "yours-sum")]["error"].startswith("all_reduce_found_inf_ returned 2.0: ")
 
 
 def test_bytes_per_param_per_rank(ranks, single):

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mpcourse.experiment.learner import load_functions
-from mpcourse.experiment.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, Comparison, train_yours
+from mpcourse.experiment.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, YOURS_DIST_CONFIG, Comparison, train_yours
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "train-yours"
@@ -39,6 +39,7 @@ class Yours:
     bugs: one planted bug per function: a wrong implementation with the exercise's signature.
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
     cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
+    nproc: the processes its cell passes as ``nproc=`` (2 for lesson 11: FSDP over spawned gloo ranks).
     """
 
     recipes: tuple[str, ...] = ()
@@ -46,6 +47,7 @@ class Yours:
     bugs: dict[str, Callable] = field(default_factory=dict)
     missing: str = ""
     cfg: object = None
+    nproc: int = 1
 
 
 # -- planted bugs, by lesson (each keeps the exercise's signature) ---------------------------------------
@@ -146,6 +148,12 @@ def _nvfp4_tensor_scale_without_6(x):                    # 10: t = amax / 448, f
     return t, ((amax_b / 6.0) / t).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
 
 
+def _forgets_to_return(found_inf, group=None):             # 11: reduces in place but returns None
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
 # -- the registry: one entry per solution notebook (keep a comment line between entries) -----------------
 
 EXERCISES: dict[str, Yours] = {
@@ -189,7 +197,9 @@ EXERCISES: dict[str, Yours] = {
         bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
               "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
-    "11_beyond_one_machine": Yours(missing="no training seam yet for all_reduce_found_inf_, no train-yours cell"),
+    "11_beyond_one_machine": Yours(
+        recipes=("fp16-dynamic",), functions=("all_reduce_found_inf_",),
+        bugs={"all_reduce_found_inf_": _forgets_to_return}, cfg=YOURS_DIST_CONFIG, nproc=2),
 }
 
 
@@ -234,8 +244,10 @@ _LIBRARY_RUNS: dict = {}          # the library's runs under YOURS_CONFIG, share
 _BLOCK_RUNS: dict = {}            # the same under YOURS_BLOCK_CONFIG
 
 
-def _train(namespace, recipes, cfg=None) -> tuple[list[Comparison], list[str]]:
+def _train(namespace, recipes, cfg=None, nproc=1) -> tuple[list[Comparison], list[str]]:
     lines: list[str] = []
+    if nproc > 1:                 # spawned ranks: no cache (both rows come from one job)
+        return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, nproc=nproc), lines
     runs = _BLOCK_RUNS if cfg is YOURS_BLOCK_CONFIG else _LIBRARY_RUNS
     assert cfg in (None, YOURS_BLOCK_CONFIG), "cache the library's runs of a new cfg apart"
     return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, library_runs=runs), lines
@@ -269,7 +281,7 @@ def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
     functions = load_functions(ROOT / "solutions" / f"{stem}.ipynb")
-    comps, lines = _train(functions, e.recipes, e.cfg)
+    comps, lines = _train(functions, e.recipes, e.cfg, e.nproc)
     assert [c.recipe for c in comps] == list(e.recipes)
     for c in comps:
         assert c.identical, c.verdict()
@@ -285,7 +297,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     e = _entry(stem)
     assert e.bugs, "no planted bugs listed for this exercise"
     namespace = {**load_functions(ROOT / "solutions" / f"{stem}.ipynb"), fn: e.bugs[fn]}
-    comps, lines = _train(namespace, e.recipes, e.cfg)
+    comps, lines = _train(namespace, e.recipes, e.cfg, e.nproc)
     hit = [c for c in comps if fn in c.used]
     assert hit, f"no recipe of {e.recipes} uses {fn}"
     for c in hit:
@@ -301,7 +313,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
 def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
-    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg)
+    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg, e.nproc)
     for c in comps:
         assert c.yours is None and "is not implemented yet (it raises NotImplementedError)" in c.message, c.verdict()
         assert c.verdict().startswith(f"{c.recipe} [yours]: your ")

@@ -157,6 +157,17 @@ def check_nvfp4_scales(name: str, x: torch.Tensor, out) -> tuple[torch.Tensor, t
     return t, s
 
 
+def check_found_inf(name: str, out) -> torch.Tensor:
+    """``out`` (from ``all_reduce_found_inf_(flag, group)``) as float32 () holding 0.0 or 1.0: each rank's flag is
+    0 or 1, so their MAX is too (a SUM counts the ranks that overflowed)."""
+    out = _tensor(name, out, "the flag", (), (torch.float32,))
+    value = float(out)
+    if value not in (0.0, 1.0):
+        raise SeamError(f"{name} returned {value!r}: every rank's flag is 0 or 1, so the MAX over the ranks is "
+                        "too (a SUM counts the ranks that overflowed): all-reduce with dist.ReduceOp.MAX")
+    return out
+
+
 def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
     """``out`` (from ``cast_args(op, args, device_type, dtype)``, lesson 05) as a tuple like ``args``: the same
     length; each non-tensor argument returned as it was; each tensor of the same shape, in its own dtype or one

@@ -138,9 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not in the default run (name them with --recipes): {', '.join(NOT_IN_DEFAULT_RUN)}")
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
-        if args.with_notebooks:
-            print("mpcourse compare: error: --with runs in one process; drop --nproc/--parallel", file=sys.stderr)
-            return 2
         return _main_distributed(args, corpus, cfg, recipes)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
@@ -199,8 +196,17 @@ def _main_distributed(args, corpus, cfg, recipes) -> int:
         print(f"mpcourse compare: error: --batch-size {cfg.batch_size} is not divisible by --nproc {nproc} "
               "(each rank trains on batch_size / nproc sequences)", file=sys.stderr)
         return 2
+    if args.with_notebooks:                       # every rank loads them; check here that they load
+        from .learner import LearnerLoadError, load_functions
+        try:
+            for nb in args.with_notebooks:
+                load_functions(nb)
+        except LearnerLoadError as e:
+            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            return 2
     job = Job(recipes=recipes, corpus=corpus, cfg=cfg, out=args.out, parallel=args.parallel,
-              reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout)
+              reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout,
+              learner_notebooks=tuple(str(nb) for nb in args.with_notebooks))
     talk = is_rank_zero()
     if talk:
         print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}")

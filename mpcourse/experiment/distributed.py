@@ -23,14 +23,15 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .parallel import (PARALLEL_MODES, REDUCE_DTYPES, replicate_by_hand, shard_recipe, swaps_param_dtype,
-                       unsupported, wrap_ddp)
+from .parallel import (PARALLEL_MODES, REDUCE_DTYPES, overridable, replicate_by_hand, shard_recipe,
+                       swaps_param_dtype, unsupported, wrap_ddp)
 from .train import Trainer, TrainConfig
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -121,6 +122,43 @@ class Job:
     progress: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     fail_rank: int | None = None       # testing: this rank raises at its first step (a failing rank)
+    learner_notebooks: tuple = ()      # --with: every rank loads these notebooks' functions (learner.load_functions)
+    learner_sources: dict = field(default_factory=dict)   # or name -> source of a learner's function
+    quiet: bool = False                # rank 0 neither prints nor writes (train_yours reads the results)
+    messages: list = field(default_factory=list)          # filled by run_rank: one line per failed [yours] row
+
+
+def learner_functions(job: Job) -> dict:
+    """The learner's functions of ``job`` (its notebooks', then its sources'), loaded in this process."""
+    from .learner import functions_from_sources, load_functions
+
+    functions = {}
+    for nb in job.learner_notebooks:
+        functions.update(load_functions(nb))
+    functions.update(functions_from_sources(job.learner_sources))
+    return functions
+
+
+def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
+    """The row ``NAME [yours]`` under ``job.parallel`` with the learner's functions, or None after a line in
+    ``job.messages``. Every rank calls the functions at the same points, so a failing one fails on every rank."""
+    from mpcourse.core.seams import SeamError
+    from .compare import yours
+    from .recipes import get_recipe
+    from .recipes.base import OverrideError
+
+    accepted = overridable(get_recipe(name), job.parallel)
+    overrides = {n: f for n, f in functions.items() if n in accepted}
+    if not overrides:
+        return None
+    try:
+        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype, overrides=overrides)
+        trainer.name = yours(name)
+        trainer.run(progress=job.progress and rank == 0)
+        return trainer.result()
+    except (OverrideError, SeamError) as e:
+        job.messages.append(f"{yours(name)}: {e}")
+    return None
 
 
 def run_rank(job: Job) -> list | None:
@@ -131,6 +169,7 @@ def run_rank(job: Job) -> list | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None
     results, not_run = [], {}
+    functions = learner_functions(job) if (job.learner_notebooks or job.learner_sources) else {}
     for name in job.recipes:
         why = unsupported(name, job.parallel)
         if why:
@@ -141,11 +180,18 @@ def run_rank(job: Job) -> list | None:
             raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank}) at time {time.time():.3f}")
         trainer.run(progress=job.progress and rank == 0)
         results.append(trainer.result())
+        mine = _run_yours(job, name, functions, reduce_dtype, rank) if functions else None
+        if mine is not None:
+            results.append(mine)
     if rank != 0:
         return None
+    if job.quiet:
+        return results
     print(format_table(results))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
+    for line in job.messages:
+        print(line)
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
                           "bytes_per_param": "per rank", "not_run": not_run}}
     write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)
@@ -169,6 +215,8 @@ def _spawned_rank(rank: int, nproc: int, port: int, job: Job, result_dir: str) -
     results = run_rank(job)   # on an exception: no destroy_process_group, which would wait for the other ranks
     if results is not None:
         torch.save([r.to_dict() for r in results], os.path.join(result_dir, "results.pt"))
+        with open(os.path.join(result_dir, "messages.json"), "w") as f:
+            json.dump(job.messages, f)
     dist.destroy_process_group()
 
 
@@ -203,7 +251,8 @@ def launched_by_torchrun() -> bool:
 
 def run_distributed_compare(job: Job, nproc: int) -> list | None:
     """Run ``job`` over ``nproc`` ranks: spawned here, or as this process's rank under torchrun (then
-    ``nproc`` must equal ``WORLD_SIZE``). Returns rank 0's results (``RunResult`` dicts), None on other ranks.
+    ``nproc`` must equal ``WORLD_SIZE``). Returns rank 0's results (``RunResult`` dicts), None on other ranks;
+    rank 0's ``job.messages`` (failed ``[yours]`` rows) are copied into ``job.messages`` here.
     Raises RankFailed when a rank fails, ValueError for a bad mode."""
     if job.parallel not in PARALLEL_MODES:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {job.parallel!r}")
@@ -223,7 +272,10 @@ def run_distributed_compare(job: Job, nproc: int) -> list | None:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as d:
         spawn(_spawned_rank, nproc, (nproc, _free_port(), job, d))
-        path = os.path.join(d, "results.pt")
+        path, messages = os.path.join(d, "results.pt"), os.path.join(d, "messages.json")
+        if os.path.exists(messages):
+            with open(messages) as f:
+                job.messages[:] = json.load(f)
         return torch.load(path, weights_only=False) if os.path.exists(path) else []
 
 

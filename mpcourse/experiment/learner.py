@@ -45,6 +45,7 @@ def load_functions(path: str | Path) -> dict[str, Callable]:
                                "exercises/04_dynamic_loss_scaling.ipynb)")
     nb = nbformat.read(path, as_version=4)
     body: list[ast.stmt] = []
+    sources: dict[str, str] = {}           # def name -> its source text (for processes spawned by train_yours)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or any(t in cell.metadata.get("tags", []) for t in SKIP_TAGS):
             continue
@@ -54,15 +55,44 @@ def load_functions(path: str | Path) -> dict[str, Callable]:
         except SyntaxError as e:
             raise LearnerLoadError(f"{path.name} cell {i}: syntax error on line {e.lineno}: {e.msg}") from None
         body.extend(ast.increment_lineno(n, 0) for n in tree.body if _keep(n))
+        sources.update({n.name: ast.get_source_segment(source, n) for n in tree.body if isinstance(n, ast.FunctionDef)})
     namespace: dict = {"__name__": f"learner:{path.stem}"}
     try:
         exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     except Exception as e:
         raise LearnerLoadError(f"{path.name}: defining its functions failed: {type(e).__name__}: {e}") from None
-    return {name: obj for name, obj in namespace.items()
-            if callable(obj) and getattr(obj, "__module__", None) == namespace["__name__"] and not name.startswith("_")}
+    functions = {name: obj for name, obj in namespace.items()
+                 if callable(obj) and getattr(obj, "__module__", None) == namespace["__name__"] and not name.startswith("_")}
+    for name, fn in functions.items():
+        if name in sources and hasattr(fn, "__code__"):
+            fn.__learner_source__ = sources[name]   # inspect.getsource cannot read it back from the notebook file
+    return functions
 
 
 def overrides_for(recipe_cls, functions: dict[str, Callable]) -> dict[str, Callable]:
     """The subset of ``functions`` that ``recipe_cls`` accepts as overrides (its ``OVERRIDABLE``)."""
     return {name: fn for name, fn in functions.items() if name in recipe_cls.OVERRIDABLE}
+
+
+def functions_from_sources(sources: dict[str, str]) -> dict[str, Callable]:
+    """The functions defined by ``sources`` (name -> the source of its ``def``, e.g. from ``inspect.getsource``),
+    each run in one namespace that has ``torch`` and ``dist`` (``torch.distributed``) imported: how a learner's
+    function reaches processes spawned for ``compare --nproc`` (a notebook's functions cannot be pickled). A source
+    whose ``def`` has another name gives that function. Raises ``LearnerLoadError`` naming the function whose
+    source fails to run or defines no function."""
+    import torch
+    import torch.distributed as dist
+
+    namespace: dict = {"__name__": "learner:sources", "torch": torch, "dist": dist}
+    out = {}
+    for name, source in sources.items():
+        try:
+            tree = ast.parse(source, f"<your {name}>")
+            defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+            exec(compile(tree, f"<your {name}>", "exec"), namespace)
+        except Exception as e:
+            raise LearnerLoadError(f"your {name}: defining it failed: {type(e).__name__}: {e}") from None
+        if not defs:
+            raise LearnerLoadError(f"the source given for {name} defines no function")
+        out[name] = namespace[name if name in defs else defs[-1]]   # a function given under another name too
+    return out

@@ -180,9 +180,14 @@ class ShardedMasterRecipe(TrainingRecipe):
         scaler.update()
     """
 
-    OVERRIDABLE = ()
+    #: a learner's functions it can use: the loss scaler's (FSDP's casts replace the master -> model rounding)
+    OVERRIDABLE = ("choose_loss_scale", "unscale_grads_", "update_scale", "all_reduce_found_inf_")
 
     def __init__(self, base: type[MasterWeightsRecipe], model, optim=None, overrides=None):
+        refused = [n for n in overrides or {} if n not in overridable(base, "fsdp")]
+        if refused:
+            raise ValueError(f"recipe {base.name!r} under FSDP cannot use {', '.join(refused)}: it accepts "
+                             f"{', '.join(overridable(base, 'fsdp')) or 'none'}")
         self.base = base
         self.name = base.name
         self.model_dtype = base.model_dtype
@@ -241,6 +246,14 @@ def _measure_working_copy(recipe: TrainingRecipe) -> None:
 
     for m in [*recipe.model.blocks, recipe.model]:
         m.register_forward_pre_hook(hook)
+
+
+def overridable(recipe_cls: type[TrainingRecipe], parallel: str) -> tuple[str, ...]:
+    """The names of a learner's functions ``recipe_cls`` uses under ``parallel`` ("ddp": all of its ``OVERRIDABLE``;
+    "fsdp": for a master-weights recipe, those of ``ShardedMasterRecipe`` it has too)."""
+    if parallel == "fsdp" and issubclass(recipe_cls, MasterWeightsRecipe):
+        return tuple(n for n in recipe_cls.OVERRIDABLE if n in ShardedMasterRecipe.OVERRIDABLE)
+    return tuple(recipe_cls.OVERRIDABLE)
 
 
 def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, overrides=None,

@@ -66,6 +66,10 @@ YOURS_CONFIG = TrainConfig(steps=20, batch_size=8, eval_interval=10, eval_batche
 YOURS_BLOCK_CONFIG = TrainConfig(steps=10, batch_size=4, eval_interval=10, eval_batches=1, seed=0,
                                  optim=OptimConfig(warmup_steps=3),
                                  model=GPTConfig(n_layer=1, n_head=4, n_embd=128, block_size=32))
+#: The run for lesson 11 (``nproc=2``): starting two processes is the slow part, so 4 steps, validation on one batch.
+YOURS_DIST_CONFIG = TrainConfig(steps=4, batch_size=8, eval_interval=4, eval_batches=1, seed=0,
+                                optim=OptimConfig(warmup_steps=2),
+                                model=GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
 LOSS_STEPS_SHOWN = 3          # training losses shown per row: first, middle, last step
 
 _corpus: Corpus | None = None
@@ -308,7 +312,8 @@ def _compare_distributed(namespace, recipes, cfg: TrainConfig, corpus: Corpus, n
     sources = {}
     for name in dict.fromkeys(n for names in used.values() for n in names):
         try:
-            sources[name] = textwrap.dedent(inspect.getsource(namespace[name]))
+            fn = namespace[name]
+            sources[name] = getattr(fn, "__learner_source__", None) or textwrap.dedent(inspect.getsource(fn))
         except (OSError, TypeError) as e:
             raise ValueError(f"the source of your {name} cannot be read ({e}): define it with def in a cell") from None
     with tempfile.TemporaryDirectory() as d:

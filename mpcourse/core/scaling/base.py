@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from ..distributed import all_reduce_max_, world_size
-from ..seams import check_flag
+from ..seams import check_flag, check_found_inf
 from . import validate
 from .check import check_and_unscale_, has_inf_or_nan
 
@@ -49,9 +49,12 @@ class LossScaleFloorError(RuntimeError):
 class LossScalerBase:
     """What both scalers share; subclasses define `_update(found_inf, overflow)` and `_bound_after_overflow`."""
 
-    def __init__(self, init_scale: float, enabled: bool = True, process_group=None, unscale_grads_=None):
+    def __init__(self, init_scale: float, enabled: bool = True, process_group=None, unscale_grads_=None,
+                 all_reduce_found_inf_=None):
         self.unscale_grads_ = unscale_grads_  # optional rule: fn(list of fp32 grads, scale) -> found_inf (lesson 03)
         self._enabled = validate.boolean(enabled, "enabled")
+        # lesson 11's all_reduce_found_inf_(found_inf, group) -> found_inf in place of all_reduce_max_ (None: it)
+        self.all_reduce_found_inf_ = all_reduce_found_inf_
         self._init_scale = validate.scale(init_scale, "init_scale")
         self._scale = None                    # fp32, shape (), created at the first scale() on the loss's device
         self._per_optimizer_states = {}       # id(optimizer) -> {"stage", "found_inf_per_device", "skipped"}
@@ -131,7 +134,11 @@ class LossScalerBase:
                 flag = torch.zeros((), dtype=torch.float32, device=scale.device)
                 for f in found.values():
                     flag = torch.maximum(flag, f.to(scale.device))
-                found = {scale.device: all_reduce_max_(flag, self.process_group)}
+                if self.all_reduce_found_inf_ is None:
+                    flag = all_reduce_max_(flag, self.process_group)
+                else:                                # a learner's all-reduce, checked (seams.check_found_inf)
+                    flag = check_found_inf("all_reduce_found_inf_", self.all_reduce_found_inf_(flag, self.process_group))
+                found = {scale.device: flag}
         self._state(optimizer)["found_inf_per_device"] = found
         return found
 

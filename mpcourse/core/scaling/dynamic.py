@@ -69,6 +69,8 @@ class DynamicLossScaler(LossScalerBase):
             numbers, used by ``update()`` in place of the library's (one host sync per step). Only with
             hysteresis=1 and no min_scale/max_scale (the lesson's rule has neither).
         unscale_grads_: optional rule with lesson 03's signature, as ``StaticLossScaler``'s.
+        all_reduce_found_inf_: optional lesson 11 ``all_reduce_found_inf_(found_inf, group) -> found_inf``, the MAX
+            all-reduce of the inf/NaN flag over ``process_group`` in place of the library's (more than one rank only).
     With hysteresis=1 and no floor/cap the trajectory equals torch.amp.GradScaler's bit for bit (the fused
     `torch._amp_update_scale_` is used then; the general rule is plain tensor ops, no host sync).
     State: scale fp32 (), growth tracker int32 (), hysteresis tracker int32 (), on the loss's device.
@@ -78,7 +80,7 @@ class DynamicLossScaler(LossScalerBase):
 
     def __init__(self, device=None, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  enabled=True, *, hysteresis=1, consecutive_hysteresis=False, min_scale=None, max_scale=None,
-                 process_group=None, update_scale=None, unscale_grads_=None):
+                 process_group=None, update_scale=None, unscale_grads_=None, all_reduce_found_inf_=None):
         if update_scale is not None and (hysteresis != 1 or min_scale is not None or max_scale is not None):
             raise ValueError("update_scale= is the rule without hysteresis, floor or cap: use it with hysteresis=1, "
                              "min_scale=None, max_scale=None")
@@ -92,7 +94,7 @@ class DynamicLossScaler(LossScalerBase):
                      "consecutive_hysteresis": consecutive_hysteresis, "min_scale": min_scale,
                      "max_scale": max_scale, "skipped_steps": 0, "_growth_tracker": 0,
                      "_hysteresis_tracker": hysteresis})
-        super().__init__(c["scale"], enabled, process_group, unscale_grads_)
+        super().__init__(c["scale"], enabled, process_group, unscale_grads_, all_reduce_found_inf_)
         self._growth_tracker = self._hysteresis_tracker = None  # int32 (), created with the scale
         self._set_config(c)
 

@@ -132,22 +132,26 @@ class FP16Static(_ScaledFP16):
     name = "fp16-static"
     description = "FP16 model, FP32 master weights, static loss scale 2**12 (StaticLossScaler)"
 
-    OVERRIDABLE = ("round_to_fp16", "make_master", "choose_loss_scale", "unscale_grads_")   # lessons 00, 02, 03
+    OVERRIDABLE = ("round_to_fp16", "make_master", "choose_loss_scale", "unscale_grads_",
+                   "all_reduce_found_inf_")   # lessons 00, 02, 03, 11 (with --nproc > 1)
 
     def make_scaler(self):
         choose = self.overrides.get("choose_loss_scale")
         scale = STATIC_LOSS_SCALE if choose is None else check_loss_scale(
             "choose_loss_scale", choose(STATIC_GRAD_ABS_MAX, get_format("fp16").max, STATIC_MARGIN))
-        return StaticLossScaler(scale, unscale_grads_=self.overrides.get("unscale_grads_"))
+        return StaticLossScaler(scale, unscale_grads_=self.overrides.get("unscale_grads_"),
+                                all_reduce_found_inf_=self.overrides.get("all_reduce_found_inf_"))
 
 
 @register
 class FP16Dynamic(_ScaledFP16):
     name = "fp16-dynamic"
     description = "FP16 model, FP32 master weights, dynamic loss scaling (DynamicLossScaler, growth_interval 50)"
-    OVERRIDABLE = ("round_to_fp16", "make_master", "unscale_grads_", "update_scale")     # lessons 00, 02, 03, 04
+    OVERRIDABLE = ("round_to_fp16", "make_master", "unscale_grads_", "update_scale",
+                   "all_reduce_found_inf_")     # lessons 00, 02, 03, 04, 11
 
     def make_scaler(self):
         return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL,
                                  update_scale=self.overrides.get("update_scale"),
-                                 unscale_grads_=self.overrides.get("unscale_grads_"))
+                                 unscale_grads_=self.overrides.get("unscale_grads_"),
+                                 all_reduce_found_inf_=self.overrides.get("all_reduce_found_inf_"))
