@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mpcourse.experiment.distributed import free_port
 from mpcourse.core.checkpoint import CheckpointError
 from mpcourse.core.quant import Float8Linear
 from mpcourse.experiment.data import load_corpus
@@ -90,17 +90,12 @@ def _resumed(rank, port, d):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as d:
-        spawn(_uninterrupted, 2, (_free_port(), d))
-        spawn(_resumed, 2, (_free_port(), d))
+        spawn(_uninterrupted, 2, (free_port(), d))
+        spawn(_resumed, 2, (free_port(), d))
         load = lambda f: torch.load(os.path.join(d, f), weights_only=False)  # noqa: E731
         yield {"full": [load(f"full{r}.pt") for r in range(2)],
                "resumed": [load(f"resumed{r}.pt") for r in range(2)], "dir": d}
@@ -144,7 +139,7 @@ def test_the_fp8_state_is_in_the_checkpoint_and_losing_it_shows(runs):
 
 
 def _one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
 
 

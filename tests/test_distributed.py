@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import time
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mpcourse.experiment.distributed import free_port
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.distributed import DataParallelTrainer, Job, RankFailed, run_distributed_compare, spawn
 from mpcourse.experiment.model import GPTConfig
@@ -184,17 +184,12 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks():
     """What each of the two ranks saw: [rank 0's dict, rank 1's dict]."""
     with tempfile.TemporaryDirectory() as d:
-        spawn(_worker, 2, (_free_port(), d))
+        spawn(_worker, 2, (free_port(), d))
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
 
 

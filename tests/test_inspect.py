@@ -80,3 +80,18 @@ def test_hooks_record_every_role_every_n_steps(tmp_path):
     assert len(ins.records) == 16
     with pytest.raises(ValueError, match="every"):
         Inspector(model, every=0)
+
+
+def test_trainer_inspect_every_hooks_the_inspector(tmp_path):
+    """``Trainer(..., inspect_every=N)`` (what ``compare --inspect N`` builds) records every N-th step."""
+    from mpcourse.experiment.data import load_corpus
+    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(steps=3, batch_size=2, eval_interval=10 ** 9,
+                      model=GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
+    corpus = load_corpus(None)
+    assert Trainer("fp32", corpus, cfg).inspector is None
+    trainer = Trainer("fp32", corpus, cfg, inspect_every=2).run()
+    assert trainer.inspector is not None and {r["step"] for r in trainer.inspector.records} == {0, 2}
+    trainer.inspector.remove()

@@ -88,17 +88,20 @@ def test_fp8_exactly_on_the_block_linears(name, corpus):
 
 @pytest.mark.parametrize("name", FP8_RECIPES)
 def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatch):
-    """Forward, input-gradient and weight-gradient GEMM of each FP8 layer go through torch._scaled_mm with FP8
-    operands (E4M3 forward; an E5M2 gradient operand in the backward, HYBRID); the head does not. Evaluation runs
-    the forward GEMMs only."""
+    """Forward, input-gradient and weight-gradient GEMM of each FP8 layer go through torch._scaled_mm (on a CPU
+    its bit-exact equivalent ``fastpath.cpu_scaled_mm``) with FP8 operands (E4M3 forward; an E5M2 gradient
+    operand in the backward, HYBRID); the head does not. Evaluation runs the forward GEMMs only."""
+    from mpcourse.core.quant import gemm
     calls = []
-    real = torch._scaled_mm
 
-    def spy(a, b, *args, **kwargs):
-        calls.append((a.dtype, b.dtype))
-        return real(a, b, *args, **kwargs)
+    def spying(real):
+        def spy(a, b, *args, **kwargs):
+            calls.append((a.dtype, b.dtype))
+            return real(a, b, *args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(torch, "_scaled_mm", spying(torch._scaled_mm))
+    monkeypatch.setattr(gemm, "cpu_scaled_mm", spying(gemm.cpu_scaled_mm))
     r = make(name, corpus)
     run(r, corpus, torch.Generator().manual_seed(0), 1)
     n = len(FP8_LINEARS)

@@ -7,7 +7,6 @@ and the ranks' weights and scales would drift apart.
 """
 import datetime
 import os
-import socket
 import tempfile
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mpcourse.experiment.distributed import free_port
 from mpcourse.core import distributed
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
 
@@ -24,12 +24,6 @@ INF = float("inf")
 # True gradients per step; rank 1 alone overflows at step 1 (inf) and at step 3 (NaN).
 GRADS = {0: [[1.0, -2.0], [0.5, 0.25], [1.0, 1.0], [-0.5, 2.0], [3.0, 1.0]],
          1: [[2.0, 1.0], [INF, 0.5], [1.0, -1.0], [float("nan"), 0.0], [1.0, 1.0]]}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(scaler, rank, steps=None):
@@ -88,7 +82,7 @@ def test_single_process_helpers_are_no_ops():
 
 def test_one_rank_overflows_both_skip_with_the_same_scale():
     with tempfile.TemporaryDirectory() as d:  # one spawn for all cases: starting ranks is the slow part
-        mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), d), nprocs=2, join=True)
         res = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=True) for r in range(2)]
     assert [r["world_size"] for r in res] == [2, 2]
     assert [r["max"] for r in res] == [[1.0, 5.0]] * 2

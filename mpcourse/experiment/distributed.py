@@ -198,7 +198,8 @@ def run_rank(job: Job) -> list | None:
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for a gloo rendezvous on one machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -271,7 +272,7 @@ def run_distributed_compare(job: Job, nproc: int) -> list | None:
         finally:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as d:
-        spawn(_spawned_rank, nproc, (nproc, _free_port(), job, d))
+        spawn(_spawned_rank, nproc, (nproc, free_port(), job, d))
         path, messages = os.path.join(d, "results.pt"), os.path.join(d, "messages.json")
         if os.path.exists(messages):
             with open(messages) as f:

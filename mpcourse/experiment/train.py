@@ -162,6 +162,7 @@ class Trainer:
             self.cfg = cfg
             recipe = self.build_recipe(recipe_cls, model, overrides)
         self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
+        self.inspect(inspect_every)
 
     @classmethod
     def wrap(cls, recipe, corpus: Corpus, cfg: TrainConfig, batches: torch.Generator | None = None, *,

@@ -25,20 +25,21 @@ from .scaled import ScaledTensor
 
 class BlockScaledLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, out_dtype):
-        # x: (M, K); weight: (N, K); bias: (N,) or None
-        xq = recipe.quantize("input", x, 1)                       # (M, K), blocks along K
-        wq = recipe.quantize("weight", weight, 1)                 # (N, K), blocks along K
+    def forward(ctx, x, weight, bias, quantizers, out_dtype):
+        # x: (M, K); weight: (N, K); bias: (N,) or None. quantizers: {role: BlockQuantizer} of the layer's recipe
+        q = quantizers
+        xq = q["input"](x, 1)                                     # (M, K), blocks along K
+        wq = q["weight"](weight, 1)                               # (N, K), blocks along K
         y = scaled_gemm(xq, wq.t(), out_dtype)                    # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        if same_both_axes(recipe, "weight"):                     # Q(W, 0) == Q(W, 1): keep it for dgrad
+        if same_both_axes(q["weight"].recipe, "weight"):                     # Q(W, 0) == Q(W, 1): keep it for dgrad
             ctx.save_for_backward(x, weight, wq.data, wq.scale_inv, wq.tensor_scale_inv)
             ctx.w0 = (wq.block, wq.elem_format, wq.orig_dtype)
         else:
             ctx.save_for_backward(x, weight)
             ctx.w0 = None
-        ctx.recipe = recipe
+        ctx.quantizers = q
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -46,19 +47,19 @@ class BlockScaledLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):  # (M, N) out dtype
         x, weight, *w0 = ctx.saved_tensors
-        recipe = ctx.recipe
+        q = ctx.quantizers
         dx = dw = db = None
         grad_y = grad_y.contiguous()
         if ctx.needs_input_grad[0]:
-            g1 = recipe.quantize("grad_output", grad_y, 1)          # (M, N), blocks along N
+            g1 = q["grad_output"](grad_y, 1)                        # (M, N), blocks along N
             if ctx.w0 is not None:                                  # the forward's copy, (N, K)
                 w0 = ScaledTensor(w0[0], w0[1], ctx.w0[0], ctx.w0[1], w0[2], ctx.w0[2])
             else:
-                w0 = recipe.quantize("weight", weight, 0)           # (N, K), blocks along N
+                w0 = q["weight"](weight, 0)                         # (N, K), blocks along N
             dx = scaled_gemm(g1, w0, x.dtype)                       # (M, K)
         if ctx.needs_input_grad[1]:
-            g0 = recipe.quantize("grad_output", grad_y, 0, wgrad=True)   # (M, N), blocks along M
-            x0 = recipe.quantize("input", x, 0, wgrad=True)              # (M, K), blocks along M
+            g0 = q["grad_output"](grad_y, 0, wgrad=True)                 # (M, N), blocks along M
+            x0 = q["input"](x, 0, wgrad=True)                            # (M, K), blocks along M
             dw = scaled_gemm(g0.t(), x0, weight.dtype)                   # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(ctx.bias_dtype)

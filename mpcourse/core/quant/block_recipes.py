@@ -37,13 +37,22 @@ def _check_role_axis(role: str, axis: int) -> None:
         raise ValueError(f"axis must be 0 or 1 (the contraction dimension of a 2-D tensor), got {axis!r}")
 
 
+class _BlockRecipe:
+    """What every finer-grained recipe shares: one ``BlockQuantizer`` per role, each calling ``quantize``."""
+
+    def quantizers(self, layer_key: str = "", device=None) -> dict:
+        """{role: ``BlockQuantizer``} (``mpcourse.core.quant.quantizers``); these recipes keep no state."""
+        from .quantizers import block_quantizers
+        return block_quantizers(self)
+
+
 def _along(axis: int, n: int) -> tuple[int, int]:
     """A 1-D block of n elements along ``axis``: (1, n) for axis 1, (n, 1) for axis 0."""
     return (1, n) if axis == 1 else (n, 1)
 
 
 @dataclass(frozen=True)
-class Float8RowwiseScaling:
+class Float8RowwiseScaling(_BlockRecipe):
     """torchao's ``rowwise`` recipe: E4M3 for every tensor, one power-of-two FP32 scale per row of the left
     GEMM operand and per column of the right one (``Float8LinearConfig.from_recipe_name("rowwise")``:
     ``ScalingGranularity.AXISWISE``, ``round_scales_to_power_of_2=True``, E4M3 grads)."""
@@ -65,7 +74,7 @@ class Float8RowwiseScaling:
 
 
 @dataclass(frozen=True)
-class Float8BlockScaling:
+class Float8BlockScaling(_BlockRecipe):
     """DeepSeek-V3-style block scaling (TE ``Float8BlockScaling``): E4M3 for every tensor, 1x128 tiles for
     activations and gradients, 128x128 blocks for weights, power-of-two FP32 scales.
 
@@ -126,7 +135,7 @@ class Float8BlockScaling:
 
 
 @dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(_BlockRecipe):
     """MXFP8 (TE ``MXFP8BlockScaling``, OCP MX v1.0): 32 consecutive elements along the contraction dimension
     share one E8M0 (power-of-two) scale; rowwise and columnwise copies are each quantized from the
     high-precision tensor.
@@ -182,7 +191,7 @@ def random_hadamard(n: int = 16, seed: int = 0) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class NVFP4BlockScaling:
+class NVFP4BlockScaling(_BlockRecipe):
     """NVFP4 (TE ``NVFP4BlockScaling``): E2M1 data, an E4M3 scale per 16 elements, one FP32 scale per tensor.
 
     Fields (TE's names; defaults all False = every technique on):

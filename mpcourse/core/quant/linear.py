@@ -7,9 +7,13 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
     input-gradient GEMM  dx = dy @ W       dy: E5M2 under HYBRID (E4M3 under Format.E4M3)
     weight-gradient GEMM dW = dy^T @ x     reuses the FP8 x and dy          -> (N, K) weight dtype
 
-Scales come from the recipe: ``DelayedScaling`` keeps a ``DelayedScalingState`` (scale, amax_history)
-per role ("input", "weight", "grad_output") and uses scales from earlier steps (see ``recipe.py`` and,
-for when they update, ``region.py``); ``CurrentScaling`` computes each scale from the tensor itself.
+Scales come from the recipe, through one quantizer per role ("input", "weight", "grad_output") that the
+recipe builds (``recipe.quantizers(...)``, ``quantizers.py``; the layer never asks which recipe it holds):
+``DelayedScaling``'s keep a ``DelayedScalingState`` (scale, amax_history) each and use scales from earlier
+steps (see ``recipe.py`` and, for when they update, ``region.py``); ``CurrentScaling``'s compute each scale
+from the tensor itself. The finer-grained recipes (``block_recipes.py``: rowwise, 1x128/128x128, MXFP8,
+NVFP4) build quantizers that re-quantize along each GEMM's contraction dimension, and the layer runs
+``block_linear.BlockScaledLinearFunction`` for them (a quantizer's ``per_tensor`` says which function).
 The bias is added after the GEMM in the output dtype (TE fuses it into the GEMM epilogue, a single
 rounding; here a BF16 output is rounded twice), and its gradient is summed in FP32.
 
@@ -50,12 +54,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..autocast import autocast_dtype_in_effect, no_autocast
-from .region import get_fp8_recipe, is_fp8_enabled, schedule_update
+from .region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm
 from .block_linear import BlockScaledLinearFunction
 from .block_recipes import BLOCK_RECIPES
-from .recipe import ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, fp8_format_for
-from .tensor import Float8Tensor, compute_amax, fp8_max, quantize, quantize_current
+from .recipe import CurrentScaling, DelayedScaling
+from .tensor import Float8Tensor
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -107,12 +111,13 @@ class Float8Linear(nn.Linear):
 
     Args (besides nn.Linear's in_features, out_features, bias, device, dtype):
       recipe: ``DelayedScaling`` (default ``DelayedScaling()``: HYBRID, history 1024, "max", margin 0,
-              TE's default) or ``CurrentScaling``.
+              TE's default), ``CurrentScaling`` or a finer-grained recipe (``BLOCK_RECIPES``).
       pad_inner_dim: zero-pad GEMM dimensions to multiples of 16 (needed on CUDA when in_features,
               out_features or the number of tokens is not a multiple of 16; exact). Without it such
               shapes raise ValueError on CUDA. CPUs take any shape.
     Input (..., in_features) float32/bfloat16/float16 -> output (..., out_features) (see module doc).
-    ``fp8_state``: {"input", "weight", "grad_output"} -> DelayedScalingState (empty for CurrentScaling).
+    ``quantizers``: {role: quantizer} built by the recipe; ``fp8_state``: {role: DelayedScalingState} of
+    those that keep one (empty for the other recipes).
     Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
     """
 
@@ -128,10 +133,10 @@ class Float8Linear(nn.Linear):
         self._reset_fp8_state()
 
     def _reset_fp8_state(self) -> None:
-        self.fp8_state = {}
-        if isinstance(self.recipe, DelayedScaling):
-            self.fp8_state = {role: DelayedScalingState(self.recipe.amax_history_len, self.weight.device)
-                              for role in ROLES}
+        # One quantizer per role, built by the recipe (``quantizers.py``); delayed scaling's hold their state.
+        key = f"Float8Linear({self.in_features}, {self.out_features})"
+        self.quantizers = self.recipe.quantizers(key, self.weight.device)
+        self.fp8_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "Float8Linear":
@@ -145,20 +150,9 @@ class Float8Linear(nn.Linear):
         return new
 
     def _quantize(self, role: str, x: torch.Tensor, record: bool) -> Float8Tensor:
-        """Quantize one role's tensor with this layer's recipe; delayed scaling records the amax if ``record``."""
-        fmt = fp8_format_for(self.recipe, role)
-        if isinstance(self.recipe, CurrentScaling):
-            return quantize_current(x, fmt, power_2_scale=self.recipe.use_power_2_scales,
-                                    amax_epsilon=self.recipe.amax_epsilon,
-                                    compute_scale_fn=self.recipe.compute_scale_fn, quantize_fn=self.recipe.quantize_fn)
-        state = self.fp8_state[role]
-        x8 = quantize(x, fmt, state.scale, quantize_fn=self.recipe.quantize_fn)  # the scale from earlier steps
-        if record:
-            state.record(compute_amax(x))
-            # The key lets the amax all-reduce check that every rank ran the same layers in the same order.
-            key = f"Float8Linear({self.in_features}, {self.out_features}).{role}:{fmt}"
-            schedule_update(state, fp8_max(fmt), self.recipe, key=key)
-        return x8
+        """Quantize one role's tensor per tensor with this layer's quantizer; delayed scaling records the amax
+        if ``record``."""
+        return self.quantizers[role](x, record)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HIGH_PRECISION:
@@ -193,10 +187,10 @@ class Float8Linear(nn.Linear):
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
         with no_autocast(device):
-            if hasattr(self.recipe, "quantize"):  # finer-grained recipes: each builds its own quantizers
-                y = BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, out_dtype)
-            else:
+            if self.quantizers["input"].per_tensor:   # one FP8 copy per tensor, reused by the backward GEMMs
                 y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+            else:                                     # copies re-quantized along each GEMM's contraction dimension
+                y = BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------

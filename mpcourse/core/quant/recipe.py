@@ -126,6 +126,12 @@ class DelayedScaling:
             raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or a callable, "
                              f"got {self.amax_compute_algo!r}")
 
+    def quantizers(self, layer_key: str = "", device=None) -> dict:
+        """{role: ``DelayedQuantizer``} for one layer, each with its own scaling state on ``device``
+        (``mpcourse.core.quant.quantizers``; ``layer_key`` names the layer in the amax all-reduce)."""
+        from .quantizers import delayed_quantizers
+        return delayed_quantizers(self, layer_key, device)
+
 
 @dataclass(frozen=True)
 class CurrentScaling:
@@ -149,6 +155,12 @@ class CurrentScaling:
         _check_format(self.fp8_format)
         if self.amax_epsilon < 0:
             raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+
+
+    def quantizers(self, layer_key: str = "", device=None) -> dict:
+        """{role: ``CurrentQuantizer``} for one layer (``mpcourse.core.quant.quantizers``)."""
+        from .quantizers import current_quantizers
+        return current_quantizers(self)
 
 
 Float8CurrentScaling = CurrentScaling  # Transformer Engine's name for the same recipe
