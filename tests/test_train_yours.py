@@ -40,6 +40,8 @@ class Yours:
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
     cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
     nproc: the processes its cell passes as ``nproc=`` (2 for lesson 11: FSDP over spawned gloo ranks).
+    cell: the function its last cell calls: ``train_yours`` (rows of recipes) or ``diagnose_yours`` (lesson 09:
+        verdicts on fresh runs; ``recipes`` are then its settings, and it gives one comparison for them all).
     """
 
     recipes: tuple[str, ...] = ()
@@ -48,6 +50,12 @@ class Yours:
     missing: str = ""
     cfg: object = None
     nproc: int = 1
+    cell: str = "train_yours"
+
+    @property
+    def verdicts(self) -> int:
+        """How many "identical to the library's" lines its cell prints with the solution's code."""
+        return 1 if self.cell == "diagnose_yours" else len(self.recipes)
 
 
 # -- planted bugs, by lesson (each keeps the exercise's signature) ---------------------------------------
@@ -58,6 +66,10 @@ def _bf16_toward_zero(x):                                  # 00: truncates inste
 
 def _fp16_with_bf16_precision(x):                          # 00: keeps 8 significant bits instead of 11
     return x.to(torch.bfloat16).to(torch.float16)
+
+
+def _zero_update_counted_as_lost(w, dw):                   # 01: forgets dw != 0 (a zero update is not lost)
+    return (w.double() + dw.double()).half() == w
 
 
 def _masters_of_zeros(model_params):                       # 02: right shapes and dtype, not a copy
@@ -121,6 +133,11 @@ def _update_most_recent(history, scale, amax, fp8_max, margin=0, algo="max"):   
     return h, new
 
 
+def _diagnose_against_the_first_loss(log):               # 09: the gap read from the first loss, not the reference
+    from mpcourse.course.grading.diagnosis import reference_diagnose
+    return reference_diagnose({**log, "reference_loss": log["loss"][0]})
+
+
 def _block_scale_not_power_of_2(x, block):              # 10: keeps the mantissa of 448 / amax
     M, K = x.shape
     r, c = block
@@ -157,7 +174,9 @@ EXERCISES: dict[str, Yours] = {
         recipes=("fp16-master", "bf16-master", "bf16-pure"), functions=("round_to_fp16", "round_to_bf16"),
         bugs={"round_to_fp16": _fp16_with_bf16_precision, "round_to_bf16": _bf16_toward_zero}),
     # --
-    "01_why_fp16_breaks": Yours(missing="no training seam yet for fp16_fate / is_update_lost, no train-yours cell"),
+    "01_why_fp16_breaks": Yours(
+        recipes=("fp16-master",), functions=("is_update_lost",),
+        bugs={"is_update_lost": _zero_update_counted_as_lost}),
     # --
     "02_master_weights": Yours(
         recipes=("fp16-master", "bf16-master"), functions=("make_master", "master_step"),
@@ -184,7 +203,9 @@ EXERCISES: dict[str, Yours] = {
     # --
     "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
-    "09_capstone": Yours(missing="no training seam yet for diagnose (it reads a run's log), no train-yours cell"),
+    "09_capstone": Yours(
+        recipes=("underflow", "healthy"), functions=("diagnose",), bugs={"diagnose": _diagnose_against_the_first_loss},
+        cell="diagnose_yours"),
     # --
     "10_finer_grained_scaling": Yours(
         recipes=("fp8-block", "mxfp8-floor", "nvfp4"), functions=("block_quantize", "mx_shared_exponent", "nvfp4_scales"),
@@ -224,22 +245,25 @@ def _last_code_cell(nb):
     return [c for c in nb.cells if c.cell_type == "code"][-1]
 
 
-def _called_recipes(source: str) -> tuple[str, ...]:
+def _called_recipes(source: str, cell: str = "train_yours") -> tuple[str, ...]:
     """The recipe names of the ``train_yours(globals(), [...])`` call in a cell (a literal list or tuple)."""
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "train_yours":
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == cell:
             assert len(node.args) >= 2 and isinstance(node.args[0], ast.Call) and \
-                getattr(node.args[0].func, "id", "") == "globals", "call train_yours(globals(), [recipes])"
+                getattr(node.args[0].func, "id", "") == "globals", f"call {cell}(globals(), [recipes])"
             return tuple(ast.literal_eval(node.args[1]))
-    raise AssertionError("the train-yours cell does not call train_yours(globals(), [...])")
+    raise AssertionError(f"the train-yours cell does not call {cell}(globals(), [...])")
 
 
 _LIBRARY_RUNS: dict = {}          # the library's runs under YOURS_CONFIG, shared by every test here
 _BLOCK_RUNS: dict = {}            # the same under YOURS_BLOCK_CONFIG
 
 
-def _train(namespace, recipes, cfg=None, nproc=1) -> tuple[list[Comparison], list[str]]:
+def _train(namespace, recipes, cfg=None, nproc=1, cell="train_yours") -> tuple[list[Comparison], list[str]]:
     lines: list[str] = []
+    if cell == "diagnose_yours":  # lesson 09: the learner's diagnose on fresh runs (made once per process)
+        from mpcourse.course.diagnose_yours import diagnose_yours
+        return diagnose_yours(namespace, recipes, echo=lines.append), lines
     if nproc > 1:                 # spawned ranks: no cache (both rows come from one job)
         return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, nproc=nproc), lines
     runs = _BLOCK_RUNS if cfg is YOURS_BLOCK_CONFIG else _LIBRARY_RUNS
@@ -260,9 +284,9 @@ def test_every_exercise_ends_with_a_train_yours_cell_on_its_recipes(stem):
         tagged = [c for c in nb.cells if TAG in c.metadata.get("tags", [])]
         assert len(tagged) == 1, f"{folder}/{stem}.ipynb needs exactly one cell tagged {TAG!r} (has {len(tagged)})"
         assert tagged[0] is _last_code_cell(nb), f"{folder}/{stem}.ipynb: the {TAG} cell must be the last code cell"
-        assert _called_recipes(tagged[0].source) == e.recipes, "the cell's recipes differ from EXERCISES[stem]"
+        assert _called_recipes(tagged[0].source, e.cell) == e.recipes, "the cell's recipes differ from EXERCISES[stem]"
     out = "".join(o.get("text", "") for o in tagged_solution_outputs(stem))
-    assert out.count("identical to the library's bit for bit") == len(e.recipes), out
+    assert out.count("identical to the library's") == e.verdicts, out
 
 
 def tagged_solution_outputs(stem):
@@ -275,15 +299,15 @@ def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
     functions = load_functions(ROOT / "solutions" / f"{stem}.ipynb")
-    comps, lines = _train(functions, e.recipes, e.cfg, e.nproc)
-    assert [c.recipe for c in comps] == list(e.recipes)
+    comps, lines = _train(functions, e.recipes, e.cfg, e.nproc, e.cell)
+    assert [c.recipe for c in comps] == (list(e.recipes) if e.cell == "train_yours" else ["diagnose"])
     for c in comps:
         assert c.identical, c.verdict()
-        assert c.yours.recipe == f"{c.recipe} [yours]"
+        assert e.cell != "train_yours" or c.yours.recipe == f"{c.recipe} [yours]"
     used = {n for c in comps for n in c.used}
     assert used == set(e.functions), f"the recipes use {sorted(used)}, the entry lists {sorted(e.functions)}"
     assert set(e.bugs) == set(e.functions), "give one planted bug per function"
-    assert lines[0].count("identical to the library's bit for bit") == len(e.recipes)
+    assert lines[0].count("identical to the library's") == e.verdicts
 
 
 @pytest.mark.parametrize("stem,fn", _params(with_bugs=True))
@@ -291,7 +315,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     e = _entry(stem)
     assert e.bugs, "no planted bugs listed for this exercise"
     namespace = {**load_functions(ROOT / "solutions" / f"{stem}.ipynb"), fn: e.bugs[fn]}
-    comps, lines = _train(namespace, e.recipes, e.cfg, e.nproc)
+    comps, lines = _train(namespace, e.recipes, e.cfg, e.nproc, e.cell)
     hit = [c for c in comps if fn in c.used]
     assert hit, f"no recipe of {e.recipes} uses {fn}"
     for c in hit:
@@ -307,7 +331,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
 def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
     e = _entry(stem)
     assert e.recipes, "no recipes listed for this exercise"
-    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg, e.nproc)
+    comps, lines = _train(load_functions(ROOT / "exercises" / f"{stem}.ipynb"), e.recipes, e.cfg, e.nproc, e.cell)
     for c in comps:
         assert c.yours is None and "is not implemented yet (it raises NotImplementedError)" in c.message, c.verdict()
         assert c.verdict().startswith(f"{c.recipe} [yours]: your ")

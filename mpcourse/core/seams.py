@@ -205,3 +205,15 @@ def check_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.T
         raise SeamError(f"{name} returned a cast without autograd history, so no gradient reaches the weight: "
                         "make cacheable casts under torch.enable_grad()")
     return out
+
+
+def check_mask(name: str, w: torch.Tensor, out) -> torch.Tensor:
+    """``out`` (from ``name(w, ...)``, a per-element yes/no answer such as ``is_update_lost``) as a bool tensor: it
+    must be a bool tensor of w's shape. Raises ``SeamError`` naming ``name`` otherwise."""
+    if not isinstance(out, torch.Tensor):
+        raise SeamError(f"{name} returned {type(out).__name__}, expected a bool tensor of shape {tuple(w.shape)}")
+    if out.shape != w.shape:
+        raise SeamError(f"{name} returned shape {tuple(out.shape)} for weights of shape {tuple(w.shape)}")
+    if out.dtype != torch.bool:
+        raise SeamError(f"{name} returned dtype {out.dtype}, expected torch.bool (a comparison, e.g. a == b)")
+    return out

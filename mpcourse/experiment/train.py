@@ -274,6 +274,7 @@ class Trainer:
             self.skipped += int(result.skipped)
             rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
                    "loss_scale": result.loss_scale}
+            rec.update(result.stats)                         # opt-in statistics (none by default)
             if not math.isfinite(loss_value):
                 self.diverged_at = self.step
             elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):

@@ -24,6 +24,11 @@ function and why, and no row; never a traceback from inside the training step. S
 exercise this cell prints the library's rows and "your ... is not implemented yet", and it never
 raises, so it cannot stop the check cells above it from being graded.
 
+A recipe may report an opt-in statistic when given one of the learner's rules (its ``STATISTICS``: lesson
+01's ``is_update_lost`` makes ``fp16-master`` measure ``lost_updates`` after every step): the library's row
+is then trained with the library's own rule, both rows get the column (``lost%``: its mean over the steps,
+in percent), and the statistic is compared like the losses. A run without such a rule computes none.
+
 Comparisons are exact: float equality of every step's training loss, skipped flag and loss scale,
 every validation loss and the final train and validation losses (NaN equal to NaN: two runs that
 diverge at the same step are the same run). Both rows run in this process, with tensor-core emulation
@@ -154,6 +159,24 @@ def functions_for(namespace: Mapping[str, object], recipe: str) -> dict[str, Cal
             if callable(fn) and not str(getattr(fn, "__module__", "") or "").startswith("mpcourse.")}
 
 
+def statistics_for(namespace: Mapping[str, object], recipe: str) -> dict[str, Callable]:
+    """The library's own rules for the opt-in statistics (the recipe's ``STATISTICS``, e.g. ``is_update_lost``)
+    whose learner's version is in ``namespace``: the library's row is trained with them, so both rows report
+    the same statistic, each through its own rule. Empty (nothing extra computed) otherwise."""
+    rules = getattr(get_recipe(recipe), "STATISTICS", {})
+    return {name: rules[name] for name in functions_for(namespace, recipe) if name in rules}
+
+
+#: opt-in per-step statistics shown as a column (history key -> header), only when a row reports them;
+#: the cell shows their mean over the run's steps, in percent.
+STAT_COLUMNS = {"lost_updates": "lost%"}
+
+
+def _stat_mean(r: RunResult, key: str) -> float | None:
+    values = [h[key] for h in r.history if key in h]
+    return 100.0 * sum(values) / len(values) if values else None
+
+
 def _fmt(x, spec=".3f") -> str:
     if x is None:
         return "-"
@@ -174,16 +197,16 @@ def format_rows(comparisons: Sequence[Comparison]) -> str:
     """The table (one library row and one ``[yours]`` row per recipe) and a verdict line per recipe."""
     steps = max((len(c.library.history) for c in comparisons), default=0)
     shown = sorted({0, (steps - 1) // 2, steps - 1}) if steps else []
-    head = ["recipe"] + [f"loss@{s}" for s in shown] + ["val", "skipped", "scale"]
+    runs = [r for c in comparisons for r in (c.library, c.yours) if r is not None]
+    stats = [k for k in STAT_COLUMNS if any(k in h for r in runs for h in r.history)]   # none by default
+    head = ["recipe"] + [f"loss@{s}" for s in shown] + ["val", "skipped", "scale"] + [STAT_COLUMNS[k] for k in stats]
     rows = []
-    for c in comparisons:
-        for r in (c.library, c.yours):
-            if r is None:
-                continue
-            losses = {h["step"]: h["loss"] for h in r.history}
-            val = f"nan@{r.diverged_at}" if r.diverged_at is not None else _fmt(r.final_val_loss)
-            rows.append([r.recipe] + [_fmt(losses.get(s)) for s in shown]
-                        + [val, str(r.skipped_steps), _fmt(r.final_loss_scale, "g")])
+    for r in runs:
+        losses = {h["step"]: h["loss"] for h in r.history}
+        val = f"nan@{r.diverged_at}" if r.diverged_at is not None else _fmt(r.final_val_loss)
+        rows.append([r.recipe] + [_fmt(losses.get(s)) for s in shown]
+                    + [val, str(r.skipped_steps), _fmt(r.final_loss_scale, "g")]
+                    + [_fmt(_stat_mean(r, k), ".4f") for k in stats])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)       # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
@@ -238,12 +261,14 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         torch.set_num_threads(1)                           # the same bits whatever the machine's core count
         with tensor_cores(True):                           # and whatever its BF16/FP16 units
             for name in recipes:
-                if library_runs is None or name not in library_runs:
-                    run = train(name, corpus, cfg, progress=False)
+                stats = statistics_for(namespace, name)    # the library's rules for the learner's statistics
+                key = "+".join([name, *stats])
+                if library_runs is None or key not in library_runs:
+                    run = train(name, corpus, cfg, progress=False, overrides=stats or None)
                     if library_runs is not None:
-                        library_runs[name] = run
+                        library_runs[key] = run
                 else:
-                    run = library_runs[name]
+                    run = library_runs[key]
                 comparisons.append(_compare_one(name, run, namespace, cfg, corpus))
     finally:
         torch.set_num_threads(threads)

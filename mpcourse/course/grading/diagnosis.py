@@ -53,6 +53,31 @@ def _base(rng, n, scaled):
                  "grad_zero_fraction": [round(rng.uniform(0.0, 0.004), 6) for _ in range(n)], "reference_loss": ref}
 
 
+UNDERFLOW_GAP = 0.04              # "clearly above the reference": final train loss > 1.04 x reference
+UNDERFLOW_ZEROS = 0.10            # "many exact-zero gradient elements": mean grad_zero_fraction > 10%
+
+
+def reference_diagnose(log: dict) -> str:
+    """The grader's own rule (the exercise's order of checks): the cause of a run from its log, one of CAUSES.
+
+    1. a loss-scaled run that skipped more than half of its steps: ``scale_too_high``; 2. a non-finite loss
+    at step k: ``gradient_overflow`` if an earlier step had a non-finite gradient that was not skipped, else
+    ``optimizer_state``; 3. a finite run ending more than ``UNDERFLOW_GAP`` above the reference with a mean
+    zero fraction over ``UNDERFLOW_ZEROS``: ``gradient_underflow``; 4. ``healthy``.
+    """
+    n = len(log["loss"])
+    if log["loss_scale"][0] is not None and sum(log["skipped"]) > n / 2:
+        return "scale_too_high"
+    first_bad = next((k for k, v in enumerate(log["loss"]) if v is None), None)
+    if first_bad is not None:
+        unskipped_inf = any(log["grad_amax"][j] is None and not log["skipped"][j] for j in range(first_bad))
+        return "gradient_overflow" if unskipped_inf else "optimizer_state"
+    gap = log["final_train_loss"] / log["reference_loss"] - 1
+    if gap > UNDERFLOW_GAP and sum(log["grad_zero_fraction"]) / n > UNDERFLOW_ZEROS:
+        return "gradient_underflow"
+    return "healthy"
+
+
 def synthetic_log(cause: str, rng: random.Random) -> dict:
     """One log showing ``cause`` (see the module docstring), drawn from ``rng``."""
     n = rng.randint(30, 80)

@@ -61,12 +61,14 @@ def grad_probe(model: torch.nn.Module) -> dict:
     return {"grad_amax": amax, "grad_zero_fraction": round(zeros / max(numel, 1), 6)}
 
 
-def run_one(label: str, make_recipe, cfg: TrainConfig, *, corpus=None, trainer_cls=Trainer, probe=None) -> dict:
+def run_one(label: str, make_recipe, cfg: TrainConfig, *, corpus=None, trainer_cls=Trainer, probe=None,
+            model_cfg: GPTConfig | None = None) -> dict:
     """Train one run and return its record (see the module docstring). ``probe(recipe) -> dict`` adds fields
-    to each step's record (read after the backward, with the gradients present)."""
+    to each step's record (read after the backward, with the gradients present). ``model_cfg``: the GPT's
+    size (default: ``GPTConfig()``, the ablations' size; its vocab_size is always the corpus's)."""
     corpus = corpus or load_corpus(None)
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(vocab_size=corpus.vocab_size))             # FP32 init, the same for every run
+    model = GPT(replace(model_cfg or GPTConfig(), vocab_size=corpus.vocab_size))   # FP32 init, the same for every run
     recipe = make_recipe(model, cfg.optim)
     trainer = trainer_cls.wrap(recipe, corpus, cfg, evaluate=False)
     extra = {}

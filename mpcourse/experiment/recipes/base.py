@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -116,10 +116,12 @@ class OptimConfig:
 
 @dataclass
 class StepResult:
-    """What one optimizer step did: ``skipped`` (inf/NaN gradients) and the loss scale in force (None: no scaling)."""
+    """What one optimizer step did: ``skipped`` (inf/NaN gradients), the loss scale in force (None: no scaling),
+    and ``stats``: opt-in per-step statistics (e.g. ``lost_updates``), copied into the step's history record."""
 
     skipped: bool = False
     loss_scale: float | None = None
+    stats: dict = field(default_factory=dict)
 
 
 class TrainingRecipe:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 from mpcourse.core.formats import get_format
+from mpcourse.core.lost_updates import is_update_lost, lost_update_fraction
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler, choose_loss_scale
 from mpcourse.core.seams import check_loss_scale
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
@@ -73,6 +74,23 @@ class FP16Master(MasterWeightsRecipe):
     name = "fp16-master"
     description = "FP16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.float16
+    #: lesson 01's rule: given (``is_update_lost``), each step also reports ``lost_updates``, the fraction of FP16
+    #: weight elements whose update would be lost added straight to the FP16 weights (``lost_update_fraction``).
+    OVERRIDABLE = MasterWeightsRecipe.OVERRIDABLE + ("is_update_lost",)
+    #: the opt-in statistics' rules: name in OVERRIDABLE -> the library's function (``train_yours`` trains the
+    #: library's row with it, so both rows have the column); a default run computes none of them.
+    STATISTICS = {"is_update_lost": is_update_lost}
+
+    def step(self) -> StepResult:
+        rule = self.overrides.get("is_update_lost")
+        if rule is None:
+            return super().step()
+        pairs = [(p, m) for p, m in zip(self.master.model_params, self.master.master_params) if m is not p]
+        weights = [p.detach().clone() for p, _ in pairs]                # fp16, before the step
+        before = [m.detach().clone() for _, m in pairs]                # fp32, before the step
+        result = super().step()
+        result.stats["lost_updates"] = lost_update_fraction(weights, before, [m for _, m in pairs], rule)
+        return result
 
 
 class _ScaledFP16(FP16Master):

@@ -1,0 +1,171 @@
+"""Lesson 09's last cell: train the GPT in settings whose cause is known, then diagnose the fresh logs twice.
+
+``diagnose_yours(globals(), ["underflow", "healthy"])`` trains the course's GPT briefly (the size and length
+of every exercise's last cell, ``mpcourse.experiment.yours.YOURS_CONFIG``) in each named setting of
+``SETTINGS``, with the ablations' one run (``mpcourse.experiment.ablations.common.run_one``: the log of
+loss, skipped steps, loss scale, gradient amax and zero fraction per step) and the FP32 run of the same
+setting as its ``reference_loss``; then it reads every log with the grader's rule
+(``mpcourse.course.grading.diagnosis.reference_diagnose``) and with the learner's ``diagnose``, and prints
+both verdict rows and one line: identical, where they first differ, or why there is no row of yours
+(not implemented yet, it raised, it returned something that is not a cause)::
+
+    the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your diagnose
+    run                  fp16-master x 2**-12   fp16-dynamic
+    -------------------  ---------------------  ------------
+    planted              gradient_underflow     healthy
+    library's rule       gradient_underflow     healthy
+    diagnose [yours]     gradient_underflow     healthy
+    diagnose [yours]: identical to the library's rule on 2 fresh runs
+
+The settings (``SETTINGS``): ``underflow``, ablation (i) of lesson 09 at this size: ``fp16-master`` with
+the loss multiplied by 2**-12 before the backward (AdamW's eps and the clipping threshold scaled with it,
+so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss. The
+training runs do not depend on the learner (only the reading does), so they are made once per process.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from mpcourse.core.emulation import tensor_cores
+from mpcourse.experiment.ablations.common import run_one
+from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss_trainer
+from mpcourse.experiment.recipes import OptimConfig, get_recipe
+from mpcourse.experiment.yours import YOURS_CONFIG, _default_corpus
+
+from .grading.diagnosis import CAUSES, log_of, reference_diagnose
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run with a known cause: ``recipe`` trained with the loss times ``multiplier`` (eps and clipping
+    scaled with it), its row label ``label``, the ``cause`` it was built to show."""
+
+    recipe: str
+    multiplier: float
+    label: str
+    cause: str
+
+
+SETTINGS = {
+    "underflow": Setting("fp16-master", LOSS_MULTIPLIER, "fp16-master x 2**-12", "gradient_underflow"),
+    "healthy": Setting("fp16-dynamic", 1.0, "fp16-dynamic", "healthy"),
+}
+NAME = "diagnose"
+
+_logs: dict = {}                  # (setting, cfg) -> its log; the runs do not depend on the learner
+
+
+def fresh_log(setting: str, cfg=None) -> dict:
+    """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``)."""
+    cfg = cfg or YOURS_CONFIG
+    key = (setting, repr(cfg))
+    if key not in _logs:
+        s = SETTINGS[setting]
+        base = cfg.optim
+        tcfg = replace(cfg, optim=replace(base, eps=base.eps * s.multiplier, grad_clip=base.grad_clip * s.multiplier))
+        kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(s.multiplier), model_cfg=cfg.model)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)                       # the same bits whatever the machine
+            with tensor_cores(True):
+                run = run_one(s.recipe, lambda m, o: get_recipe(s.recipe)(m, o), tcfg, **kw)
+                ref = run_one("fp32", lambda m, o: get_recipe("fp32")(m, o), tcfg, **kw)
+        finally:
+            torch.set_num_threads(threads)
+        _logs[key] = log_of(run, ref["final_train_loss"])
+    return _logs[key]
+
+
+@dataclass
+class Diagnoses:
+    """The verdicts on the fresh runs: ``planted`` (what each run was built to show), ``library`` (the grader's
+    rule), ``yours`` (the learner's ``diagnose``; None when there is none), ``message`` (why not)."""
+
+    labels: list[str]
+    planted: list[str]
+    library: list[str]
+    yours: list[str] | None
+    message: str | None = None
+    recipe: str = NAME
+    used: tuple[str, ...] = (NAME,)
+
+    @property
+    def difference(self) -> str | None:
+        if self.yours is None:
+            return None
+        for label, a, b in zip(self.labels, self.library, self.yours):
+            if a != b:
+                return f"first at {label}, you said {b!r} (library {a!r})"
+        return None
+
+    @property
+    def identical(self) -> bool:
+        return self.yours is not None and self.difference is None
+
+    def verdict(self) -> str:
+        if self.yours is None:
+            return f"{NAME} [yours]: {self.message}"
+        diff = self.difference
+        if diff is None:
+            return f"{NAME} [yours]: identical to the library's rule on {len(self.labels)} fresh runs"
+        return f"{NAME} [yours]: differs from the library's: {diff}"
+
+
+def _read_all(fn: Callable, logs: Sequence[dict]) -> tuple[list[str] | None, str | None]:
+    out = []
+    for log in logs:
+        try:
+            got = fn(json.loads(json.dumps(log)))          # a fresh copy: the function may not mutate ours
+        except NotImplementedError:
+            return None, f"your {NAME} is not implemented yet (it raises NotImplementedError)"
+        except Exception as e:                             # the learner's code: one line, no traceback
+            first = str(e).splitlines()[0] if str(e) else ""
+            return None, f"your {NAME} raised {type(e).__name__}: {first}"
+        if got not in CAUSES:
+            return None, f"your {NAME} returned {got!r}; return one of {', '.join(CAUSES)}"
+        out.append(got)
+    return out, None
+
+
+def format_rows(d: Diagnoses) -> str:
+    rows = [["run", *d.labels], None, ["planted", *d.planted], ["library's rule", *d.library]]
+    if d.yours is not None:
+        rows.append([f"{NAME} [yours]", *d.yours])
+    widths = [max(len(r[i]) for r in rows if r is not None) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r if r is not None else ["-" * w for w in widths], widths)).rstrip()
+             for r in rows]
+    return "\n".join(lines + [d.verdict()])
+
+
+def diagnose_yours(namespace: Mapping[str, object], settings: Sequence[str], *, cfg=None,
+                   echo: Callable[[str], object] | None = print) -> list[Diagnoses]:
+    """Train each of ``settings`` (keys of ``SETTINGS``), diagnose the logs with the library's rule and with
+    ``namespace["diagnose"]``, print both rows and a verdict; returns ``[Diagnoses]`` (one, for all settings).
+
+    Raises ValueError for an empty list or a string, KeyError for an unknown setting (naming the known ones).
+    Nothing the learner's ``diagnose`` does raises: that is the ``message``.
+    """
+    if isinstance(settings, str) or not settings:
+        raise ValueError(f"settings must be a non-empty list, e.g. {list(SETTINGS)}, got {settings!r}")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise KeyError(f"unknown setting {unknown[0]!r}; choose from {', '.join(SETTINGS)}")
+    cfg = cfg or YOURS_CONFIG
+    logs = [fresh_log(s, cfg) for s in settings]
+    fn = namespace.get(NAME)
+    library = [reference_diagnose(log) for log in logs]
+    if not callable(fn):
+        yours, message = None, f"this notebook defines no function {NAME}(log)"
+    else:
+        yours, message = _read_all(fn, logs)
+    d = Diagnoses([SETTINGS[s].label for s in settings], [SETTINGS[s].cause for s in settings], library, yours,
+                  message)
+    if echo is not None:
+        m = cfg.model
+        echo(f"the course's GPT ({m.n_layer} layers, width {m.n_embd}), {cfg.steps} steps of {cfg.batch_size} x "
+             f"{m.block_size} characters, seed {cfg.seed}; [yours]: with your {NAME}\n" + format_rows(d))
+    return [d]
