@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -58,8 +59,8 @@ import bench_fp8_linear as bench  # noqa: E402
 
 GPU_SIZES = (1024, 4096, 8192)
 DRY_SIZES = (128,)   # the smallest size every granularity takes (1x128 tiles, 128x128 blocks)
-GPT_GPU = dict(n_embd=2048, n_head=16, n_layer=4, block_size=512, vocab_size=128, batch=16)
-GPT_DRY = dict(n_embd=128, n_head=2, n_layer=1, block_size=16, vocab_size=32, batch=8)   # 128 tokens, widths of 128: every block recipe fits
+GPT_GPU = dict(n_embd=2048, n_head=16, n_layer=4, block_size=512, batch=16)     # vocab: the corpus's
+GPT_DRY = dict(n_embd=128, n_head=2, n_layer=1, block_size=16, batch=8)   # 128 tokens, widths of 128: every block recipe fits
 TRAIN_RECIPES = ("fp32", "bf16-autocast", "torch-amp-bf16")  # then every fp8-* recipe of the registry
 
 
@@ -317,17 +318,30 @@ def linear_rows(suite: Suite, section: str, sizes, compile_: bool, iters: int, w
 
 
 def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s: float) -> None:
-    from mpcourse.experiment.model import GPT, GPTConfig
-    from mpcourse.experiment.recipes import RECIPES, get_recipe
+    """ms per training step of the course's GPT for each recipe: the trainer's own step
+    (``Trainer.train_step``: one batch of the embedded corpus, forward in the recipe's context, backward, the
+    recipe's step, zero_grad), timed after ``warmup`` steps; ``+ torch.autocast(bf16)`` rows wrap the forward
+    in BF16 autocast as TE is usually run on GPUs. Each step reads its loss back (the trainer's record), so a
+    CUDA step ends synchronised."""
+    from mpcourse.experiment.data import load_corpus
+    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.recipes import RECIPES
+    from mpcourse.experiment.train import TrainConfig, Trainer
+
+    class AutocastTrainer(Trainer):
+        def forward_loss(self, x, y):
+            with torch.autocast(self.cfg.device, dtype=torch.bfloat16):
+                return super().forward_loss(x, y)
+
     device = suite.device
+    corpus = load_corpus()
     batch = cfg["batch"]
-    gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+    gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "vocab_size")})
     names = [n for n in TRAIN_RECIPES if n in RECIPES] + [n for n in RECIPES if n.startswith("fp8")]
     variants = [(n, False) for n in names] + [(n, True) for n in names if n.startswith("fp8")]
-    gen = torch.Generator(device=device).manual_seed(0)
-    idx = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size), device=device, generator=gen)
-    targets = torch.roll(idx, -1, 1)
     tokens = batch * gcfg.block_size
+    tcfg = TrainConfig(steps=warmup + iters + 1, batch_size=batch, eval_interval=10 ** 9, model=gcfg,
+                       device=device.type)
     suite.results["meta"]["train_config"] = dict(cfg, tokens_per_step=tokens)
     for name, with_amp in variants:
         label = name + (" + torch.autocast(bf16)" if with_amp else "")
@@ -336,30 +350,22 @@ def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s:
             return
         row = dict(recipe=label)
         try:
-            torch.manual_seed(0)
-            model = GPT(gcfg).to(device)
-            row["params"] = model.num_params()
-            recipe = get_recipe(name)(model)
-            amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if with_amp else contextlib.nullcontext
+            trainer = (AutocastTrainer if with_amp else Trainer)(name, corpus, tcfg)
+            row["params"] = trainer.recipe.model.num_params()
             losses = []
 
             def step():
-                with amp(), recipe.forward_context():
-                    _, loss = recipe.model(idx, targets)
-                recipe.backward(loss)
-                recipe.step()
-                recipe.zero_grad()
-                losses.append(loss.detach())
+                losses.append(trainer.train_step()["loss"])
 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             secs = time_fn(step, device, iters, warmup)
-            row.update(ms=secs * 1e3, tokens_per_s=tokens / secs, loss_first=float(losses[0]),
-                       loss_last=float(losses[-1]), finite=all(bool(torch.isfinite(v)) for v in losses))
+            row.update(ms=secs * 1e3, tokens_per_s=tokens / secs, loss_first=losses[0],
+                       loss_last=losses[-1], finite=all(math.isfinite(v) for v in losses))
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             print(f"   {label:<40} {secs * 1e3:9.1f} ms/step {tokens / secs:12.0f} tok/s loss {row['loss_last']:.3f}")
-            del model, recipe
+            del trainer
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(f"   {label:<40} ERROR {row['error'][:200]}")
