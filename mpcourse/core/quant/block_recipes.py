@@ -20,7 +20,7 @@ technical report (arXiv 2412.19437) section 3.3; OCP MX v1.0; NVIDIA, "Pretraini
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -95,7 +95,7 @@ class Float8BlockScaling(_BlockRecipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     block_len: int = 128
-    block_quantize_fn: Optional[Callable] = None
+    block_quantize_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
         if self.block_quantize_fn is not None and not (self.power_2_scales and self.amax_epsilon == 0.0):
@@ -153,7 +153,7 @@ class MXFP8BlockScaling(_BlockRecipe):
     fp8_format: Format = Format.E4M3
     scale_rule: str = "rceil"
     block_len: int = 32
-    mx_shared_exponent_fn: Optional[Callable] = None
+    mx_shared_exponent_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
         if self.mx_shared_exponent_fn is not None and self.scale_rule != "floor":
@@ -213,7 +213,7 @@ class NVFP4BlockScaling(_BlockRecipe):
     fp4_format: str = "e2m1"
     fp8_format: Format = Format.E4M3   # the block scales' format
     rht_seed: int = 0
-    nvfp4_scales_fn: Optional[Callable] = None
+    nvfp4_scales_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def block_for(self, role: str, axis: int) -> tuple[int, int]:
         if role == "weight" and not self.disable_2d_quantization:

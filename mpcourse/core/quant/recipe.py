@@ -29,7 +29,7 @@ Where TE's two implementations disagree we follow the unfused PyTorch code above
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -109,8 +109,8 @@ class DelayedScaling:
     amax_compute_algo: Union[str, Callable] = "max"
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
-    quantize_fn: Optional[Callable] = None
-    update_fn: Optional[Callable] = None
+    quantize_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
+    update_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
         _check_format(self.fp8_format)
@@ -148,8 +148,8 @@ class CurrentScaling:
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
     amax_epsilon: float = 0.0
-    compute_scale_fn: Optional[Callable] = None
-    quantize_fn: Optional[Callable] = None
+    compute_scale_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
+    quantize_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
         _check_format(self.fp8_format)
