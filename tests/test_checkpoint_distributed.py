@@ -90,7 +90,6 @@ def _resumed(rank, port, d):
         dist.destroy_process_group()
 
 
-
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as d:

@@ -186,7 +186,6 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-
 @pytest.fixture(scope="module")
 def ranks():
     """What each of the two ranks saw: [rank 0's dict, rank 1's dict]."""
