@@ -153,6 +153,26 @@ def test_e8m0_extremes_nan_and_no_zero():
     assert (d.exponent, d.code, d.kind, d.bit_string) == (-2, 125, "normal", "01111101")
 
 
+def test_e8m0_rounds_fp32_subnormals_to_the_nearer_power_of_two():
+    """FP32 subnormals x in (2^-127, 2^-126) round to the nearer of 2^-127 and 2^-126 by value, ties up.
+
+    Oracle: exact rational arithmetic (fractions) on every 2^10-th mantissa and the ones around the
+    midpoint 1.5 * 2^-127. ml_dtypes 0.7.0 rounds this way (6.3e-39 -> 2^-127); ml_dtypes < 0.7 and
+    torch 2.13's cast round the whole interval up, which the last assertion keeps the docs honest about."""
+    from fractions import Fraction
+    lo, hi = Fraction(1, 2 ** 127), Fraction(1, 2 ** 126)
+    mant = sorted(set(range(2 ** 22 + 1, 2 ** 23, 2 ** 10)) | set(range(3 * 2 ** 21 - 3, 3 * 2 ** 21 + 4)))
+    x = torch.tensor(mant, dtype=torch.int32).view(torch.float32)
+    want = [float(lo) if abs(Fraction(m, 2 ** 149) - lo) < abs(Fraction(m, 2 ** 149) - hi) else float(hi)
+            for m in mant]
+    assert round_to(x, "e8m0").tolist() == want
+    assert round_to(f32([6.3e-39]), "e8m0").item() == 2.0 ** -127   # the case where ml_dtypes 0.6 and 0.7 differ
+    if tuple(int(p) for p in ml_dtypes.__version__.split(".")[:2]) >= (0, 7):
+        assert_same(round_to(x, "e8m0"), ml_cast(x, "e8m0"), x, "e8m0 subnormal inputs vs ml_dtypes >= 0.7")
+    t = x.to(torch.float8_e8m0fnu).float()   # torch's cast: the whole interval up (documented in formats)
+    assert bool((t == 2.0 ** -126).all()), "torch's E8M0 cast changed: update the policy text in formats"
+
+
 def test_e2m1_values_ties_and_saturation():
     """E2M1 holds exactly +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; 5 rounds to 4 (tie to even), 7 saturates to 6."""
     vals = all_values("e2m1")

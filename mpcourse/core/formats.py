@@ -30,8 +30,10 @@ Policies (where implementations disagree):
 - E8M0 has no sign, no zero, no subnormals: zero, negative values, NaN and (saturate=False)
   values that round past 2^127 give NaN (0xFF); positive values below 2^-127 give 2^-127, the
   smallest value (ml_dtypes; torch 2.13's `.to(torch.float8_e8m0fnu)` also maps 0 to 2^-127). A
-  tie between two powers of two (1.5 * 2^k) goes up, and FP32 subnormals in (2^-127, 2^-126)
-  go up to 2^-126, as both torch's and ml_dtypes' casts do.
+  tie between two powers of two (1.5 * 2^k) goes up. FP32 subnormals in (2^-127, 2^-126) round
+  to the nearer of the two by value: up from 1.5 * 2^-127 on, as ml_dtypes >= 0.7 does. torch
+  2.13's cast and ml_dtypes < 0.7 round that whole interval up (they apply the normal-number
+  rule to the mantissa field, whose leading bit is not the implicit 1 there).
 - Inputs: float32 tensors; narrower float dtypes (fp16, bf16, fp8) are upcast first, exactly.
   float64 is refused (its cast to fp32 already rounds once). Denormals must not be flushed
   (torch's default, torch.set_flush_denormal(False)).
@@ -221,15 +223,16 @@ def _round_e8m0(x: torch.Tensor, mode: str, saturate: bool, generator) -> torch.
     whether it goes up by one. For a normal x (e32 >= 1) that is x in [2^k, 2^(k+1)) with
     frac = mantissa / 2^23: nearest goes up when frac >= 1/2 (ties up), away_from_zero when
     frac > 0, stochastic with probability frac (one random integer below 2^23, exact). An FP32
-    subnormal x (e32 = 0) lies below 2^-126 and code 0 means 2^-127: up (to 2^-126) only when
-    x > 2^-127, in every mode but toward_zero, as torch's and ml_dtypes' casts do (they round
-    the whole range (2^-127, 2^-126) up); smaller x give 2^-127."""
+    subnormal x = mant * 2^-149 (e32 = 0) lies below 2^-126, and code 0 means 2^-127 = 2^22 *
+    2^-149: nearest goes up (to 2^-126) from the midpoint 1.5 * 2^-127 = 3 * 2^21 * 2^-149 on
+    (ties up, as above), away_from_zero when x > 2^-127, stochastic with probability
+    (x - 2^-127) / 2^-127; smaller x give 2^-127 (there is nothing below it)."""
     a = x.view(torch.int32).long() & 0x7FFFFFFF
     e32, mant = a >> 23, a & 0x7FFFFF
     half = 1 << 22
     sub = e32 == 0
     if mode == "nearest":
-        up = torch.where(sub, mant > half, mant >= half)
+        up = torch.where(sub, mant >= 3 << 21, mant >= half)
     elif mode == "toward_zero":
         up = torch.zeros_like(sub)
     elif mode == "stochastic":
