@@ -259,3 +259,11 @@ def test_bad_checkpoints_are_refused_before_loading(corpus):
     with pytest.raises(CheckpointError, match="must be float32"):
         r.load_state_dict(wrong)
     assert all(torch.equal(before[k], r.masters[k]) for k in before)  # nothing changed
+
+
+def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
+    from mpcourse.experiment.train import Trainer
+    t = Trainer(NAME, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), inspect_every=1)
+    t.train_step()
+    got = {(r["layer"], r["role"]) for r in t.inspector.records}
+    assert {("blocks.0.attn.qkv", role) for role in ("activation", "weight", "output_grad", "weight_grad")} <= got
