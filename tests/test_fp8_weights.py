@@ -267,3 +267,8 @@ def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
     t.train_step()
     got = {(r["layer"], r["role"]) for r in t.inspector.records}
     assert {("blocks.0.attn.qkv", role) for role in ("activation", "weight", "output_grad", "weight_grad")} <= got
+
+
+def test_data_parallel_modes_refuse_it_with_the_reason():
+    from mpcourse.experiment.parallel import unsupported
+    assert "unreduced" in unsupported(NAME, "ddp") and "all-gather" in unsupported(NAME, "fsdp")
