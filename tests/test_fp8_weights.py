@@ -205,8 +205,10 @@ def test_trainer_run_with_evaluation_equals_fp8_delayed(corpus):
 
 def test_master_init_fp8_stays_close_to_fp8_delayed(corpus):
     """Starting the master from the FP8-rounded init (FusedAdam without the preserved init values) rounds every
-    FP8-layer weight to E4M3 once, at step 0: a relative error up to 2^-4 per weight at the start, which training
-    then works with. Tolerance: mean loss of the last 4 of 12 steps within 1% of fp8-delayed's."""
+    FP8-layer weight to E4M3 once, at step 0 (a relative error up to 2^-4 in E4M3's normal range, more for the
+    smallest weights, which land subnormal), and training goes on from there. Tolerance: the mean loss of the last
+    4 of 12 steps within 0.1% of fp8-delayed's (measured here: 0.003%; a 1-step perturbation of the start, not a
+    drift: the master is rounded once, not once per step)."""
     class FromFP8(FP8DelayedFP8Weights):
         master_init = "fp8"
 
@@ -219,7 +221,7 @@ def test_master_init_fp8_stays_close_to_fp8_delayed(corpus):
                                                    block_size=SMALL.block_size, batch_size=B)]
     la, lb = run(ref), run(mine)
     assert la != lb
-    assert abs(sum(la[-4:]) - sum(lb[-4:])) / sum(la[-4:]) < 0.01
+    assert abs(sum(la[-4:]) - sum(lb[-4:])) / sum(la[-4:]) < 1e-3
 
 
 def test_resume_is_bit_for_bit(corpus):
