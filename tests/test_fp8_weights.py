@@ -271,6 +271,13 @@ def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
     assert {("blocks.0.attn.qkv", role) for role in ("activation", "weight", "output_grad", "weight_grad")} <= got
 
 
-def test_data_parallel_modes_refuse_it_with_the_reason():
+def test_data_parallel_modes_refuse_it_with_the_reason(tmp_path):
+    import subprocess
+    import sys
     from mpcourse.experiment.parallel import unsupported
     assert "unreduced" in unsupported(NAME, "ddp") and "all-gather" in unsupported(NAME, "fsdp")
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", "--recipes", NAME, "--nproc", "2",
+                           "--parallel", "ddp", "--steps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "runs none of the recipes" in proc.stderr and "unreduced" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
