@@ -6,7 +6,8 @@ record each rank's losses and its whole final state (its shards of the weights, 
 scales and amax histories, the loss scaler); they must be equal, bit for bit (the same ops in the same order on
 the same inputs: no tolerance is needed). The cases cover what a resume can lose: the FP32 master and the
 scaler of ``fp16-dynamic``, the FP8 delayed-scaling state of ``fp8-delayed``, torch's ``ShardedGradScaler``,
-the stochastic-rounding generator of ``bf16-pure-sr``; under DDP (replicated) and FSDP2 (sharded). A planted
+the stochastic-rounding generator of ``bf16-pure-sr``, the sharded Kahan compensation of ``bf16-pure-kahan``
+under FSDP2; under DDP (replicated) and FSDP2 (sharded). A planted
 bug (the FP8 state reset after the load) shows the comparison can fail.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ K, STEPS = 2, 4
 CFG = TrainConfig(steps=STEPS, batch_size=8, eval_interval=1000, eval_batches=1,
                   model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
 CASES = [("ddp", "fp16-dynamic"), ("ddp", "fp8-delayed"), ("ddp", "bf16-pure-sr"),
-         ("fsdp", "fp16-dynamic"), ("fsdp", "fp8-delayed"), ("fsdp", "torch-amp-fp16")]
+         ("fsdp", "fp16-dynamic"), ("fsdp", "fp8-delayed"), ("fsdp", "torch-amp-fp16"), ("fsdp", "bf16-pure-sr"),
+         ("fsdp", "bf16-pure-kahan")]
 
 
 def _localize(obj):

@@ -156,6 +156,51 @@ def _fp8_all_gather_case():
     return out
 
 
+BF16_VARIANTS = {"bf16-pure": dict(rounding="nearest"), "bf16-pure-sr": dict(rounding="stochastic"),
+                 "bf16-pure-kahan": dict(rounding="nearest", kahan=True)}
+
+
+def _bf16_mlp():
+    """A BF16 MLP whose layers have row counts odd over two ranks (33 -> 17 + 16, 7 -> 4 + 3)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7)).to(torch.bfloat16)
+
+
+def _bf16_optimizer_steps(model, variant, seed=5, steps=4):
+    """``BF16Optimizer`` (AdamW, weight decay, clipping) for ``steps`` steps of the same full batch on every rank."""
+    from mpcourse.core.bf16 import BF16Optimizer
+
+    opt = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), seed=seed,
+                        **BF16_VARIANTS[variant])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)   # (8, 16) bf16
+    for s in range(steps):
+        model(x * (s + 1)).float().square().mean().backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _bf16_sharded_case(variant, seed=5):
+    """FSDP2 shards of the BF16 MLP stepped by ``BF16Optimizer``: every rank runs the same full batch, so the
+    reduce-scattered gradient (the mean of two equal gradients) is exactly one process's and any difference
+    from the one-process run would come from the sharded step. Returns the gathered weights, state, Kahan
+    compensation and the generator state."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _bf16_mlp()
+    for layer in model[::2]:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = _bf16_optimizer_steps(model, variant, seed)
+    params = list(model.parameters())
+    return {"types": {type(p).__name__ for p in params} | {str(p.dtype) for p in params},
+            "params": [p.full_tensor() for p in params],
+            "state": [{k: opt.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")} for p in params],
+            "comp": None if opt.comp is None else [c.full_tensor() for c in opt.comp],
+            "generator": opt.generator.get_state()}
+
+
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -171,6 +216,13 @@ def _worker(rank, port, out_dir):
         t = DataParallelTrainer("bf16-pure", corpus, CFG, "ddp").run()
         res[("ddp", "bf16-pure")] = {"losses": _losses(t),
                                      "params": [p.detach().clone() for p in t.recipe.model.parameters()]}
+        for name in BF16_VARIANTS:
+            t = DataParallelTrainer(name, corpus, CFG, "fsdp").run()
+            res[("fsdp", name)] = {"losses": _losses(t), "memory": t.memory,
+                                   "local": [local(p).detach().clone() for p in t.recipe.model.parameters()],
+                                   "generator": t.recipe.optimizer.generator.get_state()}
+            res[("sharded-step", name)] = _bf16_sharded_case(name)
+        res[("sharded-step", "bf16-pure-sr", "seed 6")] = _bf16_sharded_case("bf16-pure-sr", seed=6)
         for name in ("fp16-dynamic", "torch-amp-fp16"):
             res[("overflow", name)] = _overflow_case(name, corpus)
         if importlib.util.find_spec("torchao") is not None:     # the oracle test below skips without it
@@ -199,7 +251,7 @@ def single():
     """The same recipes in one process, the whole batch at once: losses and bytes."""
     corpus = load_corpus(None)
     out = {}
-    for name in ("fp32", "fp16-master", "bf16-pure"):
+    for name in ("fp32", "fp16-master", *BF16_VARIANTS):
         t = Trainer(name, corpus, CFG).run()
         out[name] = {"losses": _losses(t), "memory": t.memory}
     return out
@@ -214,15 +266,56 @@ def test_ddp_equals_one_process_up_to_reduction_order(ranks, single, name):
 
 
 def test_ddp_bf16_pure_replicas_stay_identical(ranks, single):
-    """``BF16Optimizer`` changes the parameters' dtype around its step, which unhooks DDP's reducer: without the
-    hand-made all-reduce (``parallel.replicate_by_hand``) each rank steps on its own half batch from the second
-    step on and the replicas drift apart. Both ranks must hold the same bits, and the losses follow one process
-    (BF16 gradients averaged in BF16: one more rounding per element, measured ~2e-5 relative over 5 steps)."""
+    """``bf16-pure`` under plain DDP. An optimizer that changed the parameters' dtype around its step (as
+    ``BF16Optimizer`` once did) would unhook DDP's reducer after the first step: each rank would then step on its
+    own half batch and the replicas drift apart. Both ranks must hold the same bits, and the losses follow one
+    process (BF16 gradients averaged in BF16: one more rounding per element, measured ~2e-5 relative over 5 steps)."""
     a, b = (r[("ddp", "bf16-pure")] for r in ranks)
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
     assert a["losses"] == b["losses"]
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(single["bf16-pure"]["losses"]),
                                rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("variant", list(BF16_VARIANTS))
+def test_fsdp2_bf16_optimizer_step_gives_the_one_process_bits(ranks, variant):
+    """The sharded step of ``BF16Optimizer`` (DTensor shards of uneven rows, AdamW + clipping, 4 steps) against
+    the same optimizer in this process on the whole tensors, bit for bit: weights, AdamW state, Kahan
+    compensation. Stochastic rounding: each rank draws the whole tensor's random stream and keeps its rows'
+    slice, so the same seed gives the one-process bits and both ranks end with the same generator state;
+    another seed gives other bits (the control: the random bits matter)."""
+    model = _bf16_mlp()
+    opt = _bf16_optimizer_steps(model, variant)
+    params = list(model.parameters())
+    for r in ranks:
+        got = r[("sharded-step", variant)]
+        assert got["types"] == {"DTensor", "torch.bfloat16"}
+        assert all(torch.equal(a.view(torch.int16), p.detach().view(torch.int16)) for a, p in zip(got["params"], params))
+        for st, p in zip(got["state"], params):
+            assert all(torch.equal(st[k], opt.state[p][k]) for k in st)
+        if opt.comp is not None:
+            assert all(torch.equal(a.view(torch.int16), c.view(torch.int16)) for a, c in zip(got["comp"], opt.comp))
+        assert torch.equal(got["generator"], opt.generator.get_state())
+    if variant == "bf16-pure-sr":
+        other = ranks[0][("sharded-step", variant, "seed 6")]["params"]
+        assert not all(torch.equal(a, b) for a, b in zip(other, ranks[0][("sharded-step", variant)]["params"]))
+
+
+@pytest.mark.parametrize("name", list(BF16_VARIANTS))
+def test_fsdp2_runs_the_pure_bf16_recipes(ranks, single, name):
+    """The three pure-BF16 recipes under ``--parallel fsdp``: both ranks report the same losses and hold the same
+    generator state, the losses follow one process within DDP's BF16 tolerance (BF16 gradients reduce-scattered
+    in BF16), and each rank holds about half of the single-process bytes of weights, FP32 gradient buffers,
+    AdamW state and Kahan compensation."""
+    a, b = (r[("fsdp", name)] for r in ranks)
+    assert a["losses"] == b["losses"] and torch.equal(a["generator"], b["generator"])
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(single[name]["losses"]), rtol=1e-3, atol=0)
+    assert not all(torch.equal(x, y) for x, y in zip(a["local"], b["local"]))   # different shards, not replicas
+    one = single[name]["memory"]
+    for kind in ("weights", "grads", "optimizer", "extra"):
+        total = a["memory"][kind] + b["memory"][kind]
+        assert one[kind] <= total <= 1.01 * one[kind], (kind, one[kind], total)   # vocab rows padded
+        assert (one[kind] == 0) == (kind == "extra" and name != "bf16-pure-kahan")
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16-master"])

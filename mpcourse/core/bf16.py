@@ -28,12 +28,45 @@ Where each dtype lives (bytes per parameter, persistent unless noted)::
 """
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
 from .seams import SeamError, check_rounded
 
 ROUNDINGS = ("nearest", "stochastic")   # how BF16Optimizer rounds the new FP32 weight into BF16
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (its own storage), ``t`` itself otherwise."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def _flat_range(param: torch.Tensor, shard: torch.Tensor) -> tuple[int, int]:
+    """(index of the first element of ``shard`` in ``param``'s row-major order, ``param.numel()``).
+
+    A plain tensor is its own shard: (0, numel). A DTensor on a 1-D mesh sharded on dim 0 (FSDP2's default)
+    holds rows [r*c, r*c + rows) with c = ceil(dim0 / ranks) (``torch.chunk``), so its elements are one
+    contiguous range of the whole tensor's; replicated, the whole tensor. Raises ValueError otherwise."""
+    n = param.numel()
+    if type(param).__name__ != "DTensor":
+        return 0, n
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim == 1 and isinstance(placements[0], Replicate):
+        return 0, n
+    if mesh.ndim != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+        raise ValueError(f"BF16Optimizer's stochastic rounding takes DTensor parameters sharded on dim 0 over a 1-D "
+                         f"mesh (FSDP2's default), got placements {placements} on a {mesh.ndim}-D mesh: shard with "
+                         "fully_shard's default placement")
+    rows, ranks = param.shape[0], mesh.size()
+    first_row = min(mesh.get_local_rank() * math.ceil(rows / ranks), rows)
+    if shard.shape[0] != max(0, min(math.ceil(rows / ranks), rows - first_row)):
+        raise ValueError(f"a shard of {shard.shape[0]} rows is not torch.chunk's shard of {rows} rows over {ranks} ranks")
+    return first_row * (n // rows if rows else 0), n
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -167,48 +200,74 @@ class BF16Optimizer:
             g.mul_(coef.to(g.dtype))
         return float(norm)
 
-    def _state_to(self, p, dtype) -> None:
-        st = self.optimizer.state.get(p, {})
-        for k, v in st.items():
-            if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
-                st[k] = v.to(dtype)
+    def _elementwise(self, v, p) -> bool:
+        """Is optimizer state ``v`` one value per element of ``p`` (converted between steps; "step" is not)?"""
+        return torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape
+
+    @contextlib.contextmanager
+    def _stepping(self, temps: list[torch.Tensor]):
+        """Let the wrapped optimizer see the FP32 tensors ``temps`` in place of the parameters (same order), with
+        their state in FP32; afterwards the parameters, their state back in ``state_dtype``, keyed by them again.
+
+        The parameters themselves are never touched: their dtype, storage and autograd gradient accumulators stay
+        (DDP's reducer hooks those accumulators; FSDP2's DTensor shards keep their dtype). ``param_groups`` and
+        ``state`` are read again on the way out because ``Optimizer.load_state_dict`` replaces both objects."""
+        it = iter(temps)
+        pairs = [(p, next(it)) for g in self.optimizer.param_groups for p in g["params"]]
+        saved = [list(g["params"]) for g in self.optimizer.param_groups]
+        done = 0
+        for g in self.optimizer.param_groups:
+            g["params"] = [t for _, t in pairs[done:done + len(g["params"])]]
+            done += len(g["params"])
+        state = self.optimizer.state
+        for p, t in pairs:
+            if p in state:
+                state[t] = {k: v.to(torch.float32) if self._elementwise(v, p) else v for k, v in state.pop(p).items()}
+        try:
+            yield
+        finally:
+            for g, params in zip(self.optimizer.param_groups, saved):
+                g["params"] = params
+            state = self.optimizer.state
+            for p, t in pairs:
+                if t in state:
+                    state[p] = {k: v.to(self.state_dtype) if self._elementwise(v, p) else v
+                                for k, v in state.pop(t).items()}
 
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step: FP32 temporaries in, the wrapped ``optimizer.step()``, BF16 written back by
-        ``rounding`` (or ``kahan``). Closures are not supported (as torch.amp.GradScaler.step). Grads are kept until zero_grad()."""
+        ``rounding`` (or ``kahan``) in place into each parameter, which keeps its dtype, storage and identity.
+        Closures are not supported (as torch.amp.GradScaler.step). Grads are kept until zero_grad().
+        DTensor parameters (FSDP2 shards): the optimizer steps the FP32 DTensors and the write-back works on
+        this rank's local shard, element by element; ``lost``/``changed`` then count this rank's shard."""
         if closure is not None:
             raise ValueError("BF16Optimizer.step does not take a closure: run forward/backward before step()")
         self.accumulate_grads()
-        saved = []                                          # (param, its bf16 storage, its bf16 grad)
+        temps = []
         for i, p in enumerate(self.params):
-            w16, g16, g32 = p.data, p.grad, self._grad32(i)
-            p.grad = None
-            p.data = w16.float()                            # (shape) fp32 temporary; same Parameter object
-            p.grad = g32
-            self._state_to(p, torch.float32)
-            saved.append((p, w16, g16))
-        self.optimizer.step()                               # the wrapped optimizer, in fp32
+            t = p.detach().float()                          # (shape) fp32 temporary, a copy (a DTensor under FSDP2)
+            t.grad = self._grad32(i)                        # (shape) fp32
+            temps.append(t)
+        with self._stepping(temps):
+            self.optimizer.step()                           # the wrapped optimizer, in fp32, on the temporaries
         self.lost = self.changed = 0
-        for i, (p, w16, g16) in enumerate(saved):
-            w32 = p.data                                    # the exact new weight, fp32
+        for i, (p, t) in enumerate(zip(self.params, temps)):
+            w16, w32 = _local(p.detach()), _local(t)        # (shard) bf16, the parameter's own storage; fp32
             old = w16.clone()
             self._write_back(w16, w32, old, i)
             wanted = w32 != old.float()
             self.changed += int(wanted.sum())
             self.lost += int((wanted & (w16 == old)).sum())
-            p.grad = None
-            p.data = w16
-            p.grad = g16
-            self._state_to(p, self.state_dtype)
 
     def _write_back(self, w16, w32, old, i) -> None:
         """w16 (bf16) := the new weight w32 (fp32), by the chosen rule (a given function, else the library's)."""
         if self.kahan:
+            comp16 = _local(self.comp[i])                     # (shard) bf16
             if self.kahan_add_ is None:
-                kahan_add_(w16, self.comp[i], w32 - old.float())
+                kahan_add_(w16, comp16, w32 - old.float())
                 return
-            w, comp = w16.clone(), self.comp[i].clone()       # the learner's function works on copies
+            w, comp = w16.clone(), comp16.clone()             # the learner's function works on copies
             out = self.kahan_add_(w, comp, w32 - old.float())
             if out is not None and not (out is w):
                 raise SeamError(f"kahan_add_ returned {type(out).__name__}: it should update w and comp in place "
@@ -216,7 +275,7 @@ class BF16Optimizer:
             if w.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16 or w.shape != w16.shape:
                 raise SeamError("kahan_add_ changed the dtype or shape of w or comp: update them in place")
             w16.copy_(w)
-            self.comp[i].copy_(comp)
+            comp16.copy_(comp)
         elif self.rounding == "nearest":
             if self.round_to_bf16 is None:
                 w16.copy_(w32)                                 # fused cast: round to nearest even
@@ -224,7 +283,17 @@ class BF16Optimizer:
                 w16.copy_(check_rounded("round_to_bf16", w32, self.round_to_bf16(w32.clone()), torch.bfloat16))
         else:
             fn = self.stochastic_round_bf16 or stochastic_round_bf16
-            w16.copy_(check_rounded("stochastic_round_bf16", w32, fn(w32.clone(), self.generator), torch.bfloat16))
+            first, total = _flat_range(self.params[i], w16)
+            self._skip_draws(first)                            # the elements before this rank's shard
+            out = fn(w32.clone(), self.generator)
+            self._skip_draws(total - first - w16.numel())      # and after it: every rank ends in one state
+            w16.copy_(check_rounded("stochastic_round_bf16", w32, out, torch.bfloat16))
+
+    def _skip_draws(self, n: int) -> None:
+        """Advance the generator past the draws of ``n`` elements (``stochastic_round_bf16`` draws one 32-bit number
+        per element, in row-major order, from the CPU generator's serial stream)."""
+        if n > 0:
+            torch.randint(0, 1 << 16, (n,), generator=self.generator, device=self.generator.device, dtype=torch.int32)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` and the FP32 buffers (freed with set_to_none=True, the default)."""
@@ -277,15 +346,9 @@ class BF16Optimizer:
                 self.generator.get_state().shape:
             raise CheckpointError("generator: not a torch.Generator state of this device (Generator.get_state())")
         check_optimizer_state_dict(self.optimizer, state["optimizer"], "BF16Optimizer optimizer")
-        saved = [p.data for p in self.params]
-        for p in self.params:                               # torch casts loaded state to the param dtype:
-            p.data = p.data.float()                         # fp32 params make that cast exact
-        try:
+        temps = [p.detach().float() for p in self.params]   # torch casts loaded state to the param dtype:
+        with self._stepping(temps):                         # fp32 stand-ins make that cast exact
             self.optimizer.load_state_dict(state["optimizer"])
-        finally:
-            for p, w16 in zip(self.params, saved):
-                p.data = w16
-                self._state_to(p, self.state_dtype)
         self.generator.set_state(gen)
         for c, s in zip(self.comp or [], comp or []):
             c.copy_(s)

@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .parallel import (PARALLEL_MODES, REDUCE_DTYPES, overridable, replicate_by_hand, shard_recipe,
-                       swaps_param_dtype, unsupported, wrap_ddp)
+from .parallel import PARALLEL_MODES, REDUCE_DTYPES, overridable, shard_recipe, unsupported, wrap_ddp
 from .train import Trainer, TrainConfig
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -74,9 +73,6 @@ class DataParallelTrainer(Trainer):
     def build_recipe(self, recipe_cls, model, overrides):
         if self.parallel == "ddp":
             recipe = recipe_cls(model, self.cfg.optim, overrides)
-            if swaps_param_dtype(recipe):                                # DDP's hooks would come off: by hand
-                self.wrapped = replicate_by_hand(recipe, self.reduce_dtype)
-                return recipe
             self.wrapped = wrap_ddp(recipe.model, self.reduce_dtype)    # grads all-reduced in backward
             master = getattr(recipe, "master", None)
             if master is not None:    # DDP's init broadcast wrote the (identical) params: not a model-only load

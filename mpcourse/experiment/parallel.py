@@ -5,9 +5,9 @@ What each mode does to a recipe (``prepare``); the recipe's own code runs unchan
 ``ddp`` (``torch.nn.parallel.DistributedDataParallel``): every rank holds the whole recipe (weights, master
 copy, optimizer state: the bytes per parameter of the single-process table) and runs its slice of the
 batch; DDP all-reduces the gradients (mean over ranks) during backward, in the gradients' dtype (FP16/BF16
-for the low-precision models). (``bf16-pure*``: their optimizer changes the parameters' dtype around each step,
-which unhooks DDP's reducer after the first step, so they all-reduce by hand after backward instead, the same
-arithmetic: ``replicate_by_hand``). ``reduce_dtype`` puts a communication hook in front that casts each bucket to
+for the low-precision models; ``bf16-pure*`` too: ``BF16Optimizer`` writes each step back into the BF16
+parameters in place, so the autograd gradient accumulators DDP's reducer hooks stay the same objects).
+``reduce_dtype`` puts a communication hook in front that casts each bucket to
 that dtype for the all-reduce and back (torch's ``bf16_compress_hook`` does the same for BF16). Since every
 rank then holds the same gradients, the loss scalers' inf checks agree without a collective; the course's
 scalers all-reduce their flag anyway (``mpcourse.core.scaling``), torch's ``GradScaler`` does not need to.
@@ -36,8 +36,13 @@ reduce-scatters its gradients. Per recipe:
   the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
   hooks, see lesson 11).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
-* ``bf16-pure*``: not supported (``UNSUPPORTED``): ``BF16Optimizer`` swaps ``param.data`` between BF16 and FP32
-  around the step, which DTensor shards refuse (a sharding-propagation error on mixed dtypes).
+* ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
+  reduce-scattered in BF16 (or ``reduce_dtype``). ``BF16Optimizer`` steps FP32 temporaries of the DTensor shards
+  (AdamW element by element, its BF16 state sharded too), then writes the result back into each rank's local
+  shard by the recipe's rule; the Kahan compensation is sharded with the weight. Stochastic rounding: every rank
+  holds the same generator (same seed) and, for each parameter, advances it over the draws of the *whole*
+  tensor, using the slice of its own rows; so an element gets the random bits it gets in one process, whatever
+  the number of ranks, and the generators stay identical on every rank (``mpcourse.core.bf16``).
 
 Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
 ``sharded_grad_scaler.py``; DDP communication hooks (``torch/distributed/algorithms/ddp_comm_hooks``);
@@ -56,13 +61,9 @@ from .recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
 PARALLEL_MODES = ("ddp", "fsdp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-#: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row)
-UNSUPPORTED = {
-    "fsdp": {name: ("BF16Optimizer swaps param.data between BF16 and FP32 around each step, which FSDP2's DTensor "
-                    "shards refuse; run it with --parallel ddp")
-             for name in ("bf16-pure", "bf16-pure-sr", "bf16-pure-kahan")},
-    "ddp": {},
-}
+#: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row); every
+#: recipe runs under both modes now, and a new one that cannot must be listed here with the reason
+UNSUPPORTED: dict[str, dict[str, str]] = {"fsdp": {}, "ddp": {}}
 
 
 def unsupported(recipe_name: str, parallel: str) -> str | None:
@@ -99,58 +100,6 @@ def _cast_allreduce_hook(dtype: torch.dtype):
         return fut.then(copy_back)
 
     return hook
-
-
-def swaps_param_dtype(recipe: TrainingRecipe) -> bool:
-    """True for a recipe whose optimizer changes its parameters' dtype around each step (``BF16Optimizer`` sets
-    ``param.data`` to an FP32 temporary and back). Autograd resets a parameter's gradient accumulator when
-    ``.data`` changes dtype (``VariableHooks::set_data``), and DDP's reducer hooks the accumulator it found at
-    construction: from the second step on, DDP would never all-reduce those gradients and every rank would step
-    on its own half-batch gradient (the replicas drift apart; measured on the small GPT of
-    tests/test_distributed.py: 68k of its 109k weights differ between two ranks after the second step, 103k
-    after the sixth). Such recipes get ``all_reduce_grads_`` after each backward instead."""
-    from mpcourse.core.bf16 import BF16Optimizer
-
-    return isinstance(recipe.optimizer, BF16Optimizer)
-
-
-@torch.no_grad()
-def all_reduce_grads_(params, reduce_dtype: torch.dtype | None = None, group=None) -> None:
-    """DDP's gradient reduction done by hand, after backward: every ``p.grad`` becomes the mean over the ranks.
-
-    As DDP: the gradients of each dtype are flattened into one buffer (a bucket), divided by the world size
-    first, then all-reduced (SUM) in ``reduce_dtype`` (None: the gradients' own dtype, DDP's default; see
-    ``_cast_allreduce_hook``) and copied back. Collective: every rank calls it with the same parameters."""
-    world = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for dtype, grads in by_dtype.items():
-        flat = torch.cat([g.reshape(-1) for g in grads])            # (n,) grads' dtype
-        comm = flat.to(reduce_dtype or dtype).div_(world)             # divided first, as DDP does
-        dist.all_reduce(comm, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(comm[offset:offset + g.numel()].view_as(g))        # back in the grads' dtype
-            offset += g.numel()
-
-
-def replicate_by_hand(recipe: TrainingRecipe, reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """Data parallelism without DDP for a recipe where DDP cannot work (``swaps_param_dtype``): the parameters
-    are broadcast from rank 0 once (as DDP's constructor does), and ``recipe.backward`` is followed by
-    ``all_reduce_grads_``. Returns the module to call (the model itself)."""
-    with torch.no_grad():
-        for p in recipe.model.parameters():
-            dist.broadcast(p, 0)
-    backward = recipe.backward
-
-    def backward_then_all_reduce(loss):
-        backward(loss)
-        all_reduce_grads_(list(recipe.model.parameters()), reduce_dtype)
-
-    recipe.backward = backward_then_all_reduce
-    return recipe.model
 
 
 def wrap_ddp(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> nn.Module:

@@ -301,6 +301,10 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
             if on_step is not None:
                 on_step(self)
+        if self.diverged_at is not None and bar.total != self.step:
+            bar.total = self.step                            # stopped early: the bar ends at 100% of the steps run
+            bar.set_description(f"{self.name:>16} (diverged at step {self.diverged_at})", refresh=False)
+            bar.refresh()
         bar.close()
         return self
 
