@@ -198,8 +198,9 @@ def emulated_calls() -> int:
 #
 # ``TensorCoreEmulation`` above is the rule. As a dispatch mode it is called in Python for *every* op, about
 # 2,600 per training step of the compare model, of which some 100 are matmuls: on a 2-core CPU that costs a fifth
-# of an FP32 step. ``tensor_cores(fast=True)`` (the training loop's) instead registers a Python kernel for the ``EMULATED_OPS`` only, at
-# PyTorch's ``ADInplaceOrView`` dispatch key (``torch.library.Library("aten", "IMPL")``, ``with_keyset=True``).
+# of an FP32 step. ``tensor_cores(fast=True)`` (the training loop's) instead registers a Python kernel for the
+# ``EMULATED_OPS`` only, at PyTorch's ``ADInplaceOrView`` dispatch key (``torch.library.Library("aten", "IMPL")``,
+# ``with_keyset=True``).
 # That key sits below autograd and autocast and above the Python key of dispatch modes and tensor subclasses
 # (c10/core/DispatchKey.h), so the kernel sees the matmuls a mode would see -- forward, backward, inside
 # ``torch.autocast`` -- and every other op never leaves C++. The kernel applies the rule (``_wants_emulation``,
@@ -210,7 +211,8 @@ def emulated_calls() -> int:
 # Two cases keep the mode's exact behaviour:
 # * A dispatch mode pushed inside the region (the memory tracker of the first step, a test's spy) saw the
 #   low-precision matmul itself, with the emulation below it, invisible: the kernel then puts a
-#   ``TensorCoreEmulation`` at the bottom of the mode stack for that one call and hands the call on.
+#   ``TensorCoreEmulation`` at the bottom of the mode stack for that one call and hands the call on. (A mode
+#   pushed *before* the region saw the emulation's FP32 ops under the mode; here it sees the matmul instead.)
 # * Inference tensors inside ``torch.inference_mode()`` skip ``ADInplaceOrView`` altogether: a region entered
 #   under inference mode pushes the mode instead. (Limit: inference tensors of an ``inference_mode`` opened
 #   *inside* ``tensor_cores()`` run torch's native kernel.)
