@@ -205,8 +205,10 @@ def test_trainer_run_with_evaluation_equals_fp8_delayed(corpus):
 
 def test_master_init_fp8_stays_close_to_fp8_delayed(corpus):
     """Starting the master from the FP8-rounded init (FusedAdam without the preserved init values) rounds every
-    FP8-layer weight to E4M3 once, at step 0: a relative error up to 2^-4 per weight at the start, which training
-    then works with. Tolerance: mean loss of the last 4 of 12 steps within 1% of fp8-delayed's."""
+    FP8-layer weight to E4M3 once, at step 0 (a relative error up to 2^-4 in E4M3's normal range, more for the
+    smallest weights, which land subnormal), and training goes on from there. Tolerance: the mean loss of the last
+    4 of 12 steps within 0.1% of fp8-delayed's (measured here: 0.003%; a 1-step perturbation of the start, not a
+    drift: the master is rounded once, not once per step)."""
     class FromFP8(FP8DelayedFP8Weights):
         master_init = "fp8"
 
@@ -219,7 +221,7 @@ def test_master_init_fp8_stays_close_to_fp8_delayed(corpus):
                                                    block_size=SMALL.block_size, batch_size=B)]
     la, lb = run(ref), run(mine)
     assert la != lb
-    assert abs(sum(la[-4:]) - sum(lb[-4:])) / sum(la[-4:]) < 0.01
+    assert abs(sum(la[-4:]) - sum(lb[-4:])) / sum(la[-4:]) < 1e-3
 
 
 def test_resume_is_bit_for_bit(corpus):
@@ -259,3 +261,23 @@ def test_bad_checkpoints_are_refused_before_loading(corpus):
     with pytest.raises(CheckpointError, match="must be float32"):
         r.load_state_dict(wrong)
     assert all(torch.equal(before[k], r.masters[k]) for k in before)  # nothing changed
+
+
+def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
+    from mpcourse.experiment.train import Trainer
+    t = Trainer(NAME, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), inspect_every=1)
+    t.train_step()
+    got = {(r["layer"], r["role"]) for r in t.inspector.records}
+    assert {("blocks.0.attn.qkv", role) for role in ("activation", "weight", "output_grad", "weight_grad")} <= got
+
+
+def test_data_parallel_modes_refuse_it_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+    from mpcourse.experiment.parallel import unsupported
+    assert "unreduced" in unsupported(NAME, "ddp") and "all-gather" in unsupported(NAME, "fsdp")
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", "--recipes", NAME, "--nproc", "2",
+                           "--parallel", "ddp", "--steps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "runs none of the recipes" in proc.stderr and "unreduced" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
