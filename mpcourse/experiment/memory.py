@@ -143,14 +143,17 @@ class PeakTracker(TorchDispatchMode):
             self._add(t)
         self.peak = self.live_bytes()
 
-    def _add(self, t) -> None:
+    def _add(self, t) -> bool:
+        """Follow t's storage; True if it was not followed yet (the live total grew)."""
         st = _storage(t)
         if st is None:
-            return
+            return False
         key = st.data_ptr()
         old = self.live.get(key)
         if old is None or old[0].expired():
             self.live[key] = (StorageWeakRef(st), st.nbytes())
+            return True
+        return False
 
     def live_bytes(self) -> int:
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
@@ -160,9 +163,11 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        grew = False
         for t in _tensors((args, kwargs, out)):
-            self._add(t)
-        self.peak = max(self.peak, self.live_bytes())
+            grew |= self._add(t)
+        if grew:   # between additions storages only die, so the peak is reached right after an addition
+            self.peak = max(self.peak, self.live_bytes())
         return out
 
 

@@ -62,7 +62,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     table = _table(data.dtype)
     if scale is not None:
         table = table * scale.reshape(()).float()   # (256,) fp32: float32(code) * scale, each rounded once
-    codes = data.contiguous().view(torch.uint8).reshape(-1).long()
+    codes = data.contiguous().view(torch.uint8).reshape(-1).int()   # int32 index: half an int64's temporary bytes
     return table.index_select(0, codes).reshape(data.shape)
 
 
