@@ -19,7 +19,7 @@ ratios as +-20%)::
 
 In the profile of one FSDP2 ``fp32`` step (2.92 s of self CPU time on rank 0) the GEMMs (``mm``, ``addmm``,
 ``bmm``) take 0.98 s, as under DDP; what FSDP2 adds is AdamW over DTensor shards (``Optimizer.step`` 0.64 s in
-all, against about 0.27 s over plain tensors under DDP: every elementwise op of AdamW goes through DTensor's
+all, against 0.27 s in a DDP step profiled the same way just before: every elementwise op of AdamW goes through DTensor's
 Python dispatch, ``PythonSubclass`` 0.51 s in all over 458 calls) and each block's all-gather before its forward
 and backward and reduce-scatter after its backward (``FSDP::all_gather`` / ``FSDP::post_backward_reduce`` and the
 gloo collectives, about 0.5 s, copies included). Our code adds nothing per op there: the course's recipes call
