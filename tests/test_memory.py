@@ -1,5 +1,7 @@
 """Memory counted from live tensors (mpcourse.experiment.memory), against hand-computed byte totals and,
 for the peak, against torch's own tracker (torch.distributed._tools.mem_tracker.MemTracker)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -116,10 +118,35 @@ def test_claim_d_fp8_keeps_the_fp32_state_and_adds_copies(corpus):
     assert m32.activations - m8.activations == L * (3 * N * C + N * 4 * C) * 3 - L * 4 * 4
 
 
-@pytest.mark.parametrize("name", list(STATE))
-def test_peak_equals_torch_mem_tracker(name, corpus):
+def test_fp8_weights_bytes_by_hand(corpus):
+    """fp8-delayed-fp8-weights: the FP8 layers' weights are stored as E4M3 (1 B) and their FP32 masters (4 B) sit in
+    the optimizer; gradients are the masters' (FP32); AdamW's moments stay 8 B. The rest is FP32 as fp8-delayed."""
+    from mpcourse.experiment.recipes.fp8 import AMAX_HISTORY_LEN
+    r, mem, _ = measure("fp8-delayed-fp8-weights", corpus)
+    P, F = n_params(corpus.vocab_size), L * sum(n * k for n, k in FP8_WEIGHTS)   # F: FP8-stored weight elements
+    assert mem.n_params == P
+    assert (mem.weights, mem.grads, mem.master, mem.optimizer) == (4 * (P - F) + 1 * F, 4 * P, 4 * F, 8 * P)
+    per_layer = 3 * (1 + AMAX_HISTORY_LEN) * 4 + 4                 # delayed-scaling states + the weight's scale_inv
+    assert mem.extra == L * len(FP8_WEIGHTS) * per_layer
+    # the same activations as fp8-delayed; no FP8 weight copies: the stored weight is the parameter itself
+    assert mem.activations == activations_by_hand(corpus.vocab_size, 4, fp8=True) and mem.fp8_cache == 0
+    # claim (d) with FP8 weights: the module's weight drops 4 -> 1 B, but the FP32 master is a new 4 B copy
+    _, m8, _ = measure("fp8-delayed", corpus)
+    assert m8.weights - mem.weights == 3 * F and mem.master - m8.master == 4 * F
+    assert mem.state - m8.state == F + L * len(FP8_WEIGHTS) * 4
+    assert r.memory() == {k: getattr(mem, k) for k in ("weights", "grads", "master", "optimizer", "extra")}
+
+
+@pytest.mark.parametrize("name", [*STATE, "fp8-delayed-fp8-weights"])
+def test_peak_equals_torch_mem_tracker(name, corpus, monkeypatch):
     """Oracle: MemTracker, told about every tensor alive before the step, over the same step."""
     _, mem, (x, y) = measure(name, corpus)
+    for hook in ("register_hook", "register_post_accumulate_grad_hook") if name == "fp8-delayed-fp8-weights" else ():
+        # MemTracker hooks every parameter's gradient, which torch refuses for a parameter without grad (the FP8
+        # weights); such a hook would never run, so it is skipped there
+        real = getattr(torch.Tensor, hook)
+        monkeypatch.setattr(torch.Tensor, hook, lambda t, fn, real=real: real(t, fn) if t.requires_grad
+                            else SimpleNamespace(remove=lambda: None))
     r = make_recipe(name, corpus, TINY)
     opt = getattr(r.optimizer, "optimizer", r.optimizer)            # BF16Optimizer wraps a torch optimizer
     before = [t for ts in r.memory_tensors().values() for t in ts] + [p for g in opt.param_groups for p in g["params"]]

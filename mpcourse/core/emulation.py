@@ -22,7 +22,9 @@ When is it on?  ``set_emulation(True/False)`` (Python) wins; otherwise the envir
 ``MPCOURSE_EMULATE=1`` (on) or ``0`` (off); otherwise *auto*: on for a dtype when the CPU lacks
 native units for it (BF16: ``avx512_bf16`` or ``amx_bf16``; FP16: ``avx512_fp16`` or ``amx_fp16``,
 read from ``/proc/cpuinfo``; off-Linux, assumed absent). The mode only acts inside
-``tensor_cores()``, which the training loop, ``mpcourse compare`` and the benchmarks enter.
+``tensor_cores()``, which the training loop, ``mpcourse compare`` and the benchmarks enter. The training loop
+enters ``tensor_cores(fast=True)``: the same bits through kernels on the matmul ops alone, so that the other
+ops never call into Python (see "the fast path" below).
 
 Example::
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,24 +194,133 @@ def emulated_calls() -> int:
     return _emulated_calls
 
 
+# --- the fast path: a kernel on the matmul ops only ---------------------------------------------
+#
+# ``TensorCoreEmulation`` above is the rule. As a dispatch mode it is called in Python for *every* op, about
+# 2,600 per training step of the compare model, of which some 100 are matmuls: on a 2-core CPU that costs a fifth
+# of an FP32 step. ``tensor_cores(fast=True)`` (the training loop's) instead registers a Python kernel for the
+# ``EMULATED_OPS`` only, at PyTorch's ``ADInplaceOrView`` dispatch key (``torch.library.Library("aten", "IMPL")``,
+# ``with_keyset=True``).
+# That key sits below autograd and autocast and above the Python key of dispatch modes and tensor subclasses
+# (c10/core/DispatchKey.h), so the kernel sees the matmuls a mode would see -- forward, backward, inside
+# ``torch.autocast`` -- and every other op never leaves C++. The kernel applies the rule (``_wants_emulation``,
+# then the same ``EMULATED_OPS`` function) or hands the call on unchanged (``OpOverload.redispatch`` with the
+# keys after ``ADInplaceOrView``). The kernels are registered while at least one thread is inside
+# ``tensor_cores(fast=True)`` and act only in such a thread; outside, nothing is registered.
+#
+# Two cases keep the mode's exact behaviour:
+# * A dispatch mode pushed inside the region (the memory tracker of the first step, a test's spy) saw the
+#   low-precision matmul itself, with the emulation below it, invisible: the kernel then puts a
+#   ``TensorCoreEmulation`` at the bottom of the mode stack for that one call and hands the call on. (A mode
+#   pushed *before* the region saw the emulation's FP32 ops under the mode; here it sees the matmul instead.)
+# * Inference tensors inside ``torch.inference_mode()`` skip ``ADInplaceOrView`` altogether: a region entered
+#   under inference mode pushes the mode instead. (Limit: inference tensors of an ``inference_mode`` opened
+#   *inside* ``tensor_cores()`` run torch's native kernel.)
+# ``tests/test_emulation_fast.py`` checks the kernel against the mode bit for bit.
+
+_AFTER_KERNEL = torch._C._after_ADInplaceOrView_keyset   # the dispatch keys below ADInplaceOrView
+_local = threading.local()                               # .depth: tensor_cores() regions open in this thread
+_registry_lock = threading.Lock()
+_registry = {"users": 0, "lib": None}                    # threads inside tensor_cores(); the registered kernels
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+def _make_kernel(op, impl):
+    def kernel(keyset, *args, **kwargs):
+        global _emulated_calls
+        if _depth() and not getattr(_local, "inserting", False) and _wants_emulation(args):
+            if torch._C._len_torch_dispatch_stack():       # modes pushed in the region see the op first
+                return _below_modes(op, keyset, args, kwargs)
+            _emulated_calls += 1
+            return impl(*args, **kwargs)
+        return op.redispatch(keyset & _AFTER_KERNEL, *args, **kwargs)
+    return kernel
+
+
+def _below_modes(op, keyset, args, kwargs):
+    """Hand the call on with a ``TensorCoreEmulation`` at the bottom of the mode stack, as if it had been pushed
+    when the region was entered, then restore the stack."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    modes = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]   # top first
+    bottom = TensorCoreEmulation()
+    _push_mode(bottom)
+    for m in reversed(modes):
+        _push_mode(m)
+    _local.inserting = True
+    try:
+        return op.redispatch(keyset & _AFTER_KERNEL, *args, **kwargs)
+    finally:
+        _local.inserting = False
+        for _ in modes:
+            _pop_mode()
+        _pop_mode()
+        for m in reversed(modes):
+            _push_mode(m)
+
+
+def _register() -> None:
+    with _registry_lock:
+        if _registry["users"] == 0:
+            lib = torch.library.Library("aten", "IMPL")
+            for op, impl in EMULATED_OPS.items():
+                name = op._schema.name.split("::", 1)[1]
+                lib.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}",
+                         _make_kernel(op, impl), "ADInplaceOrView", with_keyset=True)
+            _registry["lib"] = lib
+        _registry["users"] += 1
+
+
+def _unregister() -> None:
+    with _registry_lock:
+        _registry["users"] -= 1
+        if _registry["users"] == 0:
+            _registry["lib"]._destroy()
+            _registry["lib"] = None
+
+
 @contextlib.contextmanager
-def tensor_cores(enabled: bool | None = None):
+def _fast_region():
+    """The kernels of the fast path, active in this thread for the region."""
+    outermost = _depth() == 0
+    if outermost:
+        _register()
+    _local.depth = _depth() + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        if outermost:
+            _unregister()
+
+
+@contextlib.contextmanager
+def tensor_cores(enabled: bool | None = None, *, fast: bool = False):
     """Context in which low-precision CPU matmuls are emulated (see the module docstring).
 
     Args:
         enabled: ``None`` (default) follows ``set_emulation`` / ``MPCOURSE_EMULATE`` / auto;
             ``True`` or ``False`` forces it for this region only.
+        fast: ``False`` (default) enters the ``TensorCoreEmulation`` mode; ``True`` computes the same bits through
+            kernels on the matmul ops only (the fast path, above; the training loop's), and enters the mode
+            under ``torch.inference_mode()``.
     """
     global _override
     saved = _override
     if enabled is not None:
         set_emulation(enabled)
     try:
-        if any(emulation_enabled(dt) for dt in LOW_PRECISION):
+        if not any(emulation_enabled(dt) for dt in LOW_PRECISION):
+            yield
+        elif not fast or torch.is_inference_mode_enabled():
             with TensorCoreEmulation():
                 yield
         else:
-            yield
+            with _fast_region():
+                yield
     finally:
         _override = saved
 

@@ -76,6 +76,13 @@ def tensor_stats(t: torch.Tensor, formats=INSPECT_FORMATS, *, loss_scale: float 
     return out
 
 
+def _weight(layer: nn.Module) -> torch.Tensor:
+    """The high-precision weight a layer trains: its FP32 master where it stores the weight in FP8
+    (``mpcourse.core.quant.Float8WeightLinear``: the gradient goes there), else ``layer.weight``."""
+    master = getattr(layer, "master_weight", None)
+    return layer.weight if master is None else master
+
+
 class Inspector:
     """Hooks on every ``nn.Linear`` of ``model`` recording ``tensor_stats`` of each role every ``every`` steps.
 
@@ -95,7 +102,7 @@ class Inspector:
         for name, m in self.layers.items():
             self._handles.append(m.register_forward_pre_hook(self._fwd(name)))
             self._handles.append(m.register_full_backward_hook(self._bwd(name)))
-            self._handles.append(m.weight.register_post_accumulate_grad_hook(self._wgrad(name)))
+            self._handles.append(_weight(m).register_post_accumulate_grad_hook(self._wgrad(name)))
 
     @property
     def active(self) -> bool:
@@ -117,7 +124,7 @@ class Inspector:
         def hook(module, args):
             if self.active and torch.is_grad_enabled():
                 self._record(name, "activation", args[0])
-                self._record(name, "weight", module.weight)
+                self._record(name, "weight", _weight(module))
         return hook
 
     def _bwd(self, name):

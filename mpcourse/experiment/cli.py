@@ -204,6 +204,12 @@ def _main_distributed(args, corpus, cfg, recipes) -> int:
         except LearnerLoadError as e:
             print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
             return 2
+    from .parallel import unsupported
+    refused = {name: unsupported(name, args.parallel) for name in recipes}
+    if all(refused.values()):                        # nothing would run: say why instead of an empty table
+        print(f"mpcourse compare: error: --parallel {args.parallel} runs none of the recipes asked for: "
+              + "; ".join(f"{n}: {why}" for n, why in refused.items()), file=sys.stderr)
+        return 2
     job = Job(recipes=recipes, corpus=corpus, cfg=cfg, out=args.out, parallel=args.parallel,
               reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout,
               learner_notebooks=tuple(str(nb) for nb in args.with_notebooks))

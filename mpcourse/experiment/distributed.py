@@ -188,6 +188,8 @@ def run_rank(job: Job) -> list | None:
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
     for line in job.messages:
         print(line)
+    if not results:                                  # every recipe asked for was refused: nothing to write or plot
+        return results
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
                           "bytes_per_param": "per rank", "not_run": not_run}}
     write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)

@@ -12,7 +12,8 @@ training loop does and reports the bytes held, by kind:
     activations   tensors autograd saved for backward (``torch.autograd.graph.saved_tensors_hooks``),
                   parameters excluded
     fp8_cache     the FP8 copies of weights an FP8 layer saves for its backward GEMM (counted out of
-                  ``activations``: they are weight-sized, not token-sized)
+                  ``activations``: they are weight-sized, not token-sized); none where the weight is stored in
+                  FP8 (``Float8WeightLinear``: the saved weight is the parameter itself, counted in ``weights``)
     peak          the most bytes alive at once during the step, state included (CPU: a
                   ``TorchDispatchMode`` that follows every storage an op returns until it is freed;
                   CUDA: ``torch.cuda.max_memory_allocated``)
@@ -24,7 +25,8 @@ Why count tensors, not formulas: "FP8 saves memory" is a claim about tensors tha
 Engine's docs measure a 1024x1024 ``Linear`` at 6.00 MB in BF16 and 6.02 MB with FP8 compute (the
 high-precision weights stay, the FP8 copies are added); torchao reports Llama3-8B peak memory 47.65 GB
 (BF16) vs 47.77 GB (FP8). Savings come from FP8 activations saved for backward, FP8 weights
-(TE ``quantized_model_init``) and low-precision optimizer state (DeepSeek-V3, arXiv 2412.19437 s3.3).
+(TE ``quantized_model_init``; recipe ``fp8-delayed-fp8-weights``: the module's weight shrinks, but its FP32 master
+is a new copy) and low-precision optimizer state (DeepSeek-V3, arXiv 2412.19437 s3.3).
 The CPU peak tracker follows the idea of ``torch.distributed._tools.mem_tracker.MemTracker`` (weak
 references to storages from a dispatch mode); the tests use that class as the oracle.
 """

@@ -33,7 +33,7 @@ reduce-scatters its gradients. Per recipe:
   2.13: torch's DTensor dispatch of the fused inf check already reduces the flag with MAX over the mesh, so
   a plain ``GradScaler`` agrees across ranks on DTensor gradients too; a check on ``.to_local()`` shards
   would not.)
-* FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*``): sharded as they are;
+* FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*`` but ``fp8-delayed-fp8-weights``, which ``UNSUPPORTED`` refuses under both modes): sharded as they are;
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
   the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
   hooks, see lesson 11).
@@ -63,9 +63,16 @@ from .recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
 PARALLEL_MODES = ("ddp", "fsdp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-#: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row); every
-#: recipe runs under both modes now, and a new one that cannot must be listed here with the reason
-UNSUPPORTED: dict[str, dict[str, str]] = {"fsdp": {}, "ddp": {}}
+#: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row); a new
+#: recipe that cannot must be listed here with the reason
+_FP8_WEIGHTS = "fp8-delayed-fp8-weights"
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "fsdp": {_FP8_WEIGHTS: "its FP8 weights (E4M3 data + a scale, no gradient) would need an FP8 all-gather and "
+                           "sharded masters outside the module, which this library does not build; run it on one "
+                           "process"},
+    "ddp": {_FP8_WEIGHTS: "DDP averages the gradients of the module's parameters, but its weight gradients go to "
+                          "FP32 masters outside the module, which DDP would leave unreduced; run it on one process"},
+}
 
 
 def unsupported(recipe_name: str, parallel: str) -> str | None:

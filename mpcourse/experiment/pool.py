@@ -16,7 +16,8 @@ time, never a result): started last, the slowest run (``nvfp4``, about 7 FP32 st
 while the other workers sit idle. The results come back in the order of the tasks.
 
 Progress: the workers report every step through a queue and the parent draws one bar over all steps
-(per-process bars would overwrite each other). A worker that raises ends the job with ``WorkerError``,
+(per-process bars would overwrite each other); a run that diverges stops early and its steps not run are
+counted as done, so a finished job's bar ends at 100%. A worker that raises ends the job with ``WorkerError``,
 naming the run and carrying the worker's message.
 """
 from __future__ import annotations
@@ -123,7 +124,12 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, prog
                     except Exception as e:   # the worker's exception, re-raised here by the executor
                         raise WorkerError(f"{tasks[i].name} (seed {tasks[i].cfg.seed}) failed in a worker: "
                                           f"{type(e).__name__}: {e}") from e
+                    # a run that diverged stops early: its steps not run are counted as done, so the bar
+                    # ends at 100% (the run is finished; the table says where it diverged)
+                    bar.update(max(0, tasks[i].cfg.steps - results[i].steps_run))
                     bar.write(f"{tasks[i].name:>16} done: val {results[i].final_val_loss:.3f}")
+            _drain(ticks, bar)
+            bar.update(bar.total - bar.n)   # every run is over: ticks still in the queue's pipe count as done
         except BaseException:
             for f in pending:
                 f.cancel()
@@ -141,5 +147,6 @@ def _drain(ticks, bar) -> None:
             n += ticks.get_nowait()
         except queue_mod.Empty:
             break
-    if n:
+    n = min(n, bar.total - bar.n)       # a late tick of a run already counted in full never passes 100%
+    if n > 0:
         bar.update(n)

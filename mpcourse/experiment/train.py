@@ -12,13 +12,13 @@ decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
     after_step(step, recipe, result)        # optional hook: look at the updated state
     recipe.zero_grad()
 
-Every step runs inside ``mpcourse.core.emulation.tensor_cores()`` (``Trainer.emulation()``), so
-low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor cores compute them. The
-emulation is a dispatch mode that sees every op in Python (about a third of an FP32 step on a 2-core
-CPU): a run whose first step computed no low-precision matmul through it (FP32 and the FP8 recipes,
-whose GEMM operands are FP32 or FP8) runs its later steps and evaluations without it, which changes no
-bit (the mode passes every other op through unchanged). Runs are seeded: on CPU the same seed gives the
-same bits.
+Every step runs inside ``mpcourse.core.emulation.tensor_cores(fast=True)`` (``Trainer.emulation()``), so
+low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor cores compute them, by
+kernels on the matmul ops only (the same bits as the ``TensorCoreEmulation`` dispatch mode, which would see
+every op in Python: ``Trainer.fast_emulation = False`` runs that instead). A run whose first step computed no
+low-precision matmul through it (FP32 and the FP8 recipes, whose GEMM operands are FP32 or FP8) runs its
+later steps and evaluations without it, which changes no bit (every other op passes through unchanged).
+Runs are seeded: on CPU the same seed gives the same bits.
 """
 from __future__ import annotations
 
@@ -153,12 +153,16 @@ class Trainer:
         ValueError: an override the recipe does not accept (the message lists those it does).
     """
 
+    #: enter ``tensor_cores(fast=True)``: the emulation's kernels on the matmul ops only; False: its dispatch mode
+    #: (the same bits; the tests compare the two)
+    fast_emulation = True
+
     def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None, inspect_every: int = 0):
         recipe_cls = get_recipe(recipe_name)
         mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
         model = GPT(mcfg).to(cfg.device)                     # FP32 init, identical for every recipe
-        with tensor_cores():
+        with tensor_cores(fast=self.fast_emulation):
             self.cfg = cfg
             recipe = self.build_recipe(recipe_cls, model, overrides)
         self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
@@ -227,7 +231,7 @@ class Trainer:
         if self._emulating or self.needs_emulation is False:
             yield
             return
-        with tensor_cores():
+        with tensor_cores(fast=self.fast_emulation):
             self._emulating = True
             try:
                 yield
@@ -297,6 +301,10 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
             if on_step is not None:
                 on_step(self)
+        if self.diverged_at is not None and bar.total != self.step:
+            bar.total = self.step                            # stopped early: the bar ends at 100% of the steps run
+            bar.set_description(f"{self.name:>16} (diverged at step {self.diverged_at})", refresh=False)
+            bar.refresh()
         bar.close()
         return self
 

@@ -6,6 +6,8 @@
 * ``region``: the FP8 region, TE's ``autocast`` (older spelling ``fp8_autocast``), and when delayed
   scales update (plus the amax all-reduce).
 * ``linear``: ``Float8Linear``, ``convert_to_float8_training`` and torchao's ``Float8LinearConfig``.
+* ``fp8_weights``: ``Float8WeightLinear``, a layer storing its weight only in FP8 with the FP32 master in the
+  optimizer (TE ``quantized_model_init``), and ``convert_to_fp8_weights``.
 * ``scaled``: ``ScaledTensor``, scales of any granularity (tensorwise, rowwise, 1x128, 128x128, MX, NVFP4).
 * ``block_recipes``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``, ``MXFP8BlockScaling``,
   ``NVFP4BlockScaling`` (TE's names and defaults), each building a quantizer per role and axis.
@@ -19,6 +21,7 @@ pytorch/ao ``torchao/float8``.
 from .region import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
 from .gemm import check_fp8_gemm_supported, fp8_gemm, fp8_gemm_support_error
 from .linear import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from .fp8_weights import Float8WeightLinear, convert_to_fp8_weights
 from .recipe import (ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, Float8CurrentScaling, Format,
                      amax_and_scale_update, fp8_format_for)
 from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
@@ -35,7 +38,7 @@ __all__ = [
     "amax_and_scale_update", "fp8_format_for", "ROLES",
     "fp8_gemm", "check_fp8_gemm_supported", "fp8_gemm_support_error",
     "autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled",
-    "Float8Linear", "Float8LinearConfig", "convert_to_float8_training",
+    "Float8Linear", "Float8LinearConfig", "convert_to_float8_training", "Float8WeightLinear", "convert_to_fp8_weights",
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES",

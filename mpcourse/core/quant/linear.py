@@ -85,7 +85,9 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):  # grad_y: (M, N) out dtype
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        x_data, x_scale_inv, w_data, *w_saved = ctx.saved_tensors
+        # A stored FP8 weight (fp8_weights.Float8WeightLinear) hands its scale_inv over as state, not a saved tensor.
+        w_scale_inv = w_saved[0] if w_saved else ctx.w_scale_inv
         layer, (x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.dtypes
         pad = layer.pad_inner_dim
         g8 = layer._quantize("grad_output", grad_y.contiguous(), True)  # (M, N) E5M2 under HYBRID, row-major
@@ -187,11 +189,15 @@ class Float8Linear(nn.Linear):
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
         with no_autocast(device):
-            if self.quantizers["input"].per_tensor:   # one FP8 copy per tensor, reused by the backward GEMMs
-                y = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
-            else:                                     # copies re-quantized along each GEMM's contraction dimension
-                y = BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype)
+            y = self._fp8_forward(x2d, out_dtype)     # (M, N) out_dtype
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fp8_forward(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 GEMM path for a (M, K) row-major input (``fp8_weights.Float8WeightLinear`` replaces it)."""
+        if self.quantizers["input"].per_tensor:       # one FP8 copy per tensor, reused by the backward GEMMs
+            return _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        # copies re-quantized along each GEMM's contraction dimension
+        return BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype)
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------
     def get_extra_state(self) -> torch.Tensor:

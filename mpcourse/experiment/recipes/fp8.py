@@ -24,6 +24,7 @@ Master weights. The FP8 layers keep their weights in FP32 and quantize a fresh E
 forward, as ``te.Linear`` and torchao's ``Float8Linear`` do; the optimizer (AdamW) steps those FP32
 weights directly, so the FP32 weights *are* the master copy and no second copy exists (the table shows
 master 0 B). Gradients reach the weights in FP32 (the weight-gradient GEMM writes the weight's dtype).
+``fp8-delayed-fp8-weights`` (``fp8_weights.py``) stores those weights in FP8 instead, with an FP32 master in AdamW.
 
 The non-FP8 compute dtype is FP32 (no ``torch.autocast`` around the FP8 region). Why not BF16 autocast,
 as TE is usually run on GPUs (BF16 activations around FP8 GEMMs)? So that the gap of these rows to
