@@ -43,7 +43,7 @@ reduce-scatters its gradients. Per recipe:
   (AdamW element by element, its BF16 state sharded too), then writes the result back into each rank's local
   shard by the recipe's rule; the Kahan compensation is sharded with the weight. Stochastic rounding: every rank
   holds the same generator (same seed) and, for each parameter, advances it over the draws of the *whole*
-  tensor, using the slice of its own rows; so an element gets the random bits it gets in one process, whatever
+  tensor, using the slice of its own rows; so (CPU generator) an element gets the random bits it gets in one process, whatever
   the number of ranks, and the generators stay identical on every rank (``mpcourse.core.bf16``).
 
 Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
