@@ -89,6 +89,22 @@ def test_round_e2m1_stochastic_draws_and_rounds_as_the_rule(seed):
     assert bits_equal(fast, rule) and torch.equal(after_fast, torch.get_rng_state())
 
 
+def test_round_e2m1_stochastic_below_2_to_the_minus_9_carries_as_the_rule():
+    """|y| < 2^-9 takes the fast path's second branch (32 or more dropped bits, the draw's high word): values that
+    round up to 0.5 now and then, FP32 subnormals, zeros, and a transposed (non-contiguous) input."""
+    g = torch.Generator().manual_seed(12)
+    tiny = torch.rand(200_000, generator=g) * (2.0 ** -9 - 2.0 ** -12) + 2.0 ** -12
+    x = torch.cat([tiny, -tiny[:1000], torch.rand(1000, generator=g) * 2.0 ** -126, torch.zeros(100),
+                   torch.full((50,), 2.0 ** -9), torch.full((50,), 2.0 ** -9).nextafter(torch.tensor(0.0))])
+    fast = round_e2m1(x, "stochastic", torch.Generator().manual_seed(4))
+    rule = round_to(x, "e2m1", rounding="stochastic", saturate=True, generator=torch.Generator().manual_seed(4))
+    assert bits_equal(fast, rule) and int((rule != 0).sum()) > 100        # the carry branch is taken
+    m = x[:200_000].reshape(400, 500).t()                                   # (500, 400), a transposed view
+    fast = round_e2m1(m, "stochastic", torch.Generator().manual_seed(5))
+    rule = round_to(m, "e2m1", rounding="stochastic", saturate=True, generator=torch.Generator().manual_seed(5))
+    assert bits_equal(fast, rule)
+
+
 def test_round_e2m1_refuses_what_it_does_not_cover():
     with pytest.raises(TypeError, match="float32"):
         round_e2m1(torch.ones(2, dtype=torch.float64))
@@ -115,3 +131,88 @@ def test_auto_gemm_on_cpu_equals_f_scaled_mm_for_the_kinds_it_takes():
     for block in ((-1, -1), (1, -1)):
         a, b = quantize_fp32_scaled(x, block), quantize_fp32_scaled(w, block)
         assert torch.equal(scaled_gemm(a, b.t()), scaled_gemm(a, b.t(), backend="native"))
+
+
+def _edge_matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """(rows, cols) fp32: random values plus the edge cases a reduction can get wrong, each in its own 16-block."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[0, 5] = float("nan")                    # NaN inside a block
+    x[1, 16:32] = float("nan")                # an all-NaN block
+    x[2, 17] = float("inf")
+    x[3, 32] = -float("inf")
+    x[4, 48:64] = 0.0                         # amax 0
+    x[5, 64:80] = -0.0                        # amax 0 from signed zeros
+    x[6, 80:96] = 1e-45                       # FP32 subnormals
+    x[7, 96:112] = -3.0                       # all equal
+    return x
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_compute_amax_equals_abs_then_amax(dtype):
+    from mpcourse.core.quant.tensor import compute_amax
+    x = _edge_matrix(16, 128, 5)
+    cases = [x, x[:, 40:], x[4:6, 48:80], -torch.zeros(7), x.t(), torch.randn(33, 7) * 1e-40, x[1:2, 16:32]]
+    for t in cases:
+        t = t.to(dtype)
+        fast, rule = compute_amax(t), t.abs().amax().float()
+        assert bits_equal(fast.reshape(1), rule.reshape(1)) and fast.shape == () and fast.dtype == torch.float32
+    assert compute_amax(torch.zeros(0, 4, dtype=dtype)) == 0
+
+
+def test_block_amax_1x16_pooling_equals_the_reduction():
+    from mpcourse.core.quant.scaled import block_amax, block_view
+    for x in (_edge_matrix(32, 256, 6), _edge_matrix(16, 128, 7)[:, :16].contiguous(), _edge_matrix(48, 128, 8).bfloat16()):
+        rule = block_view(x.float().abs(), (1, 16)).amax(dim=(1, 3))
+        fast = block_amax(x, (1, 16))
+        assert bits_equal(fast, rule) and fast.shape == rule.shape
+        assert bits_equal(block_amax(x.t().contiguous().t(), (1, 16)), rule)      # a transposed view: the rule
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
+def test_nvfp4_tensor_amax_from_the_block_maxima_is_the_tensor_amax(block):
+    from mpcourse.core.quant.scaled import quantize_nvfp4
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 3
+    x[5, 7] = 40.0
+    for t in (x, torch.zeros_like(x), x.bfloat16()):
+        a, b = quantize_nvfp4(t, block), quantize_nvfp4(t, block, tensor_amax=t.abs().amax())
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scale_inv.view(torch.uint8), b.scale_inv.view(torch.uint8))
+        assert bits_equal(a.tensor_scale_inv.reshape(1), b.tensor_scale_inv.reshape(1))
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed_e4m3"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_cpu_backward_equals_the_fp8_gemm_path(recipe, x_dtype):
+    """The CPU backward (each operand upcast once, no layout copies) equals the fp8_gemm route bit for bit;
+    pad_inner_dim=True on aligned shapes takes that route and pads nothing."""
+    from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format
+    rec = CurrentScaling(fp8_format=Format.HYBRID) if recipe == "current" else DelayedScaling(fp8_format=Format.E4M3)
+    grads = []
+    for pad in (False, True):
+        g = torch.Generator().manual_seed(10)
+        layer = Float8Linear(128, 384, recipe=rec, pad_inner_dim=pad)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(384, 128, generator=g) * 0.05)
+            layer.bias.copy_(torch.randn(384, generator=g))
+        x = (torch.randn(4, 64, 128, generator=g) * 3).to(x_dtype).requires_grad_(True)
+        for _ in range(2):                                   # delayed scaling: a second step with real scales
+            layer.zero_grad(); x.grad = None
+            y = layer(x)
+            (y.float() * torch.linspace(-1, 1, 384)).sum().backward()
+        grads.append((y.detach().float(), x.grad.float(), layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*grads):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("mk", [(1024, 128), (1024, 384), (1024, 512), (64, 48), (16, 16)])
+def test_rht_batched_matmul_equals_the_einsum_rule(mk):
+    from mpcourse.core.quant.block_recipes import random_hadamard
+    M, K = mk
+    x = _edge_matrix(max(M, 16), max(K, 128), 11)[:M, :K].contiguous() * 5
+    x[0:16, 0] = torch.tensor([1e4] + [1e-2] * 15)                  # an outlier spread over its group
+    for seed in (0, 3):
+        rule = torch.einsum("ij,gjk->gik", random_hadamard(16, seed), x.reshape(M // 16, 16, K)).reshape(M, K)
+        fast = NVFP4BlockScaling(rht_seed=seed).rht(x)
+        assert bits_equal(fast, rule)
+        assert bits_equal(NVFP4BlockScaling(rht_seed=seed).rht(x.bfloat16()), torch.einsum(
+            "ij,gjk->gik", random_hadamard(16, seed), x.bfloat16().float().reshape(M // 16, 16, K)).reshape(M, K))

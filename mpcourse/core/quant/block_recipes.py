@@ -190,6 +190,17 @@ def random_hadamard(n: int = 16, seed: int = 0) -> torch.Tensor:
     return hadamard(n) * signs[None, :]
 
 
+_RHT_MATRICES: dict = {}
+
+
+def _rht_matrix(seed: int, device) -> torch.Tensor:
+    """``random_hadamard(16, seed)`` on ``device``, built once per (seed, device): it is read, never written."""
+    key = (seed, str(device))
+    if key not in _RHT_MATRICES:
+        _RHT_MATRICES[key] = random_hadamard(16, seed).to(device)
+    return _RHT_MATRICES[key]
+
+
 @dataclass(frozen=True)
 class NVFP4BlockScaling(_BlockRecipe):
     """NVFP4 (TE ``NVFP4BlockScaling``): E2M1 data, an E4M3 scale per 16 elements, one FP32 scale per tensor.
@@ -225,8 +236,10 @@ class NVFP4BlockScaling(_BlockRecipe):
         M, K = x.shape
         if M % 16:
             raise ValueError(f"the 16x16 Hadamard transform needs M divisible by 16, got M = {M}")
-        h = random_hadamard(16, self.rht_seed).to(x.device)
-        return torch.einsum("ij,gjk->gik", h, x.float().reshape(M // 16, 16, K)).reshape(M, K)
+        h = _rht_matrix(self.rht_seed, x.device)                   # (16, 16) fp32
+        # H @ each (16, K) group: one batched GEMM. The rule is einsum("ij,gjk->gik", H, x3), which computes the same
+        # bmm after copying x3 (tests/test_quant_fastpath.py checks the bits are the same).
+        return torch.matmul(h, x.float().reshape(M // 16, 16, K)).reshape(M, K)
 
     def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..formats import FORMATS, round_to
 from ..seams import check_exponents, check_nvfp4_scales
@@ -59,7 +60,14 @@ def block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max |x| of each block: (M/r, K/c) float32 (NaN propagates)."""
-    return block_view(x.detach().float(), block).abs().amax(dim=(1, 3))
+    a = x.detach().float().abs()
+    if block == (1, 16) and a.is_contiguous() and a.device.type == "cpu":
+        # The same maxima (a max is exact in any order, NaN propagates in both): torch's CPU reduction over a
+        # 16-wide innermost dimension is slow, its 1-D max pooling with kernel = stride = 16 is not.
+        # (tests/test_quant_fastpath.py checks it against the reduction below.)
+        M, K = a.shape
+        return F.max_pool1d(a.reshape(M, 1, K), 16, 16).reshape(M, K // 16)
+    return block_view(a, block).amax(dim=(1, 3))
 
 
 def expand(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -121,10 +129,12 @@ class ScaledTensor:
 
 def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Saturating cast of fp32 ``y`` to ``elem``, returned in its float8 container (NaN stays NaN where it can)."""
+    """Saturating cast of fp32 ``y`` to ``elem``, returned in its float8 container (NaN stays NaN where it can).
+    ``y`` is a scratch tensor of the caller's: the FP8 formats clamp it in place."""
     top = FORMATS[elem].max
     if elem in FP8_DTYPES and rounding == "nearest":
-        return y.clamp(-top, top).to(FP8_DTYPES[elem])   # in range: the cast only rounds (to nearest even)
+        # in range: the cast only rounds (to nearest even); y is the caller's fresh product, clamped in place
+        return y.clamp_(-top, top).to(FP8_DTYPES[elem])
     if elem == "e2m1" and rounding in ("nearest", "stochastic"):
         # the rule below, bit for bit, in a few int32/FP32 passes (tests/test_quant_fastpath.py)
         return round_e2m1(y.contiguous(), rounding, generator).to(_CONTAINER[elem])
@@ -264,10 +274,11 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
         t, s = nvfp4_scales_from(scales_fn, x.detach().float(), b)
         safe_t = torch.where(t > 0, t, torch.ones_like(t))
     else:
-        amax_t = (x.detach().abs().amax().float() if tensor_amax is None else tensor_amax.float()).reshape(())
+        amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
+        # max |x| is the largest block max (exact, NaN propagates): no second pass over x
+        amax_t = (amax_b.amax() if tensor_amax is None else tensor_amax.float()).reshape(())
         t = nvfp4_tensor_scale_inv(amax_t)
         safe_t = torch.where(t > 0, t, torch.ones_like(t))
-        amax_b = block_amax(x, b)
         s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
     recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
     y = block_view(x.float(), b) * expand(recip, b)

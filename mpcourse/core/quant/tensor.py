@@ -174,7 +174,10 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 tensor of shape () (exact in any float dtype; NaN if x holds a NaN; 0 if empty)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().float()
+    # max |x| = max(-min x, max x): one reading pass (``aminmax``) instead of abs (a written copy) then amax; the
+    # final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x| gives. Both are exact.
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(lo.neg(), hi).abs().float()
 
 
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -264,7 +267,7 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    y_clamped = y.clamp(-top, top)  # torch.clamp lets NaN through
+    y_clamped = y.clamp_(-top, top) if saturate else y.clamp(-top, top)  # torch.clamp lets NaN through
     if not saturate:
         midpoint, tie_rounds_up = _overflow_threshold(name)
         overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
