@@ -223,6 +223,11 @@ def _worker(rank, port, out_dir):
                                    "generator": t.recipe.optimizer.generator.get_state()}
             res[("sharded-step", name)] = _bf16_sharded_case(name)
         res[("sharded-step", "bf16-pure-sr", "seed 6")] = _bf16_sharded_case("bf16-pure-sr", seed=6)
+        t = DataParallelTrainer("bf16-master-bf16-moments", corpus, CFG, "fsdp").run()
+        opt = t.recipe.optimizer
+        res[("fsdp", "bf16-master-bf16-moments")] = {
+            "memory": t.memory, "losses": _losses(t),
+            "moments": {str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"}}
         for name in ("fp16-dynamic", "torch-amp-fp16"):
             res[("overflow", name)] = _overflow_case(name, corpus)
         if importlib.util.find_spec("torchao") is not None:     # the oracle test below skips without it
@@ -251,7 +256,7 @@ def single():
     """The same recipes in one process, the whole batch at once: losses and bytes."""
     corpus = load_corpus(None)
     out = {}
-    for name in ("fp32", "fp16-master", *BF16_VARIANTS):
+    for name in ("fp32", "fp16-master", *BF16_VARIANTS, "bf16-master-bf16-moments"):
         t = Trainer(name, corpus, CFG).run()
         out[name] = {"losses": _losses(t), "memory": t.memory}
     return out
@@ -316,6 +321,20 @@ def test_fsdp2_runs_the_pure_bf16_recipes(ranks, single, name):
         total = a["memory"][kind] + b["memory"][kind]
         assert one[kind] <= total <= 1.01 * one[kind], (kind, one[kind], total)   # vocab rows padded
         assert (one[kind] == 0) == (kind == "extra" and name != "bf16-pure-kahan")
+
+
+def test_fsdp2_keeps_the_bf16_moments_of_bf16_master_bf16_moments(ranks, single):
+    """Under FSDP2 the sharded FP32 parameters are the master and the recipe's own master optimizer steps them:
+    AdamW with BF16 moments (2 + 2 bytes per parameter, sharded: about 2 per rank), not plain FP32 AdamW."""
+    one = single["bf16-master-bf16-moments"]
+    mem = [r[("fsdp", "bf16-master-bf16-moments")]["memory"] for r in ranks]
+    total = one["memory"]["optimizer"]
+    assert total <= mem[0]["optimizer"] + mem[1]["optimizer"] <= 1.01 * total
+    for r in ranks:
+        assert r[("fsdp", "bf16-master-bf16-moments")]["moments"] == {"torch.bfloat16"}
+    a, b = (r[("fsdp", "bf16-master-bf16-moments")]["losses"] for r in ranks)
+    assert a == b
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(one["losses"]), rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16-master"])

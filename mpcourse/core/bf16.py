@@ -291,7 +291,10 @@ class BF16Optimizer:
 
     def _skip_draws(self, n: int) -> None:
         """Advance the generator past the draws of ``n`` elements (``stochastic_round_bf16`` draws one 32-bit number
-        per element, in row-major order, from the CPU generator's serial stream)."""
+        per element, in row-major order, from the CPU generator's serial stream). On CUDA, torch's Philox
+        generator advances by offsets per launch, not per element, so there a sharded run still rounds
+        stochastically but neither one process's bits nor equal generator states across ranks are to be expected
+        (not run: no GPU here)."""
         if n > 0:
             torch.randint(0, 1 << 16, (n,), generator=self.generator, device=self.generator.device, dtype=torch.int32)
 

@@ -17,11 +17,13 @@ gradients and optimizer state are sharded (ZeRO stage 3): each rank keeps 1/N of
 shard, all-gathers a block's parameters just before its forward (and again for its backward) and
 reduce-scatters its gradients. Per recipe:
 
-* master-weights recipes (``fp16-master``, ``fp16-static``, ``fp16-dynamic``, ``bf16-master``): the FP32
+* master-weights recipes (``fp16-master``, ``fp16-static``, ``fp16-dynamic``, ``bf16-master``,
+  ``bf16-master-bf16-moments``): the FP32
   parameters *are* the master copy, sharded; ``MixedPrecisionPolicy(param_dtype=fp16/bf16,
   reduce_dtype=fp32)`` casts each all-gathered block to the working dtype, so forward and backward run in
   FP16/BF16 exactly as the single-process recipe's model does, and the gradients are reduce-scattered in FP32
-  onto the FP32 shards. The optimizer (AdamW) steps the shards; no copy-down is needed (the next all-gather
+  onto the FP32 shards. The recipe's ``master_optimizer`` steps the shards (AdamW; for
+  ``bf16-master-bf16-moments`` AdamW with its moments stored in BF16, sharded too); no copy-down is needed (the next all-gather
   casts again, round to nearest even as ``MasterWeights.copy_master_to_model``). The FP32 initialisation is
   first rounded through the working dtype so the master starts from the same values as the single-process
   ``MasterWeights`` (built from the cast model, Apex O2). The course's loss scaler all-reduces its inf flag
@@ -41,7 +43,7 @@ reduce-scatters its gradients. Per recipe:
   (AdamW element by element, its BF16 state sharded too), then writes the result back into each rank's local
   shard by the recipe's rule; the Kahan compensation is sharded with the weight. Stochastic rounding: every rank
   holds the same generator (same seed) and, for each parameter, advances it over the draws of the *whole*
-  tensor, using the slice of its own rows; so an element gets the random bits it gets in one process, whatever
+  tensor, using the slice of its own rows; so (CPU generator) an element gets the random bits it gets in one process, whatever
   the number of ranks, and the generators stay identical on every rank (``mpcourse.core.bf16``).
 
 Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
@@ -151,6 +153,12 @@ class ShardedMasterRecipe(TrainingRecipe):
         super().__init__(model, optim, overrides)
         make_scaler = getattr(base, "make_scaler", None)
         self.scaler = make_scaler(self) if make_scaler is not None else None
+
+    def make_optimizer(self, params):
+        """The base recipe's master optimizer (``master_optimizer``: AdamW, or AdamW with BF16 moments for
+        ``bf16-master-bf16-moments``) over the FP32 parameters, which are the master."""
+        o = self.optim
+        return self.base.master_optimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     def prepare_model(self, model):
         with torch.no_grad():                  # the master starts from the cast model's values, as MasterWeights

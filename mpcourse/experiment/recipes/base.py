@@ -228,6 +228,9 @@ class MasterWeightsRecipe(TrainingRecipe):
     #: lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16); lesson 02: the master copy and the
     #: step through it (``master_step`` does its own rounding: given both, ``round_to_fp16`` is not used).
     OVERRIDABLE = ("round_to_fp16", "make_master", "master_step")
+    #: the torch optimizer class that steps the FP32 master (under FSDP2, ``ShardedMasterRecipe`` steps the
+    #: sharded FP32 parameters with it, so a subclass's choice of optimizer state carries over)
+    master_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
 
     def round_name(self) -> str:
         return {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}[self.model_dtype]
@@ -238,7 +241,7 @@ class MasterWeightsRecipe(TrainingRecipe):
     def make_optimizer(self, params):
         o = self.optim
         # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
-        self.master = MasterWeights(params, torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps,
+        self.master = MasterWeights(params, self.master_optimizer, lr=o.lr, betas=o.betas, eps=o.eps,
                                     weight_decay=o.weight_decay, round_to_model=self.overrides.get(self.round_name()),
                                     make_master=self.overrides.get("make_master"))
         return self.master.optimizer                                   # steps the fp32 master params

@@ -114,9 +114,10 @@ class BF16MasterBF16Moments(BF16Master):
     name = "bf16-master-bf16-moments"
     description = "BF16 model, FP32 master weights, AdamW moments stored in BF16 (DeepSeek-V3)"
     OVERRIDABLE = ()                                   # its MasterWeights is built here, without the seam
+    master_optimizer = LowPrecisionState(torch.optim.AdamW, torch.bfloat16)
 
     def make_optimizer(self, params):
         o = self.optim
-        self.master = MasterWeights(params, LowPrecisionState(torch.optim.AdamW, torch.bfloat16), lr=o.lr,
+        self.master = MasterWeights(params, self.master_optimizer, lr=o.lr,
                                     betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         return self.master.optimizer
