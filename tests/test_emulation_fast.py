@@ -12,16 +12,10 @@ from mpcourse.core import emulation
 from mpcourse.core.emulation import TensorCoreEmulation, emulated_calls, set_emulation, tensor_cores
 from torch.utils._python_dispatch import TorchDispatchMode
 
-LOW = [torch.bfloat16, torch.float16]
+# tests/ is on sys.path under pytest (no package): the mode's cases, dtypes and its autouse reset fixture
+from test_emulation import CASES as MODE_CASES, LOW, _reset  # noqa: F401
+
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def _reset(monkeypatch):
-    monkeypatch.delenv("MPCOURSE_EMULATE", raising=False)
-    set_emulation(None)
-    yield
-    set_emulation(None)
 
 
 def bits(t):
@@ -37,18 +31,10 @@ def run(fast: bool, fn, *xs):
     return [out.detach()] + [x.grad for x in xs if x.requires_grad]
 
 
-CASES = {
-    "mm": (lambda a, b: torch.mm(a, b), [(24, 40), (40, 16)]),
-    "matmul3d": (lambda a, b: a @ b, [(3, 24, 40), (40, 16)]),
-    "bmm": (lambda a, b: torch.bmm(a, b), [(3, 24, 40), (3, 40, 16)]),
-    "linear": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(2, 5, 40), (16, 40), (16,)]),
-    "addmm": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0), [(24, 16), (24, 40), (40, 16)]),
-    "baddbmm": (lambda c, a, b: torch.baddbmm(c, a, b), [(3, 24, 16), (3, 24, 40), (3, 40, 16)]),
-    "addbmm": (lambda c, a, b: torch.addbmm(c, a, b), [(24, 16), (3, 24, 40), (3, 40, 16)]),
-    "mv": (lambda a, v: torch.mv(a, v), [(24, 40), (40,)]),
-    "addmv": (lambda c, a, v: torch.addmv(c, a, v), [(24,), (24, 40), (40,)]),
-    "dot": (lambda a, b: torch.dot(a, b), [(40,), (40,)]),
-}
+CASES = {**MODE_CASES,   # the mode's own cases (tests/test_emulation.py), and the other matmul-family ops
+         "addbmm": (lambda c, a, b: torch.addbmm(c, a, b), [(24, 16), (3, 24, 40), (3, 40, 16)]),
+         "addmv": (lambda c, a, v: torch.addmv(c, a, v), [(24,), (24, 40), (40,)]),
+         "dot": (lambda a, b: torch.dot(a, b), [(40,), (40,)])}
 
 
 @pytest.mark.parametrize("dtype", LOW)
