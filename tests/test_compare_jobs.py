@@ -48,4 +48,4 @@ def test_longest_runs_start_first_and_results_keep_the_task_order():
     cfg = TrainConfig(steps=10)
     tasks = [Task("fp32", cfg), Task("bf16-pure", cfg), Task("nvfp4", cfg), Task("fp8-current", cfg),
              Task("fp32", dataclasses.replace(cfg, steps=100))]
-    assert start_order(tasks) == [4, 2, 3, 1, 0]          # 100 x 1.0, 10 x 6.9, 10 x 2.0, 10 x 1.5, 10 x 1.0
+    assert start_order(tasks) == [4, 2, 3, 1, 0]          # 100 x 1.0, 10 x 5.1, 10 x 1.9, 10 x 1.3, 10 x 1.0

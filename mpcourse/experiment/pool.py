@@ -36,14 +36,15 @@ from .data import Corpus
 from .train import RunResult, TrainConfig
 
 
-# step time over the FP32 step (benchmarks/bench_block_recipes.py, one interleaved 1-thread run); others: 1.5
-STEP_COST = {"fp32": 1.0, "nvfp4": 6.9, "fp8-rowwise": 2.5, "mxfp8": 2.4, "mxfp8-floor": 2.4, "fp8-block": 2.2,
-             "fp8-current": 2.0, "fp8-delayed": 2.0}
+# step time over the FP32 step (benchmarks/bench_block_recipes.py, one interleaved 1-thread run, after the FP8 and
+# tensor-core emulation fast paths); others (the emulated BF16/FP16 recipes): 1.3
+STEP_COST = {"fp32": 1.0, "nvfp4": 5.1, "fp8-rowwise": 2.5, "mxfp8": 2.4, "mxfp8-floor": 2.4, "fp8-block": 2.3,
+             "fp8-current": 1.9, "fp8-delayed": 1.8, "fp8-delayed-fp8-weights": 1.8}
 
 
 def start_order(tasks: list["Task"]) -> list[int]:
     """Indices of ``tasks``, the longest expected run first (steps x ``STEP_COST``); ties keep their order."""
-    return sorted(range(len(tasks)), key=lambda i: -tasks[i].cfg.steps * STEP_COST.get(tasks[i].name, 1.5))
+    return sorted(range(len(tasks)), key=lambda i: -tasks[i].cfg.steps * STEP_COST.get(tasks[i].name, 1.3))
 
 
 class WorkerError(RuntimeError):
