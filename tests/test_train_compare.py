@@ -160,9 +160,9 @@ def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeyp
     entered, real = [], train_mod.tensor_cores
 
     @contextlib.contextmanager
-    def counting():
-        entered.append(1)
-        with real():
+    def counting(*args, **kwargs):
+        entered.append(kwargs.get("fast", False))
+        with real(*args, **kwargs):
             yield
     monkeypatch.setattr(train_mod, "tensor_cores", counting)
     t = Trainer("fp16-dynamic", corpus, small(steps=4))
@@ -176,6 +176,7 @@ def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeyp
     assert t.needs_emulation is emulation_enabled(torch.float16)   # FP16 matmuls: emulated where the CPU lacks units
     t.run()                                                # the other three steps and their evaluations
     assert len(entered) == before + (4 if t.needs_emulation else 1) and t.step == 4
+    assert all(entered)                                    # the training loop takes the emulation's fast path
     ref = Trainer("fp16-dynamic", corpus, small(steps=4)).run()
     assert [h["loss"] for h in t.history] == [h["loss"] for h in ref.history]   # hooks that only look change nothing
 
