@@ -88,11 +88,17 @@ def test_fp8_exactly_on_the_block_linears(name, corpus):
 
 @pytest.mark.parametrize("name", FP8_RECIPES)
 def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatch):
-    """Forward, input-gradient and weight-gradient GEMM of each FP8 layer go through torch._scaled_mm (on a CPU
-    its bit-exact equivalent ``fastpath.cpu_scaled_mm``) with FP8 operands (E4M3 forward; an E5M2 gradient
-    operand in the backward, HYBRID); the head does not. Evaluation runs the forward GEMMs only."""
-    from mpcourse.core.quant import gemm
-    calls = []
+    """Forward, input-gradient and weight-gradient GEMM of each FP8 layer take FP8 operands (E4M3 forward; an E5M2
+    gradient operand in the backward, HYBRID) through torch._scaled_mm (on a CPU its bit-exact equivalent
+    ``fastpath.cpu_scaled_mm``; the CPU backward upcasts dy, W and x once each for both GEMMs, the same bits);
+    the head does not. Evaluation runs the forward GEMMs only."""
+    from mpcourse.core.quant import gemm, linear as linear_mod
+    calls, upcasts = [], []
+    real_upcast = linear_mod.fp8_to_float32
+
+    def spy_upcast(data, *args, **kwargs):
+        upcasts.append(data.dtype)
+        return real_upcast(data, *args, **kwargs)
 
     def spying(real):
         def spy(a, b, *args, **kwargs):
@@ -102,13 +108,18 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
 
     monkeypatch.setattr(torch, "_scaled_mm", spying(torch._scaled_mm))
     monkeypatch.setattr(gemm, "cpu_scaled_mm", spying(gemm.cpu_scaled_mm))
+    monkeypatch.setattr(linear_mod, "fp8_to_float32", spy_upcast)
     r = make(name, corpus)
     run(r, corpus, torch.Generator().manual_seed(0), 1)
     n = len(FP8_LINEARS)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
-    assert len(calls) == 3 * n
     assert calls.count((e4, e4)) == n                                    # forward: x and W in E4M3
-    assert calls.count((e5, e4)) == 2 * n      # dx = dy @ W and dW = dy^T @ x: dy in E5M2 first, E4M3 second
+    backward_gemms = calls.count((e5, e4))     # dx = dy @ W and dW = dy^T @ x: dy in E5M2 first, E4M3 second
+    if backward_gemms == 0:   # the CPU route: dy, W and x upcast once each for both GEMMs (tests/test_quant_fastpath.py)
+        assert sorted(map(str, upcasts)) == sorted(map(str, [e5, e4, e4] * n))
+    else:
+        assert backward_gemms == 2 * n and not upcasts
+    assert len(calls) == n + backward_gemms
     calls.clear()
     evaluate(r, corpus, TrainConfig(batch_size=B, eval_batches=1, model=SMALL))
     assert len(calls) == 2 * n and set(calls) == {(e4, e4)}              # one batch per split, forward only
