@@ -92,9 +92,9 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
     gradient operand in the backward, HYBRID) through torch._scaled_mm (on a CPU its bit-exact equivalent
     ``fastpath.cpu_scaled_mm``; the CPU backward upcasts dy, W and x once each for both GEMMs, the same bits);
     the head does not. Evaluation runs the forward GEMMs only."""
-    from mpcourse.core.quant import gemm, linear as linear_mod
+    from mpcourse.core.quant import gemm
     calls, upcasts = [], []
-    real_upcast = linear_mod.fp8_to_float32
+    real_upcast = gemm.fp8_to_float32
 
     def spy_upcast(data, *args, **kwargs):
         upcasts.append(data.dtype)
@@ -108,7 +108,7 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
 
     monkeypatch.setattr(torch, "_scaled_mm", spying(torch._scaled_mm))
     monkeypatch.setattr(gemm, "cpu_scaled_mm", spying(gemm.cpu_scaled_mm))
-    monkeypatch.setattr(linear_mod, "fp8_to_float32", spy_upcast)
+    monkeypatch.setattr(gemm, "fp8_to_float32", spy_upcast)
     r = make(name, corpus)
     run(r, corpus, torch.Generator().manual_seed(0), 1)
     n = len(FP8_LINEARS)

@@ -20,7 +20,7 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
 
 Fast paths that live next to their rule (same tests): ``tensor.compute_amax`` (one ``aminmax`` pass),
 ``scaled.block_amax`` for 1x16 blocks (max pooling), ``quantize_nvfp4``'s tensor amax (the largest block amax),
-``NVFP4BlockScaling.rht`` (one batched matmul with a cached matrix), and ``linear._FP8LinearFunction.backward`` on
+``NVFP4BlockScaling.rht`` (one batched matmul with a cached matrix), and ``gemm.fp8_linear_backward_gemms`` on
 a CPU (each FP8 operand upcast once, without the layout copies a GPU needs).
 """
 from __future__ import annotations

@@ -25,12 +25,16 @@ Policies here:
   to multiples of 16 and slices the result back: the padding adds zero products, so the result is
   unchanged. ``pad_inner_dim=True`` pads on the CPU too (the tests use that to check the padded path).
 * A CUDA GPU below 8.9, a ROCm GPU or another device type raises RuntimeError naming the fix.
+
+``fp8_linear_backward_gemms`` runs a linear layer's two backward GEMMs (dx = dy @ W, dW = dy^T @ x) as two
+``fp8_gemm`` calls, with the layout copies ``_scaled_mm`` needs; on a CPU it computes the same bits with each
+operand upcast once (the FP32 copy of dy serves both GEMMs) and none of those copies.
 """
 from __future__ import annotations
 
 import torch
 
-from .fastpath import cpu_scaled_mm
+from .fastpath import cpu_scaled_mm, fp8_to_float32
 from .tensor import Float8Tensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -139,3 +143,41 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
     if out.shape != (M, N):
         out = out[:M, :N].contiguous()  # drop the padding
     return out
+
+
+def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tensor, x_dtype: torch.dtype,
+                              w_dtype: torch.dtype, *, need_dx: bool = True, need_dw: bool = True,
+                              pad_inner_dim: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The two backward GEMMs of y = x @ W^T: (dx, dw), each None where not needed.
+
+    Args:
+      g8: (M, N) Float8Tensor, the output gradient dy, row-major (E5M2 under HYBRID).
+      w8: (N, K) Float8Tensor, the weight, row-major (E4M3).
+      x8: (M, K) Float8Tensor, the input, row-major (E4M3).
+      x_dtype, w_dtype: dtypes of dx (M, K) and dW (N, K).
+      need_dx, need_dw: which gradients to compute.
+      pad_inner_dim: as for ``fp8_gemm``.
+    The rule is two ``fp8_gemm`` calls: dx = dy @ W (W copied to column-major) and dW = dy^T @ x (dy^T copied
+    to row-major, x to column-major). On a CPU without padding it computes what those calls compute there
+    (``fastpath.cpu_scaled_mm``: row-major FP32 operands float32(code) * scale_inv, one FP32 GEMM, one rounding)
+    with each operand upcast once: dy's FP32 copy serves both GEMMs (its transpose, copied, is the row-major
+    dy^T), and W and x are row-major already. Equal bit for bit (``tests/test_quant_fastpath.py``). E5M2 x E5M2
+    (which ``fp8_gemm`` refuses) always takes the rule, so it raises as on a GPU.
+    """
+    dx = dw = None
+    if (g8.data.device.type == "cpu" and not pad_inner_dim
+            and not (g8.fp8_format == "e5m2" == w8.fp8_format)):
+        g = fp8_to_float32(g8.data, g8.scale_inv)                                                    # (M, N) fp32
+        if need_dx:
+            dx = torch.mm(g, fp8_to_float32(w8.data, w8.scale_inv)).to(x_dtype)                      # (M, K)
+        if need_dw:
+            dw = torch.mm(g.t().contiguous(), fp8_to_float32(x8.data, x8.scale_inv)).to(w_dtype)     # (N, K)
+        return dx, dw
+    if need_dx:
+        w_col = Float8Tensor(w8.data.t().contiguous().t(), w8.scale_inv)       # (N, K) column-major
+        dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim)          # (M, K) x dtype
+    if need_dw:
+        g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)             # (N, M) row-major
+        x_col = Float8Tensor(x8.data.t().contiguous().t(), x8.scale_inv)       # (M, K) column-major
+        dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim)         # (N, K) weight dtype
+    return dx, dw

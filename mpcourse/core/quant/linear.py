@@ -55,18 +55,13 @@ import torch.nn.functional as F
 
 from ..autocast import autocast_dtype_in_effect, no_autocast
 from .region import get_fp8_recipe, is_fp8_enabled
-from .gemm import fp8_gemm
+from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction
 from .block_recipes import BLOCK_RECIPES
 from .recipe import CurrentScaling, DelayedScaling
-from .fastpath import fp8_to_float32
-from .tensor import Float8Tensor, fp8_format_name
+from .tensor import Float8Tensor
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -96,28 +91,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         layer, (x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.dtypes
         pad = layer.pad_inner_dim
         g8 = layer._quantize("grad_output", grad_y.contiguous(), True)  # (M, N) E5M2 under HYBRID, row-major
-        dx = dw = db = None
-        if x_data.device.type == "cpu" and not pad and not (g8.fp8_format == "e5m2" == fp8_format_name(w_data.dtype)):
-            # What the two fp8_gemm calls below compute on a CPU (``fastpath.cpu_scaled_mm``: row-major FP32
-            # operands float32(code) * scale_inv, one FP32 GEMM, one rounding), with each operand upcast once and
-            # none of the layout copies a GPU needs: dy's FP32 copy serves both GEMMs (its transpose, copied, is
-            # the row-major dy^T), and x and W are row-major already. Equal bit for bit (tests/test_quant_fastpath.py).
-            g = fp8_to_float32(g8.data, g8.scale_inv)                                    # (M, N) fp32
-            if ctx.needs_input_grad[0]:
-                dx = _to(torch.mm(g, fp8_to_float32(w_data, w_scale_inv)), x_dtype)     # (M, K)
-            if ctx.needs_input_grad[1]:
-                dw = _to(torch.mm(g.t().contiguous(), fp8_to_float32(x_data, x_scale_inv)), w_dtype)  # (N, K)
-        if dx is None and ctx.needs_input_grad[0]:
-            # Input-gradient GEMM dx = dy @ W. A = dy (M, N) row-major: as it is.
-            # B = W (N, K) must be column-major: copy the transpose, then view it back as (N, K).
-            w_col = Float8Tensor(w_data.t().contiguous().t(), w_scale_inv)  # (N, K) column-major
-            dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad)  # (M, K) x dtype
-        if dw is None and ctx.needs_input_grad[1]:
-            # Weight-gradient GEMM dW = dy^T @ x. A = dy^T (N, M) must be row-major: copy the transpose.
-            # B = x (M, K) must be column-major: copy the transpose, then view it back as (M, K).
-            g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)  # (N, M) row-major
-            x_col = Float8Tensor(x_data.t().contiguous().t(), x_scale_inv)  # (M, K) column-major
-            dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad)  # (N, K) weight dtype
+        # Input-gradient GEMM dx = dy @ W and weight-gradient GEMM dW = dy^T @ x, reusing the forward's FP8 x and W.
+        dx, dw = fp8_linear_backward_gemms(g8, Float8Tensor(w_data, w_scale_inv), Float8Tensor(x_data, x_scale_inv),
+                                           x_dtype, w_dtype, need_dx=ctx.needs_input_grad[0],
+                                           need_dw=ctx.needs_input_grad[1], pad_inner_dim=pad)
+        db = None
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(b_dtype)  # (N,) summed in fp32
         return dx, dw, db, None, None, None
