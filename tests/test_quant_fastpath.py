@@ -38,6 +38,32 @@ def test_fp8_upcast_equals_torch_cast_on_every_code_and_layout(dtype):
     assert bits_equal(fp8_to_float32(x, s), x.float() * s)
 
 
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("scale", [0.3712, 2.0 ** -140, 3e-41, 1e-38, 1e30, 2.0 ** 120, 3e38, float("inf"), 0.0])
+def test_fp8_upcast_with_a_scale_rounds_each_product_once(dtype, scale):
+    """float32(code) * scale for every code: the E4M3 path folds its 2^8 into the scale, which must stay exact for
+    FP32-subnormal scales and fall back to two multiplies where 2^8 * scale overflows (2^120, 3e38); an infinite
+    or zero scale gives the rule's inf, NaN (0 * inf) and signed zeros."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    s = torch.tensor(scale, dtype=torch.float32)
+    assert bits_equal(fp8_to_float32(codes, s), codes.float() * s)
+    assert bits_equal(fp8_to_float32(codes.reshape(16, 16).t(), s), codes.reshape(16, 16).t().float() * s)
+
+
+def test_fp8_upcast_keeps_e4m3_nan_of_either_sign_only_where_it_is():
+    """E4M3's NaN codes (0x7F, 0xFF) would read as +-1.875 * 2^8 through FP16 bits: each sign alone is found."""
+    base = torch.full((1000,), 0x38, dtype=torch.uint8)                   # 1.0
+    for nan_code in (0x7F, 0xFF):
+        t = base.clone()
+        t[[3, 777]] = nan_code
+        x = t.view(torch.float8_e4m3fn)
+        out = fp8_to_float32(x)
+        assert bits_equal(out, x.float()) and int(out.isnan().sum()) == 2
+    assert not fp8_to_float32(base.view(torch.float8_e4m3fn)).isnan().any()
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        fp8_to_float32(torch.zeros(3, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("mkn", [(1024, 128, 384), (1024, 512, 128), (384, 1024, 128), (128, 1024, 512), (33, 17, 5)])
 def test_cpu_scaled_mm_equals_torch_scaled_mm(mkn, out_dtype):

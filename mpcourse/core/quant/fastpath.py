@@ -7,9 +7,10 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
 
 * ``fp8_to_float32(data, scale=None)``: upcast of a float8 tensor (E4M3 / E5M2 containers, so E2M1 data too).
   torch's CPU cast from float8 converts element by element (about as slow as a 128-wide FP32 GEMM
-  over the same tensor); a gather from a 256-entry table of torch's own cast of every code is the same
-  cast. With a per-tensor ``scale`` the table holds ``float32(code) * scale``, so the dequantization
-  multiply is folded in: each element is the one FP32 product it was before.
+  over the same tensor); reading each code as the top bits of an FP16 number and upcasting that (one
+  vectorized pass) is the same cast, about 3x faster than the gather from a 256-entry table it replaced
+  (1024 x 512 E4M3, 1 thread). With a per-tensor ``scale`` the dequantization multiply is folded in:
+  each element is the one FP32 product it was before.
 * ``cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)``: what ``torch._scaled_mm`` computes on a CPU
   (upcast both operands, multiply by their scales, make them row-major, one FP32 GEMM, one rounding to
   ``out_dtype``; measured on torch 2.13), with the fast upcast.
@@ -29,41 +30,48 @@ from typing import Optional
 
 import torch
 
-_TABLES: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _table(dtype: torch.dtype) -> torch.Tensor:
-    """(256,) float32: torch's cast of every code of the float8 ``dtype`` (the rule, by construction)."""
-    if dtype not in _TABLES:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        _TABLES[dtype] = codes.view(dtype).float()
-    return _TABLES[dtype]
-
-
-# Built at import, not at the first cast: a table made inside a training step would be counted in that step's
-# memory peak (``mpcourse.experiment.memory``) by whichever run came first, so peaks would depend on run order.
-for _dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-    _table(_dtype)
-
-
-def tables() -> list[torch.Tensor]:
-    """The upcast tables alive for the whole process (2 x 1 KiB): memory a step reads but does not allocate."""
-    return list(_TABLES.values())
-
-
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``data.float()`` (times ``scale``, a one-element float32 tensor, if given), same shape and strides
     for a contiguous tensor or the transpose of one; other layouts come back contiguous. Non-CPU tensors
-    take the plain rule."""
+    take the plain rule.
+
+    Each code is read as the top bits of an FP16 number, whose upcast to FP32 is one vectorized pass (F16C):
+      E5M2 (s eeeee mm) is FP16's top byte, inf and NaN included: FP16 bits = code << 8.
+      E4M3 (s eeee mmm): FP16 bits s 0eeee mmm 0000000 (the code shifted left by 7, bit 14 cleared) hold 2^-8
+        times the E4M3 value, normals and subnormals alike (both formats' bias differs by 8, and an E4M3
+        subnormal lands on an FP16 subnormal); times 2^8 (exact) gives the value. E4M3 has no inf; its NaN codes
+        (S.1111.111) would read as +-1.875, so they are set to NaN where present.
+    With ``scale`` the product float32(code) * scale is rounded once, as in the rule: the 2^8 is folded into the
+    scale (exact, unless 2^8 * scale overflows, when the two are applied one after the other).
+    """
     if data.device.type != "cpu":
         return data.float() if scale is None else data.float() * scale
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
         return fp8_to_float32(data.t(), scale).t()
-    table = _table(data.dtype)
+    data = data.contiguous()
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"fp8_to_float32 takes float8_e4m3fn or float8_e5m2 data, got {data.dtype}")
+    codes = data.view(torch.int8).to(torch.int16)                           # (...) int16, sign-extended: bit 15
+    if data.dtype == torch.float8_e5m2:
+        out = codes.bitwise_left_shift_(8).view(torch.float16).float()      # (...) fp32: the value
+        factor = None
+    else:
+        out = codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16).float()   # value * 2^-8
+        factor = 256.0
     if scale is not None:
-        table = table * scale.reshape(()).float()   # (256,) fp32: float32(code) * scale, each rounded once
-    codes = data.contiguous().view(torch.uint8).reshape(-1).int()   # int32 index: half an int64's temporary bytes
-    return table.index_select(0, codes).reshape(data.shape)
+        scale = scale.reshape(()).float()
+        folded = scale if factor is None else scale * factor                # () fp32, exact if finite
+        if torch.isfinite(folded) or not torch.isfinite(scale):
+            out.mul_(folded)
+        else:
+            out.mul_(factor).mul_(scale)
+    elif factor is not None:
+        out.mul_(factor)
+    if data.dtype == torch.float8_e4m3fn:
+        b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
+        if int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F:
+            out[(b & 0x7F) == 0x7F] = float("nan")
+    return out
 
 
 def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -117,7 +117,7 @@ class ScaledTensor:
         return s
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        # float32(data) (``fastpath.fp8_to_float32``: torch's cast, by table) times each block's multiplier
+        # float32(data) (``fastpath.fp8_to_float32``: torch's cast, through FP16 bits) times each block's multiplier
         x = block_view(fp8_to_float32(self.data), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
         return x.reshape(self.shape).to(self.orig_dtype if dtype is None else dtype)
 
