@@ -11,7 +11,7 @@ from mpcourse.core.emulation import emulation_enabled
 from mpcourse.experiment.compare import format_table, gap_percent
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.model import GPTConfig
-from mpcourse.experiment.recipes import RECIPES, get_recipe
+from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, RECIPES, get_recipe
 from mpcourse.experiment.train import TrainConfig, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -118,6 +118,10 @@ def test_cli_lists_recipes():
     proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert all(name in proc.stdout for name in RECIPES)
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert NOT_IN_DEFAULT_RUN and set(lines) == set(RECIPES)
+    for name, line in lines.items():     # a plain compare's recipes unmarked, the others marked
+        assert ("not in the default run" in line) == (name in NOT_IN_DEFAULT_RUN), line
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

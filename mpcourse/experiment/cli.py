@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
-                   help="comma-separated recipe names (default: every registered one; see `mpcourse recipes`)")
+                   help="comma-separated recipe names (default: the default run, every registered recipe but those `mpcourse recipes` marks as not in it)")
     c.add_argument("--quick", action="store_true",
                    help=f"a first run, a sixth of the default's tokens (about 3 minutes on one CPU core): {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
                         "(explicit --steps/--batch-size still win)")
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for the master-weights recipes, the parameters' dtype otherwise)")
     d.add_argument("--dist-timeout", type=positive_float, default=120.0,
                    help="seconds a collective may wait for the other ranks before the job fails (default %(default)s)")
-    sub.add_parser("recipes", help="list the registered recipes")
+    sub.add_parser("recipes", help="list the registered recipes (marking those a plain compare leaves out)")
     return p
 
 
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         width = max(map(len, RECIPES))
         for name, cls in RECIPES.items():
-            print(f"{name.ljust(width)}  {cls.description}")
+            mark = "  [not in the default run: name it with --recipes]" if name in NOT_IN_DEFAULT_RUN else ""
+            print(f"{name.ljust(width)}  {cls.description}{mark}")
         return 0
     try:
         corpus = load_corpus(args.data)
