@@ -11,7 +11,27 @@ GEMM), not a GPU speed-up. A number for one machine in one run: re-run it where 
     python benchmarks/bench_block_recipes.py
     python benchmarks/bench_block_recipes.py --recipes fp32,fp8-current,mxfp8 --steps 20
 
-Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU). The machine was shared with other jobs
+Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU), with nothing else running, on the tree with
+the FP8 upcast through FP16 bits (``fastpath.fp8_to_float32``)::
+
+    python benchmarks/bench_block_recipes.py --steps 5 --warmup 1 --threads 1 --clock cpu
+
+            recipe   step ms  x fp32   (5 steps, median; threads 1; cpu clock)
+              fp32     152.1    1.00
+       fp8-current     272.4    1.79
+       fp8-delayed     281.0    1.85
+       fp8-rowwise     400.0    2.63
+         fp8-block     368.5    2.42
+             mxfp8     392.7    2.58
+             nvfp4     837.1    5.50
+
+The upcast itself is about 3x faster than the table gather it replaced (1024 x 512 E4M3, 1 thread), but the step
+ratios above are those of the earlier measurement below within its +-15%: old and new upcast interleaved in one
+process (training steps of each recipe, CPU time, 6 rounds, load 3-5) gave new / old = 0.99 (fastest round) / 0.92
+(median) for fp8-current, 0.86 / 0.96 fp8-delayed, 0.89 / 0.98 fp8-rowwise, 0.96 / 1.00 fp8-block, 0.97 / 1.03 mxfp8,
+0.99 / 1.00 nvfp4: at most a few percent of a step.
+
+The earlier measurement, with the machine shared with other jobs
 (load 15-17 on 2 cores during the last runs), so wall-clock steps were useless; ``--clock cpu`` times the
 process's CPU time, which descheduling does not inflate, but cache and memory-bandwidth contention still do:
 read the step ratios as +-15%. After the fast paths of ``mpcourse.core.quant.fastpath`` (list there) and the
