@@ -29,7 +29,6 @@ import torch
 
 from mpcourse.core.autocast import autocast
 from mpcourse.core.bf16 import BF16Optimizer
-from mpcourse.core.master import MasterWeights
 from mpcourse.core.optim_state import LowPrecisionState
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
@@ -113,11 +112,6 @@ class BF16MasterBF16Moments(BF16Master):
 
     name = "bf16-master-bf16-moments"
     description = "BF16 model, FP32 master weights, AdamW moments stored in BF16 (DeepSeek-V3)"
-    OVERRIDABLE = ()                                   # its MasterWeights is built here, without the seam
+    OVERRIDABLE = ()                                   # no learner seams: lessons 00 and 02 grade bf16-master's
+    #: MasterWeightsRecipe.make_optimizer builds the master with it (and FSDP2's sharded master steps with it too)
     master_optimizer = LowPrecisionState(torch.optim.AdamW, torch.bfloat16)
-
-    def make_optimizer(self, params):
-        o = self.optim
-        self.master = MasterWeights(params, self.master_optimizer, lr=o.lr,
-                                    betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        return self.master.optimizer
