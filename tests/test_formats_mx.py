@@ -77,6 +77,14 @@ def test_fields_match_ml_dtypes_finfo(name):
     assert f.min_subnormal == float(fi.smallest_subnormal)
     assert f.eps == float(fi.eps)
     assert not f.has_inf
+    assert f.emax == fi.maxexp - 1   # 2^maxexp is the first power of two past max
+
+
+@pytest.mark.parametrize("name,dtype", [("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2),
+                                        ("fp16", "float16"), ("bf16", ml_dtypes.bfloat16)])
+def test_emax_of_the_fp8_and_16_bit_formats(name, dtype):
+    """OCP MX v1.0 table 1's emax_elem: 8 for E4M3, 15 for E5M2 (and FP16's 15, BF16's 127)."""
+    assert get_format(name).emax == ml_dtypes.finfo(dtype).maxexp - 1
 
 
 def test_fields_from_the_ocp_mx_spec():

@@ -82,6 +82,12 @@ class NumberFormat:
         return self.nan != "none"
 
     @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest binade, floor(log2(max)): 8 for e4m3, 15 for e5m2, 2 for e2m1
+        (OCP MX v1.0's emax_elem, from which the MX shared exponent is taken)."""
+        return math.frexp(self.max)[1] - 1
+
+    @property
     def min_exponent(self) -> int:
         """Unbiased exponent of the smallest binade: 1 - bias (-bias for e8m0, whose code 0 is 2^-127)."""
         return 1 - self.bias if self.has_subnormals else -self.bias

@@ -183,22 +183,21 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
     floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
     path reads the zero exponent field the same way); NaN amax is handled by the caller.
     """
-    top = FORMATS[elem].max
+    fmt = FORMATS[elem]
     a = amax.float()
     if rule == "floor":
-        emax = int(torch.tensor(top).log2().floor())
-        e32 = (a.view(torch.int32).long() >> 23) & 0xFF
-        k = e32 - 127 - emax
+        e32 = (a.view(torch.int32) >> 23) & 0xFF               # FP32 exponent field (int32; the sign dropped)
+        k = e32 - (127 + fmt.emax)
     elif rule == "rceil":
-        descale = a / top                                      # fp32 division, as torchao's fallback
+        descale = a / fmt.max                                  # fp32 division, as torchao's fallback
         # ceil(log2(d)) exactly from the bits: exponent, +1 if any mantissa bit is set (normals)
-        bits = descale.view(torch.int32).long()
+        bits = descale.view(torch.int32)
         e32, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).long(), torch.full_like(e32, -127))
+        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).int(), torch.full_like(e32, -127))
         k = torch.where(descale > 0, k, torch.full_like(k, -127))
     else:
         raise ValueError(f"E8M0 scale rule must be one of {MX_SCALE_RULES}, got {rule!r}")
-    return k.clamp(-127, 127)
+    return k.clamp(-127, 127).long()
 
 
 def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
