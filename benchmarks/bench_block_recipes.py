@@ -25,8 +25,8 @@ the FP8 upcast through FP16 bits (``fastpath.fp8_to_float32``)::
              mxfp8     392.7    2.58
              nvfp4     837.1    5.50
 
-The same command on the final tree (the FP8 layers no longer enter a disabled autocast region, so their
-quantizer ops skip a Python mode), three runs in a row, machine otherwise idle but slower that hour (the fp32 step
+The same command on the final tree (with no autocast on, the FP8 layers no longer enter a disabled autocast
+region, so their quantizer ops skip a Python mode), three runs in a row, machine otherwise idle but slower that hour (the fp32 step
 181-201 ms against 152 above, the FP8 steps 5-15% slower too): fp8-current 1.45 / 1.62 / 1.69, fp8-delayed
 1.42 / 1.77 / 1.68, fp8-rowwise 1.99 / 2.31 / 2.20, fp8-block 2.06 / 2.11 / 2.31, mxfp8 2.15 / 2.27 / 2.44,
 nvfp4 4.45 / 4.93 / 4.86. The ratios are lower than above mostly because the FP32 step slowed more than the

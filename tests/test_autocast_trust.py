@@ -125,21 +125,6 @@ def test_no_autocast_stops_both():
                 assert torch.mm(x, w).dtype is torch.bfloat16
 
 
-def test_no_autocast_outside_any_region_pushes_no_mode():
-    """With no autocast on, the region enters nothing: its ops reach torch without a Python mode (an FP8 layer
-    runs hundreds of ops a step inside it); a region opened inside still casts, and leaves no mode behind."""
-    from torch.overrides import _get_current_function_mode
-    x, w = leaf((2, 4), 1), leaf((4, 4), 2)
-    with mpa.no_autocast("cpu"):
-        assert _get_current_function_mode() is None
-        assert torch.mm(x, w).dtype is torch.float32
-        with autocast("cpu"):
-            assert torch.mm(x, w).dtype is torch.bfloat16
-        assert _get_current_function_mode() is None
-    with autocast("cuda", enabled=False), mpa.no_autocast("cpu"):    # a (disabled) region is open: as before
-        assert isinstance(_get_current_function_mode(), mpa.AutocastMode)
-
-
 # ------------------------------------------------------------------------------------- RNN family
 RNNS = {"LSTM": lambda: torch.nn.LSTM(4, 5), "GRU": lambda: torch.nn.GRU(4, 5), "RNN": lambda: torch.nn.RNN(4, 5),
         "RNN relu": lambda: torch.nn.RNN(4, 5, nonlinearity="relu"), "LSTMCell": lambda: torch.nn.LSTMCell(4, 5),

@@ -339,3 +339,40 @@ def test_cpu_scaled_mm_facts_the_library_relies_on():
     for out_dtype in (torch.float32, torch.bfloat16):
         got = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
         assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))
+
+
+def test_no_autocast_region_only_when_an_autocast_is_on():
+    """The layer skips its no_autocast region where nothing is cast (its quantizers' ops then reach torch without
+    the package's Python mode) and enters it under either autocast, where the GEMM inputs must not be cast:
+    the same bits either way (checked against a layer forced through the region)."""
+    from torch.overrides import _get_current_function_mode
+    import mpcourse.core.autocast as mpa
+    from mpcourse.core.autocast.state import STATE
+    from mpcourse.core.quant import linear as linear_mod
+    from mpcourse.core.quant.tensor import compute_scale
+
+    seen = []
+
+    def spy(amax, fp8_max, margin):               # runs inside the layer's forward, where the region would be
+        seen.append((type(_get_current_function_mode()).__name__, STATE.nesting, torch.is_autocast_enabled("cpu")))
+        return compute_scale(amax, fp8_max, margin)
+
+    torch.manual_seed(0)
+    layer = Float8Linear(32, 16, recipe=CurrentScaling(compute_scale_fn=spy))
+    x = torch.randn(8, 32)
+    y_plain = layer(x)
+    assert set(seen) == {("NoneType", 0, False)}
+    for ctx, region in ((torch.autocast, ("AutocastMode", 1, False)), (mpa.autocast, ("AutocastMode", 2, False))):
+        seen.clear()
+        with ctx("cpu"):
+            y = layer(x)
+        assert set(seen) == {region} and y.dtype is torch.bfloat16
+    seen.clear()
+    real = linear_mod.any_autocast_enabled
+    try:                                           # the old way: always through the region
+        linear_mod.any_autocast_enabled = lambda device: True
+        y_region = layer(x)
+    finally:
+        linear_mod.any_autocast_enabled = real
+    assert set(seen) == {("AutocastMode", 1, False)}
+    assert torch.equal(y_plain.view(torch.int32), y_region.view(torch.int32))

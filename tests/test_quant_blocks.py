@@ -64,6 +64,15 @@ def test_mx_floor_rule_saturates_the_block_max_rceil_does_not():
     assert MXFP8BlockScaling().scale_rule == "rceil"   # the library's policy
 
 
+def test_mx_shared_exponent_refuses_what_is_not_an_element_format():
+    from mpcourse.core.quant import mx_shared_exponent
+    for elem, rule in (("fp32", "floor"), ("bf16", "rceil"), ("e8m0", "floor")):
+        with pytest.raises(ValueError, match="element format must be one of"):
+            mx_shared_exponent(torch.ones(4), elem, rule)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        mx_shared_exponent(torch.ones(4), "e4m3", "ceil")
+
+
 def test_nvfp4_matches_torchao_nvfp4_quantize_bit_for_bit():
     x = spread(seed=1)
     t = nvfp4.per_tensor_amax_to_scale(x.abs().amax())

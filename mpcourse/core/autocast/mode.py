@@ -253,13 +253,7 @@ def no_autocast(device_type: str):
     """A region where neither ``torch.autocast`` nor this package's ``autocast`` casts ``device_type``.
 
     For library code that computes its own dtypes (an FP8 GEMM) and must not be cast by either.
-    Where no autocast of either kind is on (for any device), nothing would be cast, so the region enters
-    nothing: pushing the disabled mode would only send every op of the region through Python (an FP8
-    layer's quantizers run some hundred ops a step).
     """
-    if not torch.is_autocast_enabled(device_type) and not any(STATE.enabled.values()):
-        yield
-        return
     with torch.autocast(device_type, enabled=False), autocast(device_type, enabled=False):
         yield
 

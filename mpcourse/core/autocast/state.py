@@ -100,6 +100,15 @@ def autocast_dtype_in_effect(device_type: str) -> torch.dtype | None:
     return STATE.dtype[device_type] if STATE.enabled[device_type] else None
 
 
+def any_autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast(device_type)`` or an enabled region of this package's autocast (for any device)
+    is on in this thread. Where neither is, no op is cast: code that only computes (``Float8Linear``'s
+    quantizers and GEMMs) can then skip ``no_autocast``, whose disabled region would still send each of its ops
+    through the package's Python mode. ValueError for a device type other than "cpu" or "cuda"."""
+    _check_device_type(device_type)
+    return torch.is_autocast_enabled(device_type) or any(STATE.enabled.values())
+
+
 def is_autocast_cache_enabled() -> bool:
     """Whether casts of weights are cached in the current region (default True)."""
     return STATE.cache_enabled

@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..autocast import autocast_dtype_in_effect, no_autocast
+from ..autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
 from .region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction
@@ -181,8 +181,11 @@ class Float8Linear(nn.Linear):
             return self._high_precision(x, out_dtype)
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
-        with no_autocast(device):
-            y = self._fp8_forward(x2d, out_dtype)     # (M, N) out_dtype
+        if any_autocast_enabled(device):
+            with no_autocast(device):
+                y = self._fp8_forward(x2d, out_dtype)     # (M, N) out_dtype
+        else:  # nothing is cast: no region, whose Python mode would see each of the quantizers' ops
+            y = self._fp8_forward(x2d, out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fp8_forward(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -183,6 +183,8 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
     floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
     path reads the zero exponent field the same way); NaN amax is handled by the caller.
     """
+    if elem not in ELEMENT_FORMATS:
+        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
     fmt = FORMATS[elem]
     a = amax.float()
     if rule == "floor":
