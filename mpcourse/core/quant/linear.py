@@ -46,6 +46,7 @@ Not supported: activation checkpointing (the recomputed forward would record ama
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -181,11 +182,10 @@ class Float8Linear(nn.Linear):
             return self._high_precision(x, out_dtype)
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
         x2d = x.reshape(-1, self.in_features).contiguous()
-        if any_autocast_enabled(device):
-            with no_autocast(device):
-                y = self._fp8_forward(x2d, out_dtype)     # (M, N) out_dtype
-        else:  # nothing is cast: no region, whose Python mode would see each of the quantizers' ops
-            y = self._fp8_forward(x2d, out_dtype)
+        # with no autocast on nothing is cast: no region, whose Python mode would see each of the quantizers' ops
+        region = no_autocast(device) if any_autocast_enabled(device) else contextlib.nullcontext()
+        with region:
+            y = self._fp8_forward(x2d, out_dtype)     # (M, N) out_dtype
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fp8_forward(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

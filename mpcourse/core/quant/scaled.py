@@ -172,6 +172,13 @@ def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: i
 MX_SCALE_RULES = ("floor", "rceil")
 
 
+def _mx_element_format(elem: str):
+    """``FORMATS[elem]`` for an MX element format; ValueError naming the ones there are otherwise."""
+    if elem not in ELEMENT_FORMATS:
+        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
+    return FORMATS[elem]
+
+
 def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> torch.Tensor:
     """Unbiased shared exponent k of each block (the scale is 2^k), int64, clamped to E8M0's [-127, 127].
 
@@ -183,9 +190,7 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
     floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
     path reads the zero exponent field the same way); NaN amax is handled by the caller.
     """
-    if elem not in ELEMENT_FORMATS:
-        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
-    fmt = FORMATS[elem]
+    fmt = _mx_element_format(elem)
     a = amax.float()
     if rule == "floor":
         e32 = (a.view(torch.int32) >> 23) & 0xFF               # FP32 exponent field (int32; the sign dropped)
@@ -209,8 +214,7 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao.
     exponent_fn: a learner's ``mx_shared_exponent(amax (n,), elem) -> k (n,)`` (lesson 10, the floor rule) in
     place of the library's, checked by ``mpcourse.core.seams.check_exponents``."""
-    if elem not in ELEMENT_FORMATS:
-        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
+    _mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if exponent_fn is None:
