@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpcourse.core.formats import round_to
-from mpcourse.core.quant import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
+from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
 from mpcourse.core.quant.block_gemm import scaled_gemm
 from mpcourse.core.quant.block_linear import same_both_axes
 from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, round_e2m1
@@ -242,3 +242,132 @@ def test_rht_batched_matmul_equals_the_einsum_rule(mk):
         assert bits_equal(fast, rule)
         assert bits_equal(NVFP4BlockScaling(rht_seed=seed).rht(x.bfloat16()), torch.einsum(
             "ij,gjk->gik", random_hadamard(16, seed), x.bfloat16().float().reshape(M // 16, 16, K)).reshape(M, K))
+
+
+# ------------------------------------------------------------------ the quantizers' kept FP32 copy and their scale rules
+def _amax_cases() -> torch.Tensor:
+    """Block amaxes the scale rules can get wrong: zero and -0, FP32 subnormals, every power of two and its
+    neighbours (the RCEIL and power-of-two boundaries), tiny values whose reciprocal overflows, FP32 max, inf,
+    NaN, and random values over the whole range."""
+    p = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    near = torch.cat([p, torch.nextafter(p, p * 2), torch.nextafter(p, p / 2)])
+    fmts = torch.tensor([448.0, 57344.0, 6.0, 7.5, 28.0])
+    special = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.1754942e-38, 1e-37, 3.4028235e38, float("inf"), float("nan")])
+    rand = torch.exp(torch.empty(4000).uniform_(-100, 88, generator=torch.Generator().manual_seed(12)))
+    mult = torch.cat([(fmts[:, None] * q[None, :]).flatten() for q in (p[::17], torch.nextafter(p[::17], p[::17] * 2))])
+    return torch.cat([near, special, rand, mult, fmts]).float()
+
+
+def test_pow2_scale_equals_compute_scale_with_power_of_two_scales():
+    from mpcourse.core.quant.fastpath import pow2_scale
+    from mpcourse.core.quant.tensor import compute_scale
+    a = _amax_cases()
+    a = a[~(a < 0)]                                   # amaxes are >= 0 (or NaN); -0.0 stays in
+    for top in (448.0, 57344.0):
+        fast, rule = pow2_scale(a, top), compute_scale(a, top, 0, None, True)
+        assert bits_equal(fast, rule), top
+        assert bits_equal(pow2_scale(a.reshape(-1, 1)[:64], top), rule.reshape(-1, 1)[:64])   # shape kept
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2", "e2m1", "e2m3", "e3m2"])
+def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
+    """2^k from the bits equals exp2 of mx_shared_exponent's k (RCEIL) on every boundary; NaN is the caller's."""
+    from mpcourse.core.formats import FORMATS
+    from mpcourse.core.quant.fastpath import rceil_scale_inv
+    from mpcourse.core.quant.scaled import mx_shared_exponent
+    a = _amax_cases()
+    a = a[~torch.isnan(a) & ~(a < 0)]
+    rule = torch.exp2(mx_shared_exponent(a, elem, "rceil").double()).float()
+    assert bits_equal(rceil_scale_inv(a, FORMATS[elem].max), rule)
+
+
+def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
+    """Where torch's E4M3 cast saturates (the import-time check), clamping first changes no bit, on a sweep of the
+    whole FP32 range; the check itself tells E5M2 (which overflows to inf) apart."""
+    from mpcourse.core.quant.fastpath import E4M3_CAST_SATURATES, _cast_saturates
+    g = torch.Generator().manual_seed(13)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=g, dtype=torch.int64).to(torch.int32)
+    v = torch.cat([bits.view(torch.float32), torch.linspace(-1000, 1000, 100001)])
+    same = torch.equal(v.to(torch.float8_e4m3fn).view(torch.uint8),
+                       v.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert same == E4M3_CAST_SATURATES
+    assert not _cast_saturates(torch.float8_e5m2, 57344.0)
+
+
+def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
+    """The quantizers give the same bits with the flag off (clamp, then cast) as with it on."""
+    import mpcourse.core.quant.scaled as scaled
+    x = _edge_matrix(64, 256, 14) * 1e3
+    x[9, :] = 3e38
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(scaled, "E4M3_CAST_SATURATES", flag and scaled.E4M3_CAST_SATURATES)
+        q = [scaled.quantize_fp32_scaled(x, (1, 128)), scaled.quantize_mx(x, (1, 32), "e4m3", "floor"),
+             scaled.quantize_mx(x, (32, 1), "e4m3", "rceil"), scaled.quantize_fp32_scaled(x, (-1, -1))]
+        outs.append([t.data.view(torch.uint8) for t in q])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def _code_grid(dtype, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """(64, 128) float8 data holding every code (NaN codes included) and a block multiplier per block with the
+    values 2^8 folding can get wrong: FP32 subnormals, 2^119 and above (2^8 * m overflows), FP32 max, inf, 0, NaN."""
+    codes = torch.arange(64 * 128, dtype=torch.int64).remainder(256).to(torch.uint8)
+    data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(15))].reshape(64, 128)
+    r, c = block
+    n = (64 // r) * (128 // c)
+    special = torch.tensor([2.0 ** -149, 3e-41, 2.0 ** -126, 0.3712, 1.0, 2.0 ** 118, 2.0 ** 119, 2.0 ** 120,
+                            3.4028235e38, float("inf"), 0.0, float("nan")])
+    m = torch.cat([special, torch.exp2(torch.randint(-60, 60, (n,), generator=torch.Generator().manual_seed(16))
+                                       .float())])[:n]
+    return data.view(dtype), m.reshape(64 // r, 128 // c)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("block", [(1, 32), (32, 1), (1, 16), (16, 16), (1, 128), (64, 128), (1, 4)])
+@pytest.mark.parametrize("mults", ["folded", "overflow", "all"])
+def test_fp8_blocks_to_float32_equals_the_dequantize_rule(dtype, block, mults):
+    """folded: every 2^8 * m exact; overflow: finite m whose 2^8 * m overflows (the two-multiply order); all: inf
+    and NaN multipliers too."""
+    from mpcourse.core.quant.fastpath import fp8_blocks_to_float32
+    from mpcourse.core.quant.scaled import ScaledTensor
+    data, m = _code_grid(dtype, block)
+    if mults != "all":
+        m = torch.where(torch.isfinite(m) & ((m < 2.0 ** 119) | (mults == "overflow")), m, 1.0)
+    rule = ScaledTensor(data, m, block, "e4m3" if dtype == torch.float8_e4m3fn else "e5m2").dequantize(
+        torch.float32)
+    out = torch.full((64, 128), 7.0)                                    # a scratch buffer, overwritten
+    fast = fp8_blocks_to_float32(data, m, block, out)
+    assert bits_equal(fast, rule) and fast.data_ptr() == out.data_ptr()
+    assert bits_equal(fp8_blocks_to_float32(data, m, block), rule)      # without a buffer
+    with pytest.raises(TypeError, match="contiguous 2-D"):
+        fp8_blocks_to_float32(data.t(), m.t(), block[::-1])
+
+
+def _keep_cases():
+    x = _edge_matrix(256, 256, 17) * 0.05
+    x[200:, :] *= 1e-30                                                  # blocks near the bottom of the range
+    return [x, torch.randn(256, 128, generator=torch.Generator().manual_seed(18)).bfloat16(),
+            torch.zeros(128, 256), x.t().contiguous().t()]
+
+
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8BlockScaling(), MXFP8BlockScaling(),
+                                    MXFP8BlockScaling(scale_rule="floor"), MXFP8BlockScaling(fp8_format=Format.HYBRID), NVFP4BlockScaling(),
+                                    NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)])
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+def test_kept_fp32_copy_equals_dequantize_and_the_quantization_is_unchanged(recipe, role):
+    """quantize(keep_fp32=True) holds the same data and scales as without, and its float32 copy (and that of its
+    transpose) is dequantize(float32) bit for bit, NaN and inf blocks included."""
+    for x in _keep_cases():
+        for axis in (0, 1):
+            torch.manual_seed(0)
+            plain = recipe.quantize(role, x, axis, wgrad=True)
+            torch.manual_seed(0)
+            kept = recipe.quantize(role, x, axis, wgrad=True, keep_fp32=True)
+            # kept for a contiguous x (the layer's operands); a transposed view may take dequantize when asked
+            assert plain.dequantized is None and (kept.dequantized is not None or not x.is_contiguous())
+            assert torch.equal(plain.data.view(torch.uint8), kept.data.view(torch.uint8))
+            assert bits_equal(plain.scale_inv.float(), kept.scale_inv.float())
+            assert bits_equal(kept.dequantize_fp32(), kept.dequantize(torch.float32))
+            assert bits_equal(kept.dequantize_fp32(), plain.dequantize_fp32())
+            assert bits_equal(kept.t().dequantize_fp32(), plain.t().dequantize(torch.float32))
+            assert kept.t().dequantize_fp32().stride() == plain.t().dequantize(torch.float32).stride()

@@ -115,8 +115,8 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     assert calls.count((e4, e4)) == n                                    # forward: x and W in E4M3
     backward_gemms = calls.count((e5, e4))     # dx = dy @ W and dW = dy^T @ x: dy in E5M2 first, E4M3 second
-    if backward_gemms == 0:   # the CPU route: dy, W and x upcast once each for both GEMMs (tests/test_quant_fastpath.py)
-        assert sorted(map(str, upcasts)) == sorted(map(str, [e5, e4, e4] * n))
+    if backward_gemms == 0:   # the CPU route: W and x upcast once, dy and its transposed codes (tests/test_quant_fastpath.py)
+        assert sorted(map(str, upcasts)) == sorted(map(str, [e5, e5, e4, e4] * n))
     else:
         assert backward_gemms == 2 * n and not upcasts
     assert len(calls) == n + backward_gemms

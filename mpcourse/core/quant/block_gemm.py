@@ -58,7 +58,7 @@ def native_supported(kind: Optional[str], device: torch.device) -> bool:
 
 def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N)."""
-    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32)).to(out_dtype)
+    return (a.dequantize_fp32() @ b.dequantize_fp32()).to(out_dtype)
 
 
 def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_accum: bool) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Each recipe builds the quantizer of each tensor role ("input", "weight", "grad_output") along an axis:
 ``recipe.quantize(role, x, axis)`` returns a ``ScaledTensor`` whose blocks run along dimension ``axis`` of the
-2-D tensor x, the GEMM's contraction dimension; ``recipe.block_for(role, axis)`` names that block. A linear layer y = x W^T needs (TE re-quantizes each copy
+2-D tensor x, the GEMM's contraction dimension (``keep_fp32=True``: with its float32 dequantization, for an
+emulated GEMM); ``recipe.block_for(role, axis)`` names that block. A linear layer y = x W^T needs (TE re-quantizes each copy
 from the high-precision tensor, never one FP8 copy from another):
 
     forward  y  = x  @ W^T    x along K (axis 1), W (N, K) along K (axis 1)
@@ -67,10 +68,11 @@ class Float8RowwiseScaling(_BlockRecipe):
     def block_for(self, role: str, axis: int) -> tuple[int, int]:
         return _along(axis, -1)
 
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
+                 keep_fp32: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         return quantize_fp32_scaled(x, self.block_for(role, axis), "e4m3",
-                                    power_2_scale=self.round_scales_to_power_of_2)
+                                    power_2_scale=self.round_scales_to_power_of_2, keep_fp32=keep_fp32)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ class Float8BlockScaling(_BlockRecipe):
                "grad_output": self.grad_block_scaling_dim}[role]
         return (self.block_len, self.block_len) if dim == 2 else _along(axis, self.block_len)
 
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
+                 keep_fp32: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         block = self.block_for(role, axis)
         if self.block_quantize_fn is not None:   # a learner's quantizer, checked
@@ -131,7 +134,7 @@ class Float8BlockScaling(_BlockRecipe):
                                                  torch.float8_e4m3fn)
             return ScaledTensor(data, scale_inv, block, "e4m3", None, x.dtype)
         return quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scales,
-                                    amax_epsilon=self.amax_epsilon)
+                                    amax_epsilon=self.amax_epsilon, keep_fp32=keep_fp32)
 
 
 @dataclass(frozen=True)
@@ -169,10 +172,12 @@ class MXFP8BlockScaling(_BlockRecipe):
     def block_for(self, role: str, axis: int) -> tuple[int, int]:
         return _along(axis, self.block_len)
 
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
+                 keep_fp32: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         elem = self.fp8_format.bwd if role == "grad_output" else self.fp8_format.fwd
-        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule, self.mx_shared_exponent_fn)
+        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule, self.mx_shared_exponent_fn,
+                           keep_fp32=keep_fp32)
 
 
 def hadamard(n: int = 16) -> torch.Tensor:
@@ -241,13 +246,14 @@ class NVFP4BlockScaling(_BlockRecipe):
         # bmm after copying x3 (tests/test_quant_fastpath.py checks the bits are the same).
         return torch.matmul(h, x.float().reshape(M // 16, 16, K)).reshape(M, K)
 
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False) -> ScaledTensor:
+    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
+                 keep_fp32: bool = False) -> ScaledTensor:
         _check_role_axis(role, axis)
         if wgrad and not self.disable_rht and role != "weight":
             x = self.rht(x)
         sr = role == "grad_output" and not self.disable_stochastic_rounding
         return quantize_nvfp4(x, self.block_for(role, axis), rounding="stochastic" if sr else "nearest",
-                              scales_fn=self.nvfp4_scales_fn)
+                              scales_fn=self.nvfp4_scales_fn, keep_fp32=keep_fp32)
 
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)

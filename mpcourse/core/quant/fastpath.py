@@ -11,6 +11,10 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
   vectorized pass) is the same cast, about 3x faster than the gather from a 256-entry table it replaced
   (1024 x 512 E4M3, 1 thread). With a per-tensor ``scale`` the dequantization multiply is folded in:
   each element is the one FP32 product it was before.
+* ``fp8_blocks_to_float32(data, block_mult, block, out)``: ``ScaledTensor.dequantize``'s rule to float32 for
+  block-scaled data (the same upcast, 2^8 folded into each block's multiplier), written into a buffer the
+  quantizer no longer needs; the block quantizers call it when asked to keep the FP32 copy an emulated GEMM
+  reads (``keep_fp32``), so the layer's CPU path upcasts each operand once, at quantization.
 * ``cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)``: what ``torch._scaled_mm`` computes on a CPU
   (upcast both operands, multiply by their scales, make them row-major, one FP32 GEMM, one rounding to
   ``out_dtype``; measured on torch 2.13), with the fast upcast.
@@ -22,13 +26,16 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
 Fast paths that live next to their rule (same tests): ``tensor.compute_amax`` (one ``aminmax`` pass),
 ``scaled.block_amax`` for 1x16 blocks (max pooling), ``quantize_nvfp4``'s tensor amax (the largest block amax),
 ``NVFP4BlockScaling.rht`` (one batched matmul with a cached matrix), and ``gemm.fp8_linear_backward_gemms`` on
-a CPU (each FP8 operand upcast once, without the layout copies a GPU needs).
+a CPU (no layout copies of W and x; dy^T transposed as 1-byte codes, then upcast).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+from ..formats import FORMATS
+
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``data.float()`` (times ``scale``, a one-element float32 tensor, if given), same shape and strides
@@ -74,6 +81,83 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     return out
 
 
+def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: tuple[int, int],
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``ScaledTensor.dequantize(torch.float32)``'s rule, bit for bit, in fewer passes: float32(data) times the
+    multiplier of each (r, c) block, for contiguous float8 ``data`` (M, K) and ``block_mult`` (M/r, K/c) float32.
+
+    The codes are read through FP16 bits as in ``fp8_to_float32``, written into ``out`` (a contiguous float32
+    (M, K) buffer the caller no longer needs, e.g. the quantizer's scaled copy, so nothing new is allocated),
+    and the E4M3 path's 2^8 is folded into the block multipliers: float32(code) * m is the one product it was
+    (2^8 * m is exact where it is finite; where some block's 2^8 * m is not, the two are applied one after the
+    other as in the rule). NaN codes are set to NaN first, as the rule does. Returns out, shaped (M, K).
+    """
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not data.is_contiguous() or data.dim() != 2:
+        raise TypeError("fp8_blocks_to_float32 takes contiguous 2-D float8_e4m3fn or float8_e5m2 data, got "
+                        f"{data.dtype} of shape {tuple(data.shape)}")
+    M, K = data.shape
+    r, c = block
+    out = torch.empty(M, K, dtype=torch.float32, device=data.device) if out is None else out.view(M, K)
+    codes = data.view(torch.int8).to(torch.int16)                           # (M, K) int16, sign-extended
+    if data.dtype == torch.float8_e5m2:
+        out.copy_(codes.bitwise_left_shift_(8).view(torch.float16))         # the value
+        factor = 1.0
+    else:
+        out.copy_(codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))   # value * 2^-8
+        factor = 256.0
+        b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
+        if int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F:
+            out[(b & 0x7F) == 0x7F] = float("nan")
+    m = block_mult.float()                                                  # (M/r, K/c) fp32
+    if factor != 1.0 and bool((m >= 2.0 ** 119).any()):                    # 2^8 * m may overflow (or m is inf):
+        mult, first = m, factor                                             # the rule's two multiplies
+    else:
+        mult, first = m * factor, None                                      # exact
+    blocks = out.view(M // r, r, K // c, c)                                 # (M/r, r, K/c, c) view of out
+    if first is not None:
+        blocks.mul_(first)
+    blocks.mul_(mult[:, None, :, None])
+    return out
+
+
+def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """``tensor.compute_scale(amax, fp8_max, margin=0, power_2_scale=True)`` bit for bit, in fewer small ops.
+
+    amax: float32 tensor (any shape, >= 0 or NaN). The rule's cases, read from the bits of s = fp8_max / amax (the
+    same division): a usable amax (finite, > 0) keeps s's exponent bits (2^floor(log2 s)); s = inf (a tiny
+    amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the smallest normal
+    (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
+    """
+    s = torch.full_like(amax, fp8_max) / amax                                  # as the rule divides
+    p = (s.view(torch.int32) & 0x7F800000).clamp_(max=0x7F000000).view(torch.float32)   # 2^floor(log2 s)
+    return torch.where((amax > 0) & (amax < float("inf")), p, 1.0)
+
+
+def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
+    """2^k as float32 for k = ``scaled.mx_shared_exponent(amax, elem, "rceil")`` (the MX RCEIL rule), bit for bit,
+    without the int64 exponent: from the bits of d = amax / elem_max (the same division), 2^ceil(log2 d) is
+    (bits + 0x7FFFFF) & 0x7F800000 for a normal d (a nonzero mantissa carries into the exponent), capped at
+    2^127 (d = inf, or a carry past it); d zero, subnormal or negative zero gives 2^-127 as the rule's k = -127.
+    NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
+    bits = (amax.float() / elem_max).view(torch.int32)
+    up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits
+    return torch.where(bits < 0x800000, 0x400000, up).view(torch.float32)
+
+
+def _cast_saturates(dtype: torch.dtype, top: float) -> bool:
+    """Whether torch's cast to ``dtype`` already saturates every finite and infinite value beyond +-top (torch
+    2.13 does for E4M3; older releases gave NaN): then clamping first changes no bit. Checked on the values that
+    matter: either side of top, every midpoint above it, the FP32 extremes, inf and NaN."""
+    t = torch.tensor(top, dtype=torch.float32)
+    v = torch.cat([torch.linspace(top, 2 * top, 4097), torch.nextafter(t, t + 1)[None],
+                   torch.tensor([1e30, 3.4e38, float("inf"), float("nan")])])
+    v = torch.cat([v, -v])
+    return torch.equal(v.to(dtype).view(torch.uint8), v.clamp(-top, top).to(dtype).view(torch.uint8))
+
+
+E4M3_CAST_SATURATES = _cast_saturates(torch.float8_e4m3fn, FORMATS["e4m3"].max)
+
+
 def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype)`` on a CPU for per-tensor scales:
@@ -86,7 +170,7 @@ def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
 
 
 # ------------------------------------------------------------------------------------------------ E2M1
-E2M1_MAX = 6.0
+E2M1_MAX = FORMATS["e2m1"].max
 
 
 def round_e2m1(y: torch.Tensor, rounding: str = "nearest", generator: Optional[torch.Generator] = None) -> torch.Tensor:

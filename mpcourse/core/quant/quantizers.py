@@ -66,7 +66,9 @@ class BlockQuantizer:
         self.recipe, self.role = recipe, role
 
     def __call__(self, x: torch.Tensor, axis: int, wgrad: bool = False):
-        return self.recipe.quantize(self.role, x, axis, wgrad=wgrad)
+        # On a CPU every block-scaled GEMM is emulated (``block_gemm.scaled_gemm``), which reads each operand in
+        # float32: the quantizer keeps that copy, computed with the quantization from its own scratch buffer.
+        return self.recipe.quantize(self.role, x, axis, wgrad=wgrad, keep_fp32=x.device.type == "cpu")
 
 
 def delayed_quantizers(recipe: DelayedScaling, layer_key: str, device=None) -> dict:

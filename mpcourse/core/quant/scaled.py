@@ -23,7 +23,7 @@ raises ValueError naming the block; the course's GPT has widths and token counts
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..formats import FORMATS, round_to
 from ..seams import check_exponents, check_nvfp4_scales
-from .fastpath import fp8_to_float32, round_e2m1
+from .fastpath import (E4M3_CAST_SATURATES, fp8_blocks_to_float32, fp8_to_float32, pow2_scale, rceil_scale_inv,
+                       round_e2m1)
 from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
 
 ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
@@ -81,7 +82,9 @@ class ScaledTensor:
 
     Fields: data (M, K) float8 container; scale_inv (M/r, K/c) float32 / float8_e8m0fnu / float8_e4m3fn;
     block (r, c) resolved; elem_format ("e4m3", "e5m2", "e2m1", ...); tensor_scale_inv () float32 or None
-    (NVFP4's second level); orig_dtype (the dtype before quantization).
+    (NVFP4's second level); orig_dtype (the dtype before quantization); dequantized: None, or the float32
+    ``dequantize()`` kept by a quantizer called with ``keep_fp32=True`` (the emulated GEMM's operand, computed
+    once with the quantization: ``dequantize_fp32``).
     """
 
     data: torch.Tensor
@@ -90,6 +93,7 @@ class ScaledTensor:
     elem_format: str
     tensor_scale_inv: Optional[torch.Tensor] = None
     orig_dtype: torch.dtype = torch.float32
+    dequantized: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -121,10 +125,26 @@ class ScaledTensor:
         x = block_view(fp8_to_float32(self.data), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
         return x.reshape(self.shape).to(self.orig_dtype if dtype is None else dtype)
 
+    def dequantize_fp32(self) -> torch.Tensor:
+        """``dequantize(torch.float32)``: the copy kept at quantization when there is one (the same bits, from
+        ``fastpath.fp8_blocks_to_float32``), else computed now. Read it, do not write it: it may be that copy."""
+        return self.dequantize(torch.float32) if self.dequantized is None else self.dequantized
+
     def t(self) -> "ScaledTensor":
         """The transpose (K, M): a view of the data, the block and the scale grid transposed."""
         return ScaledTensor(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), self.elem_format,
-                            self.tensor_scale_inv, self.orig_dtype)
+                            self.tensor_scale_inv, self.orig_dtype,
+                            None if self.dequantized is None else self.dequantized.t())
+
+
+def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_scale_inv, orig_dtype,
+          y: torch.Tensor, keep_fp32: bool) -> ScaledTensor:
+    """The ScaledTensor of a quantizer; with keep_fp32 also its float32 dequantization, written into the
+    quantizer's scratch ``y`` (the scaled copy the cast read, no longer needed)."""
+    st = ScaledTensor(data, scale_inv, block, elem, tensor_scale_inv, orig_dtype)
+    if keep_fp32 and data.dim() == 2 and data.is_contiguous() and y.is_contiguous():
+        st.dequantized = fp8_blocks_to_float32(data, st.block_scale_inv(), st.block, y)
+    return st
 
 
 def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
@@ -134,6 +154,9 @@ def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
     top = FORMATS[elem].max
     if elem in FP8_DTYPES and rounding == "nearest":
         # in range: the cast only rounds (to nearest even); y is the caller's fresh product, clamped in place
+        # (E4M3: where torch's cast saturates by itself, ``fastpath.E4M3_CAST_SATURATES``, the clamp changes no bit)
+        if elem == "e4m3" and E4M3_CAST_SATURATES:
+            return y.to(FP8_DTYPES[elem])
         return y.clamp_(-top, top).to(FP8_DTYPES[elem])
     if elem == "e2m1" and rounding in ("nearest", "stochastic"):
         # the rule below, bit for bit, in a few int32/FP32 passes (tests/test_quant_fastpath.py)
@@ -142,13 +165,15 @@ def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
 
 
 def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: int = 0, power_2_scale: bool = False,
-                         amax_epsilon: float = 0.0, compute_scale_fn=None) -> ScaledTensor:
+                         amax_epsilon: float = 0.0, compute_scale_fn=None,
+                         keep_fp32: bool = False) -> ScaledTensor:
     """FP8 with one FP32 scale per block, each from its own amax: ``scale = fp8_max / amax / 2**margin``.
 
     x: (M, K) float32/bfloat16/float16. block: e.g. (-1, -1) tensorwise, (1, -1) rowwise, (1, 128), (128, 128).
     Zero, inf or NaN block amax gives scale 1.0 (TE's current-scaling rule, ``compute_scale``); power_2_scale
     rounds each scale down to a power of two (TE Float8BlockScaling's default, torchao rowwise).
     compute_scale_fn: a learner's ``compute_scale(amax, fp8_max, margin)`` in place of the library's.
+    keep_fp32: also keep the float32 dequantization (``ScaledTensor.dequantized``), for an emulated GEMM.
     """
     name = fp8_format_name(fp8_format)
     b = resolve_block(x.shape, block)
@@ -161,11 +186,13 @@ def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: i
         if power_2_scale:
             from .tensor import round_down_to_power_of_2
             scale = round_down_to_power_of_2(scale)
+    elif power_2_scale and margin == 0:
+        scale = pow2_scale(amax, top)                         # compute_scale's bits in fewer ops (fastpath)
     else:
         scale = compute_scale(amax, top, margin, None, power_2_scale)
     y = block_view(x.float(), b) * expand(scale, b)           # (M/r, r, K/c, c) fp32, one rounding
     data = _cast_elements(y, name).reshape(x.shape)
-    return ScaledTensor(data, scale.reciprocal(), b, name, None, x.dtype)
+    return _keep(data, scale.reciprocal(), b, name, None, x.dtype, y, keep_fp32)
 
 
 # ------------------------------------------------------------------------------------------------ MX (E8M0)
@@ -208,28 +235,32 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
 
 
 def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
-                exponent_fn=None) -> ScaledTensor:
+                exponent_fn=None, keep_fp32: bool = False) -> ScaledTensor:
     """MX quantization: each block of 32 shares the E8M0 scale 2^k (``mx_shared_exponent``); elements are
     ``saturate(x / 2^k)`` cast to ``elem`` (round to nearest even). x: (M, K); block (1, 32) or (32, 1).
     A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao.
     exponent_fn: a learner's ``mx_shared_exponent(amax (n,), elem) -> k (n,)`` (lesson 10, the floor rule) in
-    place of the library's, checked by ``mpcourse.core.seams.check_exponents``."""
+    place of the library's, checked by ``mpcourse.core.seams.check_exponents``. keep_fp32: as in
+    ``quantize_fp32_scaled``."""
     _mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
-    if exponent_fn is None:
-        k = mx_shared_exponent(amax, elem, rule)
+    if exponent_fn is None and rule == "rceil":
+        scale_inv = rceil_scale_inv(amax, FORMATS[elem].max)   # 2^k of the rule below without the int64 k (fastpath)
     else:
-        flat = amax.flatten()                                  # (n,) as the lesson's signature takes it
-        k = check_exponents("mx_shared_exponent", flat, exponent_fn(flat.clone(), elem)).reshape(amax.shape)
-    scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
+        if exponent_fn is None:
+            k = mx_shared_exponent(amax, elem, rule)
+        else:
+            flat = amax.flatten()                              # (n,) as the lesson's signature takes it
+            k = check_exponents("mx_shared_exponent", flat, exponent_fn(flat.clone(), elem)).reshape(amax.shape)
+        scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
     # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
     # divide, as the OCP spec writes it. (torchao divides by max(2^k, 2^-126), a workaround for compilers
     # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
     y = block_view(x.float(), b) / expand(scale_inv, b)
     data = _cast_elements(y, elem).reshape(x.shape)
-    return ScaledTensor(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype)
+    return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32)
 
 
 # ------------------------------------------------------------------------------------------------ NVFP4
@@ -259,7 +290,7 @@ def nvfp4_scales_from(scales_fn, x: torch.Tensor, block: tuple[int, int]) -> tup
 
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
                    rounding: str = "nearest", generator: Optional[torch.Generator] = None,
-                   scales_fn=None) -> ScaledTensor:
+                   scales_fn=None, keep_fp32: bool = False) -> ScaledTensor:
     """NVFP4: E2M1 data, an E4M3 decode scale per 16 elements and one FP32 decode scale per tensor.
 
     Two-level rule (torchao ``nvfp4_quantize`` with a per-tensor scale; TE's NVFP4 recipe):
@@ -270,7 +301,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     block: (1, 16), (16, 1) or (16, 16) (2-D weight blocks). rounding: "nearest" or "stochastic" (gradients).
     An all-zero tensor gets t = 0 and is stored as zeros with t = 0 (dequantizes to zeros, no NaN).
     scales_fn: a learner's ``nvfp4_scales(x) -> (t, s)`` (lesson 10) in place of the two scale lines below
-    (``nvfp4_scales_from``); not with ``tensor_amax``.
+    (``nvfp4_scales_from``); not with ``tensor_amax``. keep_fp32: as in ``quantize_fp32_scaled``.
     """
     b = resolve_block(x.shape, block)
     if scales_fn is not None:
@@ -288,4 +319,4 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
     y = block_view(x.float(), b) * expand(recip, b)
     data = _cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)
-    return ScaledTensor(data, s, b, "e2m1", t, x.dtype)
+    return _keep(data, s, b, "e2m1", t, x.dtype, y, keep_fp32)
