@@ -11,67 +11,40 @@ GEMM), not a GPU speed-up. A number for one machine in one run: re-run it where 
     python benchmarks/bench_block_recipes.py
     python benchmarks/bench_block_recipes.py --recipes fp32,fp8-current,mxfp8 --steps 20
 
-Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU), with nothing else running, on the tree with
-the FP8 upcast through FP16 bits (``fastpath.fp8_to_float32``)::
+Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU, machine otherwise idle; the fp32 step itself
+moves by about 25% from hour to hour here, so read each ratio as +-15%), three runs in a row on the tree whose
+block quantizers keep the FP32 copy the emulated GEMM reads (``keep_fp32``, ``fastpath.fp8_blocks_to_float32``)::
 
     python benchmarks/bench_block_recipes.py --steps 5 --warmup 1 --threads 1 --clock cpu
 
-            recipe   step ms  x fp32   (5 steps, median; threads 1; cpu clock)
-              fp32     152.1    1.00
-       fp8-current     272.4    1.79
-       fp8-delayed     281.0    1.85
-       fp8-rowwise     400.0    2.63
-         fp8-block     368.5    2.42
-             mxfp8     392.7    2.58
-             nvfp4     837.1    5.50
+            recipe   step ms  x fp32   (5 steps, median; threads 1; cpu clock)     runs 2 and 3: x fp32
+              fp32     178.1    1.00                                                 1.00   1.00  (208.5, 192.0 ms)
+       fp8-current     295.0    1.66                                                 1.33   1.41
+       fp8-delayed     305.5    1.72                                                 1.35   1.66
+       fp8-rowwise     322.1    1.81                                                 1.78   1.83
+         fp8-block     329.8    1.85                                                 1.77   1.80
+             mxfp8     337.7    1.90                                                 1.79   1.76
+             nvfp4     972.0    5.46                                                 4.82   5.04
 
-The same command on the final tree (with no autocast on, the FP8 layers no longer enter a disabled autocast
-region, so their quantizer ops skip a Python mode), three runs in a row, machine otherwise idle but slower that hour (the fp32 step
-181-201 ms against 152 above, the FP8 steps 5-15% slower too): fp8-current 1.45 / 1.62 / 1.69, fp8-delayed
-1.42 / 1.77 / 1.68, fp8-rowwise 1.99 / 2.31 / 2.20, fp8-block 2.06 / 2.11 / 2.31, mxfp8 2.15 / 2.27 / 2.44,
-nvfp4 4.45 / 4.93 / 4.86. The ratios are lower than above mostly because the FP32 step slowed more than the
-others: read them, too, as +-15%.
+The same command on the tree before (three runs): fp8-current 1.45 / 1.62 / 1.69, fp8-delayed 1.42 / 1.77 / 1.68,
+fp8-rowwise 1.99 / 2.31 / 2.20, fp8-block 2.06 / 2.11 / 2.31, mxfp8 2.15 / 2.27 / 2.44, nvfp4 4.45 / 4.93 / 4.86;
+and before the fast paths of ``mpcourse.core.quant.fastpath`` about 1.8-2.1 (per tensor), 2.2-2.6 (rowwise, blocks,
+MX) and 5.1-6.6 (NVFP4). Interleaved in one process (both versions of the quantizers, training steps of each,
+CPU time, fastest of 6 rounds): fp8-rowwise 2.26 -> 1.78, fp8-block 2.02 -> 1.70, mxfp8 2.01 -> 1.87. Every run
+gives the same losses as before, bit for bit (``mpcourse compare`` histories).
 
-The upcast itself is about 3x faster than the table gather it replaced (1024 x 512 E4M3, 1 thread), but the step
-ratios above are those of the earlier measurement below within its +-15%: old and new upcast interleaved in one
-process (training steps of each recipe, CPU time, 6 rounds, load 3-5) gave new / old = 0.99 (fastest round) / 0.92
-(median) for fp8-current, 0.86 / 0.96 fp8-delayed, 0.89 / 0.98 fp8-rowwise, 0.96 / 1.00 fp8-block, 0.97 / 1.03 mxfp8,
-0.99 / 1.00 nvfp4: at most a few percent of a step.
-
-The earlier measurement, with the machine shared with other jobs
-(load 15-17 on 2 cores during the last runs), so wall-clock steps were useless; ``--clock cpu`` times the
-process's CPU time, which descheduling does not inflate, but cache and memory-bandwidth contention still do:
-read the step ratios as +-15%. After the fast paths of ``mpcourse.core.quant.fastpath`` (list there) and the
-per-tensor FP8 backward that upcasts each operand once::
-
-    python benchmarks/bench_block_recipes.py --steps 5 --warmup 1 --threads 1 --clock cpu
-
-            recipe   step ms  x fp32   (5 steps, median; threads 1; cpu clock)
-              fp32     189.3    1.00
-       fp8-current     350.7    1.85
-       fp8-delayed     337.1    1.78
-       fp8-rowwise     467.1    2.47
-         fp8-block     440.2    2.33
-             mxfp8     462.8    2.45
-             nvfp4     970.2    5.13
-
-The same command (3 steps) on the tree before them: fp8-current 2.06, fp8-delayed 1.93, fp8-rowwise 2.22,
-fp8-block 2.35, mxfp8 2.36, nvfp4 6.04 (and 2.04 / 2.15 / 2.36 / 2.37 / 2.65 / 6.62 in a run an hour earlier):
-at this load the step ratios cannot resolve a 10% change. The before/after ratio was therefore measured on the
-FP8 layers alone, both trees imported side by side in one process and interleaved: forward + backward of the
-GPT's four linear shapes (1024 tokens; 128->384, 128->128, 128->512, 512->128), CPU time, 6 rounds,
-new / old = 0.81 (fastest round) / 0.95 (median) for fp8-current, 0.80 / 0.81 fp8-delayed, 1.02 / 1.07
-fp8-rowwise (no change: it has none of the paths above), 0.94 / 0.93 fp8-block, 0.98 / 0.97 mxfp8,
-0.99 / 0.93 nvfp4. Every run gives the same losses as before, bit for bit (``mpcourse compare`` histories).
-
-Where the time goes (a ``TorchDispatchMode`` timing every op of one nvfp4 step by CPU time, before the 32-bit
-rewrite of the rounding, which takes about a fifth off it alone): about a third is NVFP4's stochastic rounding
-of the two gradient copies per layer (the rule's one 62-bit ``torch.randint`` draw per element, then some
-twenty elementwise passes), the emulated GEMMs about a tenth; the rest is the other
-quantize / dequantize passes, each a separate pass over memory in eager PyTorch. The 1.5x target for FP8 and
-MX steps and the 3x aim for NVFP4 are not met: the passes that remain are each needed by the rule as written,
-and fusing them needs a compiled kernel; NVFP4's random draw could be halved by drawing 32 bits per element,
-which changes the rule (and every stored nvfp4 number).
+Where the time goes. The emulated GEMMs cost what FP32's do (the same FP32 GEMMs on the dequantized operands); the
+rest is the quantizers, 6 per linear layer and step (x, W and dy, each along two contraction dimensions: TE's
+rule), about 23 million elements per step on this model, each a chain of eager passes over memory: |x|, the block
+amax, the scaled copy, the cast (torch's float -> float8 cast, about 1 ns per element, the slowest), and the
+upcast of the codes through FP16 bits into the scaled copy's buffer times each block's multiplier. That is about
+50 bytes of memory traffic per element (counted from the passes' reads and writes), about 1.2 GB per step, against which the small ops on the scale grids
+(a few microseconds each) hardly count. The 1.5x target for FP8 and MX steps and the 3x aim for NVFP4 are not
+met: every pass left is one the rule needs, and fusing them needs a compiled kernel (a ``torch.compile``d MX
+quantizer, bit-identical, was about 1.4x faster after about 30 s of compilation per process, and needs a C++
+compiler that a learner's laptop may lack); NVFP4's random draw could be halved by drawing 32 bits per element,
+which changes the rule (and every stored nvfp4 number). A glibc allocator that keeps freed memory
+(``mallopt``, no page faults left in a step) changed no step time measurably.
 """
 from __future__ import annotations
 

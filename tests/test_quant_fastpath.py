@@ -299,11 +299,14 @@ def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     import mpcourse.core.quant.scaled as scaled
     x = _edge_matrix(64, 256, 14) * 1e3
     x[9, :] = 3e38
+    import mpcourse.core.quant.tensor as tensor
     outs = []
     for flag in (True, False):
-        monkeypatch.setattr(scaled, "E4M3_CAST_SATURATES", flag and scaled.E4M3_CAST_SATURATES)
+        for module in (scaled, tensor):
+            monkeypatch.setattr(module, "E4M3_CAST_SATURATES", flag and scaled.E4M3_CAST_SATURATES)
         q = [scaled.quantize_fp32_scaled(x, (1, 128)), scaled.quantize_mx(x, (1, 32), "e4m3", "floor"),
-             scaled.quantize_mx(x, (32, 1), "e4m3", "rceil"), scaled.quantize_fp32_scaled(x, (-1, -1))]
+             scaled.quantize_mx(x, (32, 1), "e4m3", "rceil"), scaled.quantize_fp32_scaled(x, (-1, -1)),
+             tensor.quantize(x, "e4m3", 2.0 ** 20), tensor.quantize(x, "e4m3", 0.37)]
         outs.append([t.data.view(torch.uint8) for t in q])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -339,6 +342,11 @@ def test_fp8_blocks_to_float32_equals_the_dequantize_rule(dtype, block, mults):
     fast = fp8_blocks_to_float32(data, m, block, out)
     assert bits_equal(fast, rule) and fast.data_ptr() == out.data_ptr()
     assert bits_equal(fp8_blocks_to_float32(data, m, block), rule)      # without a buffer
+    if dtype == torch.float8_e4m3fn:                                    # nan_free skips the search: NaN codes stay
+        fast = fp8_blocks_to_float32(data, m, block, nan_free=True)     # the +-1.875 * 2^-8 they read as
+        nan_codes = (data.view(torch.uint8) & 0x7F) == 0x7F
+        assert bits_equal(fast[~nan_codes], rule[~nan_codes]) and not fast[nan_codes & (m.isfinite() &
+               (m != 0)).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)].isnan().any()
     with pytest.raises(TypeError, match="contiguous 2-D"):
         fp8_blocks_to_float32(data.t(), m.t(), block[::-1])
 

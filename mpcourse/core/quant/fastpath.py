@@ -15,6 +15,11 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
   block-scaled data (the same upcast, 2^8 folded into each block's multiplier), written into a buffer the
   quantizer no longer needs; the block quantizers call it when asked to keep the FP32 copy an emulated GEMM
   reads (``keep_fp32``), so the layer's CPU path upcasts each operand once, at quantization.
+* ``pow2_scale(amax, fp8_max)`` and ``rceil_scale_inv(amax, elem_max)``: ``tensor.compute_scale`` with power-of-two
+  scales and 2^k of MX's RCEIL exponent (``scaled.mx_shared_exponent``), read from the bits of one division in a
+  few ops on the scale grid.
+* ``E4M3_CAST_SATURATES``: whether torch's float -> E4M3 cast saturates by itself (torch 2.13 does; checked at
+  import on both sides of 448, inf and NaN), so that the quantizers' clamp before it would change no bit.
 * ``cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)``: what ``torch._scaled_mm`` computes on a CPU
   (upcast both operands, multiply by their scales, make them row-major, one FP32 GEMM, one rounding to
   ``out_dtype``; measured on torch 2.13), with the fast upcast.
@@ -82,7 +87,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
 
 
 def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: tuple[int, int],
-                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          out: Optional[torch.Tensor] = None, nan_free: bool = False) -> torch.Tensor:
     """``ScaledTensor.dequantize(torch.float32)``'s rule, bit for bit, in fewer passes: float32(data) times the
     multiplier of each (r, c) block, for contiguous float8 ``data`` (M, K) and ``block_mult`` (M/r, K/c) float32.
 
@@ -90,7 +95,8 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
     (M, K) buffer the caller no longer needs, e.g. the quantizer's scaled copy, so nothing new is allocated),
     and the E4M3 path's 2^8 is folded into the block multipliers: float32(code) * m is the one product it was
     (2^8 * m is exact where it is finite; where some block's 2^8 * m is not, the two are applied one after the
-    other as in the rule). NaN codes are set to NaN first, as the rule does. Returns out, shaped (M, K).
+    other as in the rule). NaN codes are set to NaN first, as the rule does; ``nan_free=True`` (the caller knows
+    there is none: every block amax was a number) skips that search. Returns out, shaped (M, K).
     """
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not data.is_contiguous() or data.dim() != 2:
         raise TypeError("fp8_blocks_to_float32 takes contiguous 2-D float8_e4m3fn or float8_e5m2 data, got "
@@ -106,7 +112,7 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
         out.copy_(codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))   # value * 2^-8
         factor = 256.0
         b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
-        if int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F:
+        if not nan_free and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
             out[(b & 0x7F) == 0x7F] = float("nan")
     m = block_mult.float()                                                  # (M/r, K/c) fp32
     if factor != 1.0 and bool((m >= 2.0 ** 119).any()):                    # 2^8 * m may overflow (or m is inf):

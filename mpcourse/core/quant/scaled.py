@@ -138,12 +138,14 @@ class ScaledTensor:
 
 
 def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_scale_inv, orig_dtype,
-          y: torch.Tensor, keep_fp32: bool) -> ScaledTensor:
+          y: torch.Tensor, keep_fp32: bool, amax: Optional[torch.Tensor] = None) -> ScaledTensor:
     """The ScaledTensor of a quantizer; with keep_fp32 also its float32 dequantization, written into the
-    quantizer's scratch ``y`` (the scaled copy the cast read, no longer needed)."""
+    quantizer's scratch ``y`` (the scaled copy the cast read, no longer needed). ``amax``: the block amaxes, for
+    quantizers whose data holds a NaN code only where a block holds a NaN (FP32-scaled FP8, MX)."""
     st = ScaledTensor(data, scale_inv, block, elem, tensor_scale_inv, orig_dtype)
     if keep_fp32 and data.dim() == 2 and data.is_contiguous() and y.is_contiguous():
-        st.dequantized = fp8_blocks_to_float32(data, st.block_scale_inv(), st.block, y)
+        nan_free = amax is not None and not bool(torch.isnan(amax).any())
+        st.dequantized = fp8_blocks_to_float32(data, st.block_scale_inv(), st.block, y, nan_free)
     return st
 
 
@@ -192,7 +194,8 @@ def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: i
         scale = compute_scale(amax, top, margin, None, power_2_scale)
     y = block_view(x.float(), b) * expand(scale, b)           # (M/r, r, K/c, c) fp32, one rounding
     data = _cast_elements(y, name).reshape(x.shape)
-    return _keep(data, scale.reciprocal(), b, name, None, x.dtype, y, keep_fp32)
+    # a learner's scale may be anything: then the data is searched for NaN codes
+    return _keep(data, scale.reciprocal(), b, name, None, x.dtype, y, keep_fp32, amax if compute_scale_fn is None else None)
 
 
 # ------------------------------------------------------------------------------------------------ MX (E8M0)
@@ -260,7 +263,7 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
     y = block_view(x.float(), b) / expand(scale_inv, b)
     data = _cast_elements(y, elem).reshape(x.shape)
-    return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32)
+    return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32, amax)
 
 
 # ------------------------------------------------------------------------------------------------ NVFP4

@@ -37,6 +37,7 @@ import torch
 
 from ..formats import FORMATS
 from ..seams import check_fp8, check_scale
+from .fastpath import E4M3_CAST_SATURATES
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
 # "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
@@ -267,7 +268,10 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    y_clamped = y.clamp_(-top, top) if saturate else y.clamp(-top, top)  # torch.clamp lets NaN through
+    if saturate and name == "e4m3" and E4M3_CAST_SATURATES:   # torch's own cast saturates: the clamp changes no bit
+        y_clamped = y
+    else:
+        y_clamped = y.clamp_(-top, top) if saturate else y.clamp(-top, top)  # torch.clamp lets NaN through
     if not saturate:
         midpoint, tie_rounds_up = _overflow_threshold(name)
         overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
