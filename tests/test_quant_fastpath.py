@@ -209,7 +209,7 @@ def test_nvfp4_tensor_amax_from_the_block_maxima_is_the_tensor_amax(block):
 @pytest.mark.parametrize("recipe", ["current", "delayed_e4m3"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_cpu_backward_equals_the_fp8_gemm_path(recipe, x_dtype):
-    """The CPU backward (each operand upcast once, no layout copies) equals the fp8_gemm route bit for bit;
+    """The CPU backward (no layout copies of W and x, dy^T from its transposed codes) equals the fp8_gemm route bit for bit;
     pad_inner_dim=True on aligned shapes takes that route and pads nothing."""
     from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format
     rec = CurrentScaling(fp8_format=Format.HYBRID) if recipe == "current" else DelayedScaling(fp8_format=Format.E4M3)
@@ -319,7 +319,8 @@ def _code_grid(dtype, block) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = block
     n = (64 // r) * (128 // c)
     special = torch.tensor([2.0 ** -149, 3e-41, 2.0 ** -126, 0.3712, 1.0, 2.0 ** 118, 2.0 ** 119, 2.0 ** 120,
-                            3.4028235e38, float("inf"), 0.0, float("nan")])
+                            3.4028235e38, float("inf"), 0.0, float("nan"), -2.0 ** 120, -0.3712, -3.4028235e38,
+                            -float("inf"), -0.0])   # negative: a learner's scales may be (the seams let them through)
     m = torch.cat([special, torch.exp2(torch.randint(-60, 60, (n,), generator=torch.Generator().manual_seed(16))
                                        .float())])[:n]
     return data.view(dtype), m.reshape(64 // r, 128 // c)
@@ -335,7 +336,7 @@ def test_fp8_blocks_to_float32_equals_the_dequantize_rule(dtype, block, mults):
     from mpcourse.core.quant.scaled import ScaledTensor
     data, m = _code_grid(dtype, block)
     if mults != "all":
-        m = torch.where(torch.isfinite(m) & ((m < 2.0 ** 119) | (mults == "overflow")), m, 1.0)
+        m = torch.where(torch.isfinite(m) & ((m.abs() < 2.0 ** 119) | (mults == "overflow")), m, 1.0)
     rule = ScaledTensor(data, m, block, "e4m3" if dtype == torch.float8_e4m3fn else "e5m2").dequantize(
         torch.float32)
     out = torch.full((64, 128), 7.0)                                    # a scratch buffer, overwritten
@@ -379,3 +380,59 @@ def test_kept_fp32_copy_equals_dequantize_and_the_quantization_is_unchanged(reci
             assert bits_equal(kept.dequantize_fp32(), plain.dequantize_fp32())
             assert bits_equal(kept.t().dequantize_fp32(), plain.t().dequantize(torch.float32))
             assert kept.t().dequantize_fp32().stride() == plain.t().dequantize(torch.float32).stride()
+
+
+def _learner_nvfp4_scales(x):
+    """A learner's NVFP4 scales that forgot the abs() in the block max: negative E4M3 block scales."""
+    t = x.abs().amax() / (448 * 6)
+    s = (x.reshape(x.shape[0], -1, 16).amax(-1) / 6 / t).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return t, s
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Float8BlockScaling(power_2_scales=False, amax_epsilon=1e-3),
+    lambda: MXFP8BlockScaling(scale_rule="floor", mx_shared_exponent_fn=lambda a, e: __import__(
+        "mpcourse.core.quant.scaled", fromlist=["x"]).mx_shared_exponent(a, e, "floor") - 3),
+    lambda: NVFP4BlockScaling(disable_stochastic_rounding=True, nvfp4_scales_fn=_learner_nvfp4_scales),
+])
+def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):
+    """Non-power-of-two scales, an amax epsilon and lesson 10's function hooks (exponents that saturate blocks,
+    negative block scales; a learner's compute_scale with a negative scale): the copy is dequantize's bits."""
+    recipe = make()
+    x = _edge_matrix(256, 256, 19).nan_to_num(nan=0.5, posinf=7e4, neginf=-7e4) * 0.05   # the seams refuse NaN scales
+    x[7, :] = -3e38
+    for role in ("input", "weight"):
+        for axis in (0, 1):
+            kept = recipe.quantize(role, x, axis, keep_fp32=True)
+            assert bits_equal(kept.dequantize_fp32(), kept.dequantize(torch.float32))
+    xq = quantize_fp32_scaled(torch.randn(4, 32), (1, 32), compute_scale_fn=lambda a, t, m: torch.full_like(a, -2.0 ** -125),
+                              keep_fp32=True)
+    assert bits_equal(xq.dequantize_fp32(), xq.dequantize(torch.float32))
+
+
+def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_gradient_gemm(monkeypatch):
+    """dataclasses.replace starts without the copy (it would be stale); in the layer's backward the input-gradient
+    GEMM's FP32 copies (dy along N, W along N) are gone before the weight-gradient GEMM runs."""
+    import dataclasses
+    import weakref
+    from mpcourse.core.quant import Float8Linear
+    import mpcourse.core.quant.block_gemm as bg
+    kept = quantize_fp32_scaled(torch.randn(64, 128), (1, 128), keep_fp32=True)
+    assert kept.dequantized is not None
+    assert dataclasses.replace(kept, scale_inv=kept.scale_inv * 2).dequantized is None
+    refs, alive_at_call = [], []
+    real = bg.emulated_gemm
+
+    def spy(a, b, out_dtype=torch.float32):
+        alive_at_call.append(sum(r() is not None for r in refs))
+        for t in (a, b):
+            if t.dequantized is not None:
+                refs.append(weakref.ref(t.dequantized._base if t.dequantized._base is not None else t.dequantized))
+        return real(a, b, out_dtype)
+
+    monkeypatch.setattr(bg, "emulated_gemm", spy)
+    layer = Float8Linear(256, 512, bias=False, recipe=MXFP8BlockScaling())
+    x = torch.randn(1024, 256, requires_grad=True)
+    layer(x).sum().backward()
+    # forward: nothing earlier alive; dgrad: the forward's copies are gone; wgrad: the dgrad's copies are gone
+    assert alive_at_call == [0, 0, 0], alive_at_call

@@ -31,6 +31,7 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         xq = q["input"](x, 1)                                     # (M, K), blocks along K
         wq = q["weight"](weight, 1)                               # (N, K), blocks along K
         y = scaled_gemm(xq, wq.t(), out_dtype)                    # (M, N)
+        xq = wq.dequantized = None                                # the kept FP32 copies have been read
         if bias is not None:
             y = y + bias.to(out_dtype)
         if same_both_axes(q["weight"].recipe, "weight"):                     # Q(W, 0) == Q(W, 1): keep it for dgrad
@@ -57,6 +58,7 @@ class BlockScaledLinearFunction(torch.autograd.Function):
             else:
                 w0 = q["weight"](weight, 0)                         # (N, K), blocks along N
             dx = scaled_gemm(g1, w0, x.dtype)                       # (M, K)
+            del g1, w0                                              # and their FP32 copies, before the wgrad
         if ctx.needs_input_grad[1]:
             g0 = q["grad_output"](grad_y, 0, wgrad=True)                 # (M, N), blocks along M
             x0 = q["input"](x, 0, wgrad=True)                            # (M, K), blocks along M

@@ -94,8 +94,8 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
     The codes are read through FP16 bits as in ``fp8_to_float32``, written into ``out`` (a contiguous float32
     (M, K) buffer the caller no longer needs, e.g. the quantizer's scaled copy, so nothing new is allocated),
     and the E4M3 path's 2^8 is folded into the block multipliers: float32(code) * m is the one product it was
-    (2^8 * m is exact where it is finite; where some block's 2^8 * m is not, the two are applied one after the
-    other as in the rule). NaN codes are set to NaN first, as the rule does; ``nan_free=True`` (the caller knows
+    (2^8 * m is exact unless it overflows; where some block's |m| >= 2^119, or is inf, the two are applied one
+    after the other as in the rule). NaN codes are set to NaN first, as the rule does; ``nan_free=True`` (the caller knows
     there is none: every block amax was a number) skips that search. Returns out, shaped (M, K).
     """
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not data.is_contiguous() or data.dim() != 2:
@@ -115,7 +115,7 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
         if not nan_free and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
             out[(b & 0x7F) == 0x7F] = float("nan")
     m = block_mult.float()                                                  # (M/r, K/c) fp32
-    if factor != 1.0 and bool((m >= 2.0 ** 119).any()):                    # 2^8 * m may overflow (or m is inf):
+    if factor != 1.0 and bool((m.abs() >= 2.0 ** 119).any()):              # 2^8 * m may overflow (or m is +-inf):
         mult, first = m, factor                                             # the rule's two multiplies
     else:
         mult, first = m * factor, None                                      # exact
@@ -151,11 +151,13 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 
 
 def _cast_saturates(dtype: torch.dtype, top: float) -> bool:
-    """Whether torch's cast to ``dtype`` already saturates every finite and infinite value beyond +-top (torch
+    """Whether torch's CPU cast to ``dtype`` already saturates every finite and infinite value beyond +-top (torch
     2.13 does for E4M3; older releases gave NaN): then clamping first changes no bit. Checked on the values that
-    matter: either side of top, every midpoint above it, the FP32 extremes, inf and NaN."""
+    matter: top and the next FP32 above it, a dense grid up to 2 * top (the next E4M3 value, 480, and the
+    midpoint, 464, included), the FP32 extremes, inf and NaN, of both signs. The quantizers use it on CPU
+    tensors only."""
     t = torch.tensor(top, dtype=torch.float32)
-    v = torch.cat([torch.linspace(top, 2 * top, 4097), torch.nextafter(t, t + 1)[None],
+    v = torch.cat([torch.linspace(top, 2 * top, 4097), torch.nextafter(t, t + 1)[None], t[None] * (1 + 1 / 28),
                    torch.tensor([1e30, 3.4e38, float("inf"), float("nan")])])
     v = torch.cat([v, -v])
     return torch.equal(v.to(dtype).view(torch.uint8), v.clamp(-top, top).to(dtype).view(torch.uint8))

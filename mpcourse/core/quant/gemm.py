@@ -172,6 +172,7 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
         if need_dx:
             g = fp8_to_float32(g8.data, g8.scale_inv)                                                # (M, N) fp32
             dx = torch.mm(g, fp8_to_float32(w8.data, w8.scale_inv)).to(x_dtype)                      # (M, K)
+            del g                                                            # not needed by the dW GEMM
         if need_dw:
             g_t = fp8_to_float32(g8.data.t().contiguous(), g8.scale_inv)     # (N, M) fp32 row-major dy^T
             dw = torch.mm(g_t, fp8_to_float32(x8.data, x8.scale_inv)).to(w_dtype)                    # (N, K)

@@ -84,7 +84,8 @@ class ScaledTensor:
     block (r, c) resolved; elem_format ("e4m3", "e5m2", "e2m1", ...); tensor_scale_inv () float32 or None
     (NVFP4's second level); orig_dtype (the dtype before quantization); dequantized: None, or the float32
     ``dequantize()`` kept by a quantizer called with ``keep_fp32=True`` (the emulated GEMM's operand, computed
-    once with the quantization: ``dequantize_fp32``).
+    once with the quantization: ``dequantize_fp32``). It is not an init field, so ``dataclasses.replace`` starts
+    without it; a ScaledTensor's fields are not to be reassigned once it holds one (the copy would go stale).
     """
 
     data: torch.Tensor
@@ -93,7 +94,7 @@ class ScaledTensor:
     elem_format: str
     tensor_scale_inv: Optional[torch.Tensor] = None
     orig_dtype: torch.dtype = torch.float32
-    dequantized: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    dequantized: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -132,9 +133,10 @@ class ScaledTensor:
 
     def t(self) -> "ScaledTensor":
         """The transpose (K, M): a view of the data, the block and the scale grid transposed."""
-        return ScaledTensor(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), self.elem_format,
-                            self.tensor_scale_inv, self.orig_dtype,
-                            None if self.dequantized is None else self.dequantized.t())
+        out = ScaledTensor(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), self.elem_format,
+                           self.tensor_scale_inv, self.orig_dtype)
+        out.dequantized = None if self.dequantized is None else self.dequantized.t()
+        return out
 
 
 def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_scale_inv, orig_dtype,
@@ -152,12 +154,12 @@ def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_
 def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Saturating cast of fp32 ``y`` to ``elem``, returned in its float8 container (NaN stays NaN where it can).
-    ``y`` is a scratch tensor of the caller's: the FP8 formats clamp it in place."""
+    ``y`` is a scratch tensor of the caller's: the FP8 formats may clamp it in place."""
     top = FORMATS[elem].max
     if elem in FP8_DTYPES and rounding == "nearest":
         # in range: the cast only rounds (to nearest even); y is the caller's fresh product, clamped in place
         # (E4M3: where torch's cast saturates by itself, ``fastpath.E4M3_CAST_SATURATES``, the clamp changes no bit)
-        if elem == "e4m3" and E4M3_CAST_SATURATES:
+        if elem == "e4m3" and E4M3_CAST_SATURATES and y.device.type == "cpu":   # checked on the CPU at import
             return y.to(FP8_DTYPES[elem])
         return y.clamp_(-top, top).to(FP8_DTYPES[elem])
     if elem == "e2m1" and rounding in ("nearest", "stochastic"):

@@ -268,8 +268,8 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    if saturate and name == "e4m3" and E4M3_CAST_SATURATES:   # torch's own cast saturates: the clamp changes no bit
-        y_clamped = y
+    if saturate and name == "e4m3" and E4M3_CAST_SATURATES and y.device.type == "cpu":
+        y_clamped = y        # torch's own cast saturates (checked on the CPU at import): the clamp changes no bit
     else:
         y_clamped = y.clamp_(-top, top) if saturate else y.clamp(-top, top)  # torch.clamp lets NaN through
     if not saturate:
@@ -280,8 +280,9 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         else:
             special = torch.copysign(torch.full_like(y, float("inf")), y)
         y_clamped = torch.where(overflow, special, y_clamped)
-    # Every value is now in range (or NaN / an E5M2 inf, which are representable): the cast below only
-    # rounds, so its overflow behaviour, which differs between torch versions, never matters.
+    # Every value is now in range (or NaN / an E5M2 inf, which are representable), or the cast saturates by
+    # itself: the cast below only rounds, so its overflow behaviour, which differs between torch versions, never
+    # matters.
     data = y_clamped.to(dtype)  # no autograd through FP8: see Float8Tensor (straight-through)
     return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
 
