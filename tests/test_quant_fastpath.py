@@ -12,7 +12,7 @@ from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, N
 from mpcourse.core.quant.block_gemm import scaled_gemm
 from mpcourse.core.quant.block_linear import same_both_axes
 from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, round_e2m1
-from mpcourse.core.quant.scaled import quantize_fp32_scaled
+from mpcourse.core.quant.scaled import mx_shared_exponent, quantize_fp32_scaled
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -274,7 +274,6 @@ def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
     """2^k from the bits equals exp2 of mx_shared_exponent's k (RCEIL) on every boundary; NaN is the caller's."""
     from mpcourse.core.formats import FORMATS
     from mpcourse.core.quant.fastpath import rceil_scale_inv
-    from mpcourse.core.quant.scaled import mx_shared_exponent
     a = _amax_cases()
     a = a[~torch.isnan(a) & ~(a < 0)]
     rule = torch.exp2(mx_shared_exponent(a, elem, "rceil").double()).float()
@@ -296,14 +295,15 @@ def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
 
 def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     """The quantizers give the same bits with the flag off (clamp, then cast) as with it on."""
+    import mpcourse.core.quant.fastpath as fastpath
     import mpcourse.core.quant.scaled as scaled
     x = _edge_matrix(64, 256, 14) * 1e3
     x[9, :] = 3e38
     import mpcourse.core.quant.tensor as tensor
+    saturates = fastpath.E4M3_CAST_SATURATES
     outs = []
     for flag in (True, False):
-        for module in (scaled, tensor):
-            monkeypatch.setattr(module, "E4M3_CAST_SATURATES", flag and scaled.E4M3_CAST_SATURATES)
+        monkeypatch.setattr(fastpath, "E4M3_CAST_SATURATES", flag and saturates)
         q = [scaled.quantize_fp32_scaled(x, (1, 128)), scaled.quantize_mx(x, (1, 32), "e4m3", "floor"),
              scaled.quantize_mx(x, (32, 1), "e4m3", "rceil"), scaled.quantize_fp32_scaled(x, (-1, -1)),
              tensor.quantize(x, "e4m3", 2.0 ** 20), tensor.quantize(x, "e4m3", 0.37)]
@@ -391,8 +391,7 @@ def _learner_nvfp4_scales(x):
 
 @pytest.mark.parametrize("make", [
     lambda: Float8BlockScaling(power_2_scales=False, amax_epsilon=1e-3),
-    lambda: MXFP8BlockScaling(scale_rule="floor", mx_shared_exponent_fn=lambda a, e: __import__(
-        "mpcourse.core.quant.scaled", fromlist=["x"]).mx_shared_exponent(a, e, "floor") - 3),
+    lambda: MXFP8BlockScaling(scale_rule="floor", mx_shared_exponent_fn=lambda a, e: mx_shared_exponent(a, e, "floor") - 3),
     lambda: NVFP4BlockScaling(disable_stochastic_rounding=True, nvfp4_scales_fn=_learner_nvfp4_scales),
 ])
 def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):

@@ -18,8 +18,8 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
 * ``pow2_scale(amax, fp8_max)`` and ``rceil_scale_inv(amax, elem_max)``: ``tensor.compute_scale`` with power-of-two
   scales and 2^k of MX's RCEIL exponent (``scaled.mx_shared_exponent``), read from the bits of one division in a
   few ops on the scale grid.
-* ``E4M3_CAST_SATURATES``: whether torch's float -> E4M3 cast saturates by itself (torch 2.13 does; checked at
-  import on both sides of 448, inf and NaN), so that the quantizers' clamp before it would change no bit.
+* ``saturating_cast(y, dtype, top)``: the quantizers' clamp-then-cast, without the clamp where torch's own cast
+  saturates (``E4M3_CAST_SATURATES``: E4M3 in torch 2.13, checked at import on both sides of 448, inf and NaN).
 * ``cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)``: what ``torch._scaled_mm`` computes on a CPU
   (upcast both operands, multiply by their scales, make them row-major, one FP32 GEMM, one rounding to
   ``out_dtype``; measured on torch 2.13), with the fast upcast.
@@ -63,26 +63,34 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     data = data.contiguous()
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_to_float32 takes float8_e4m3fn or float8_e5m2 data, got {data.dtype}")
+    out = torch.empty(data.shape, dtype=torch.float32, device=data.device)
+    return _upcast_into(data, out, None if scale is None else scale.reshape(()).float())
+
+
+def _upcast_into(data: torch.Tensor, out: torch.Tensor, m: Optional[torch.Tensor], nan_free: bool = False):
+    """out (contiguous float32 of data's shape) := float32(code) * m for contiguous float8 ``data`` (m broadcasts
+    over out; None: 1), read through FP16 bits (see ``fp8_to_float32``), each element rounded once as in the rule.
+
+    E4M3's FP16 reading is 2^-8 times the value: the 2^8 is folded into m, exact unless it overflows; where some
+    |m| >= 2^119 (or is inf) the two are applied one after the other, as in the rule. E4M3's NaN codes would read
+    as +-1.875 * 2^-8: they are set to NaN first, unless ``nan_free`` (the caller knows there is none)."""
     codes = data.view(torch.int8).to(torch.int16)                           # (...) int16, sign-extended: bit 15
     if data.dtype == torch.float8_e5m2:
-        out = codes.bitwise_left_shift_(8).view(torch.float16).float()      # (...) fp32: the value
-        factor = None
+        out.copy_(codes.bitwise_left_shift_(8).view(torch.float16))         # the value
+        factor = 1.0
     else:
-        out = codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16).float()   # value * 2^-8
+        out.copy_(codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))   # value * 2^-8
         factor = 256.0
-    if scale is not None:
-        scale = scale.reshape(()).float()
-        folded = scale if factor is None else scale * factor                # () fp32, exact if finite
-        if torch.isfinite(folded) or not torch.isfinite(scale):
-            out.mul_(folded)
-        else:
-            out.mul_(factor).mul_(scale)
-    elif factor is not None:
-        out.mul_(factor)
-    if data.dtype == torch.float8_e4m3fn:
         b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
-        if int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F:
+        if not nan_free and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
             out[(b & 0x7F) == 0x7F] = float("nan")
+    if m is None:
+        if factor != 1.0:
+            out.mul_(factor)
+    elif factor != 1.0 and bool((m.abs() >= 2.0 ** 119).any()):
+        out.mul_(factor).mul_(m)
+    else:
+        out.mul_(m * factor if factor != 1.0 else m)
     return out
 
 
@@ -93,10 +101,9 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
 
     The codes are read through FP16 bits as in ``fp8_to_float32``, written into ``out`` (a contiguous float32
     (M, K) buffer the caller no longer needs, e.g. the quantizer's scaled copy, so nothing new is allocated),
-    and the E4M3 path's 2^8 is folded into the block multipliers: float32(code) * m is the one product it was
-    (2^8 * m is exact unless it overflows; where some block's |m| >= 2^119, or is inf, the two are applied one
-    after the other as in the rule). NaN codes are set to NaN first, as the rule does; ``nan_free=True`` (the caller knows
-    there is none: every block amax was a number) skips that search. Returns out, shaped (M, K).
+    and the E4M3 path's 2^8 is folded into the block multipliers (``_upcast_into``: float32(code) * m is the one
+    product it was). NaN codes are set to NaN first, as the rule does; ``nan_free=True`` (the caller knows there
+    is none: every block amax was a number) skips that search. Returns out, shaped (M, K).
     """
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not data.is_contiguous() or data.dim() != 2:
         raise TypeError("fp8_blocks_to_float32 takes contiguous 2-D float8_e4m3fn or float8_e5m2 data, got "
@@ -104,26 +111,19 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
     M, K = data.shape
     r, c = block
     out = torch.empty(M, K, dtype=torch.float32, device=data.device) if out is None else out.view(M, K)
-    codes = data.view(torch.int8).to(torch.int16)                           # (M, K) int16, sign-extended
-    if data.dtype == torch.float8_e5m2:
-        out.copy_(codes.bitwise_left_shift_(8).view(torch.float16))         # the value
-        factor = 1.0
-    else:
-        out.copy_(codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))   # value * 2^-8
-        factor = 256.0
-        b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
-        if not nan_free and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
-            out[(b & 0x7F) == 0x7F] = float("nan")
-    m = block_mult.float()                                                  # (M/r, K/c) fp32
-    if factor != 1.0 and bool((m.abs() >= 2.0 ** 119).any()):              # 2^8 * m may overflow (or m is +-inf):
-        mult, first = m, factor                                             # the rule's two multiplies
-    else:
-        mult, first = m * factor, None                                      # exact
-    blocks = out.view(M // r, r, K // c, c)                                 # (M/r, r, K/c, c) view of out
-    if first is not None:
-        blocks.mul_(first)
-    blocks.mul_(mult[:, None, :, None])
+    m = block_mult.float()[:, None, :, None]                                # (M/r, 1, K/c, 1) fp32
+    blocks = (M // r, r, K // c, c)                                         # each block times its multiplier
+    _upcast_into(data.view(blocks), out.view(blocks), m, nan_free)
     return out
+
+
+def saturating_cast(y: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Tensor:
+    """``y.clamp_(-top, top).to(dtype)``: the quantizers' saturating cast of their float32 scratch ``y`` (clamped in
+    place), without the clamp where torch's own cast saturates by itself (E4M3 on a CPU, ``E4M3_CAST_SATURATES``),
+    which changes no bit."""
+    if dtype == torch.float8_e4m3fn and E4M3_CAST_SATURATES and y.device.type == "cpu":
+        return y.to(dtype)
+    return y.clamp_(-top, top).to(dtype)
 
 
 def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:

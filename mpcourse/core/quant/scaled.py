@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 from ..formats import FORMATS, round_to
 from ..seams import check_exponents, check_nvfp4_scales
-from .fastpath import (E4M3_CAST_SATURATES, fp8_blocks_to_float32, fp8_to_float32, pow2_scale, rceil_scale_inv,
-                       round_e2m1)
+from .fastpath import fp8_blocks_to_float32, fp8_to_float32, pow2_scale, rceil_scale_inv, round_e2m1, saturating_cast
 from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
 
 ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
@@ -158,10 +157,7 @@ def _cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
     top = FORMATS[elem].max
     if elem in FP8_DTYPES and rounding == "nearest":
         # in range: the cast only rounds (to nearest even); y is the caller's fresh product, clamped in place
-        # (E4M3: where torch's cast saturates by itself, ``fastpath.E4M3_CAST_SATURATES``, the clamp changes no bit)
-        if elem == "e4m3" and E4M3_CAST_SATURATES and y.device.type == "cpu":   # checked on the CPU at import
-            return y.to(FP8_DTYPES[elem])
-        return y.clamp_(-top, top).to(FP8_DTYPES[elem])
+        return saturating_cast(y, FP8_DTYPES[elem], top)
     if elem == "e2m1" and rounding in ("nearest", "stochastic"):
         # the rule below, bit for bit, in a few int32/FP32 passes (tests/test_quant_fastpath.py)
         return round_e2m1(y.contiguous(), rounding, generator).to(_CONTAINER[elem])
@@ -247,11 +243,11 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     exponent_fn: a learner's ``mx_shared_exponent(amax (n,), elem) -> k (n,)`` (lesson 10, the floor rule) in
     place of the library's, checked by ``mpcourse.core.seams.check_exponents``. keep_fp32: as in
     ``quantize_fp32_scaled``."""
-    _mx_element_format(elem)
+    fmt = _mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if exponent_fn is None and rule == "rceil":
-        scale_inv = rceil_scale_inv(amax, FORMATS[elem].max)   # 2^k of the rule below without the int64 k (fastpath)
+        scale_inv = rceil_scale_inv(amax, fmt.max)             # 2^k of the rule below without the int64 k (fastpath)
     else:
         if exponent_fn is None:
             k = mx_shared_exponent(amax, elem, rule)

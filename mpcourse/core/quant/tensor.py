@@ -37,7 +37,7 @@ import torch
 
 from ..formats import FORMATS
 from ..seams import check_fp8, check_scale
-from .fastpath import E4M3_CAST_SATURATES
+from .fastpath import saturating_cast
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
 # "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
@@ -268,21 +268,18 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    if saturate and name == "e4m3" and E4M3_CAST_SATURATES and y.device.type == "cpu":
-        y_clamped = y        # torch's own cast saturates (checked on the CPU at import): the clamp changes no bit
+    if saturate:   # clamped in place (torch.clamp lets NaN through), then cast: ``fastpath.saturating_cast``
+        return Float8Tensor(saturating_cast(y, dtype, top), scale.reciprocal(), x.dtype, source)
+    y_clamped = y.clamp(-top, top)
+    midpoint, tie_rounds_up = _overflow_threshold(name)
+    overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
+    if name == "e4m3":  # no inf in E4M3: overflow is NaN
+        special = torch.full_like(y, float("nan"))
     else:
-        y_clamped = y.clamp_(-top, top) if saturate else y.clamp(-top, top)  # torch.clamp lets NaN through
-    if not saturate:
-        midpoint, tie_rounds_up = _overflow_threshold(name)
-        overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
-        if name == "e4m3":  # no inf in E4M3: overflow is NaN
-            special = torch.full_like(y, float("nan"))
-        else:
-            special = torch.copysign(torch.full_like(y, float("inf")), y)
-        y_clamped = torch.where(overflow, special, y_clamped)
-    # Every value is now in range (or NaN / an E5M2 inf, which are representable), or the cast saturates by
-    # itself: the cast below only rounds, so its overflow behaviour, which differs between torch versions, never
-    # matters.
+        special = torch.copysign(torch.full_like(y, float("inf")), y)
+    y_clamped = torch.where(overflow, special, y_clamped)
+    # Every value is now in range (or NaN / an E5M2 inf, which are representable): the cast below only
+    # rounds, so its overflow behaviour, which differs between torch versions, never matters.
     data = y_clamped.to(dtype)  # no autograd through FP8: see Float8Tensor (straight-through)
     return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
 
