@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..formats import FORMATS, round_to
 from ..seams import check_exponents, check_nvfp4_scales
+from . import fused
 from .fastpath import fp8_blocks_to_float32, fp8_to_float32, pow2_scale, rceil_scale_inv, round_e2m1, saturating_cast
 from .tensor import FP8_DTYPES, compute_scale, fp8_format_name
 
@@ -60,6 +61,8 @@ def block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max |x| of each block: (M/r, K/c) float32 (NaN propagates)."""
+    if fused.usable(x):
+        return fused.block_amax(x, resolve_block(x.shape, block))    # the same maxima, one compiled pass
     a = x.detach().float().abs()
     if block == (1, 16) and a.is_contiguous() and a.device.type == "cpu":
         # The same maxima (a max is exact in any order, NaN propagates in both): torch's CPU reduction over a
@@ -73,6 +76,13 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def expand(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """(M/r, K/c) -> (M/r, 1, K/c, 1), to broadcast over ``block_view``."""
     return s[:, None, :, None]
+
+
+def block_multiplier(scale_inv: torch.Tensor, tensor_scale_inv: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(M/r, K/c) float32 dequantization multiplier of each block: float32(scale_inv) (times the FP32
+    ``tensor_scale_inv``, NVFP4's second level)."""
+    s = scale_inv.float()
+    return s if tensor_scale_inv is None else s * tensor_scale_inv
 
 
 @dataclass
@@ -115,12 +125,12 @@ class ScaledTensor:
 
     def block_scale_inv(self) -> torch.Tensor:
         """(M/r, K/c) float32 multiplier of each block (NVFP4: the E4M3 scale times the FP32 tensor scale)."""
-        s = self.scale_inv.float()
-        if self.tensor_scale_inv is not None:
-            s = s * self.tensor_scale_inv
-        return s
+        return block_multiplier(self.scale_inv, self.tensor_scale_inv)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if (dtype or self.orig_dtype) == torch.float32 and self.data.dtype == torch.float8_e4m3fn \
+                and self.data.is_contiguous() and fused.usable(self.data, torch.float8_e4m3fn):
+            return fused.dequantize_fp8(self.data, self.block, self.block_scale_inv())    # the same bits, one pass
         # float32(data) (``fastpath.fp8_to_float32``: torch's cast, through FP16 bits) times each block's multiplier
         x = block_view(fp8_to_float32(self.data), self.block) * expand(self.block_scale_inv(), self.block)  # fp32
         return x.reshape(self.shape).to(self.orig_dtype if dtype is None else dtype)
@@ -147,6 +157,18 @@ def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_
     if keep_fp32 and data.dim() == 2 and data.is_contiguous() and y.is_contiguous():
         nan_free = amax is not None and not bool(torch.isnan(amax).any())
         st.dequantized = fp8_blocks_to_float32(data, st.block_scale_inv(), st.block, y, nan_free)
+    return st
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether a quantizer takes ``fused``'s compiled pass for x: a contiguous 2-D float32 CPU tensor (the
+    layer's operands; its copy keeps x's layout, as ``_keep``'s does)."""
+    return fused.usable(x) and x.is_contiguous()
+
+
+def _kept(st: ScaledTensor, dequantized: torch.Tensor) -> ScaledTensor:
+    """st holding its float32 dequantization (from ``fused.quantize_fp8`` / ``quantize_e2m1``)."""
+    st.dequantized = dequantized
     return st
 
 
@@ -190,6 +212,11 @@ def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: i
         scale = pow2_scale(amax, top)                         # compute_scale's bits in fewer ops (fastpath)
     else:
         scale = compute_scale(amax, top, margin, None, power_2_scale)
+    if keep_fp32 and name == "e4m3" and _fused(x):
+        # the two lines below and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        scale_inv = scale.reciprocal()
+        data, dq = fused.quantize_fp8(x, b, scale, False, scale_inv)
+        return _kept(ScaledTensor(data, scale_inv, b, name, None, x.dtype), dq)
     y = block_view(x.float(), b) * expand(scale, b)           # (M/r, r, K/c, c) fp32, one rounding
     data = _cast_elements(y, name).reshape(x.shape)
     # a learner's scale may be anything: then the data is searched for NaN codes
@@ -259,6 +286,11 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
     # divide, as the OCP spec writes it. (torchao divides by max(2^k, 2^-126), a workaround for compilers
     # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
+    if keep_fp32 and elem == "e4m3" and _fused(x):
+        # the two lines below and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        e8m0 = scale_inv.to(torch.float8_e8m0fnu)
+        data, dq = fused.quantize_fp8(x, b, scale_inv, True, block_multiplier(e8m0))
+        return _kept(ScaledTensor(data, e8m0, b, elem, None, x.dtype), dq)
     y = block_view(x.float(), b) / expand(scale_inv, b)
     data = _cast_elements(y, elem).reshape(x.shape)
     return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32, amax)
@@ -318,6 +350,11 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
         safe_t = torch.where(t > 0, t, torch.ones_like(t))
         s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
     recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
+    if keep_fp32 and rounding in ("nearest", "stochastic") and _fused(x):
+        # the three lines below and _keep's FP32 copy, in one compiled pass, from the rule's own random draws
+        draws = None if rounding == "nearest" else torch.randint(0, 2 ** 62, x.shape, generator=generator)
+        data, dq = fused.quantize_e2m1(x, b, recip, block_multiplier(s, t), draws)
+        return _kept(ScaledTensor(data, s, b, "e2m1", t, x.dtype), dq)
     y = block_view(x.float(), b) * expand(recip, b)
     data = _cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)
     return _keep(data, s, b, "e2m1", t, x.dtype, y, keep_fp32)

@@ -37,6 +37,7 @@ import torch
 
 from ..formats import FORMATS
 from ..seams import check_fp8, check_scale
+from . import fused
 from .fastpath import saturating_cast
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
@@ -267,6 +268,12 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
             raise ValueError("quantize_fn is the saturating cast: use it with saturate=True")
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
+    if saturate and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
+            and fused.AVAILABLE and x.is_contiguous():
+        # the two lines below in one compiled pass (the same bits: tests/test_quant_fused.py)
+        x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
+        data, _ = fused.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
+        return Float8Tensor(data.reshape(x.shape), scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
     if saturate:   # clamped in place (torch.clamp lets NaN through), then cast: ``fastpath.saturating_cast``
         return Float8Tensor(saturating_cast(y, dtype, top), scale.reciprocal(), x.dtype, source)

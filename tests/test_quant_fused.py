@@ -1,0 +1,562 @@
+"""The numba kernels of ``mpcourse.core.quant.fused`` equal, bit for bit, the torch rules they replace.
+
+``fused`` holds compiled loops that ``scaled`` takes for 2-D float32 CPU tensors: ``block_amax`` (max |x| per
+block, NaN propagating) and the FP8 quantizer (``quantize_fp8``: y = x *
+mult or x / mult per block, its FP8 code by round to nearest even with saturation, and the FP32 copy
+float32(code) * dequant). Their arithmetic is written out by hand on FP32 bit patterns, so every case a cast or
+a reduction can get wrong is checked here against an oracle run side by side on the same input:
+
+1. The E4M3 cast inside the quantizer (block = the whole tensor, mult = dequant = 1) against torch's own
+   ``y.clamp(-448, 448).to(torch.float8_e4m3fn)`` on every E4M3 value, every midpoint between neighbours (the
+   subnormal range and 464, between 448 and the 480 E4M3 does not have, included), the FP32 numbers one ulp
+   either side of each, signed zeros, infinities, NaNs of both signs, FP32 subnormals and extremes, and a few
+   million random FP32 bit patterns (E5M2 the same way); then the multiply or divide
+   by random non-power-of-two block multipliers and the FP32 copy times a random non-power-of-two ``dequant``,
+   against the same few torch operations.
+2. ``scaled.block_amax`` through the kernel against the torch rule (``fused.AVAILABLE`` forced False) and the
+   plain reduction, for every block shape the recipes use, with NaN, +-inf, -0.0, huge and subnormal values.
+3. ``quantize_fp32_scaled`` and ``quantize_mx`` with ``keep_fp32=True`` (the kernel) against the forced torch rule:
+   data bytes, scale_inv bits and the kept FP32 copy, which must also be ``dequantize(torch.float32)``'s bits.
+4. A learner's ``compute_scale_fn`` (negative, non-power-of-two scales) and ``exponent_fn`` through both paths
+   (a NaN code's sign aside: see that test).
+5. A transposed (non-contiguous) float32 input takes the path scaled's own predicate names (block_amax: the
+   kernel), bfloat16 input the rule (no kernel called), and each gives the bits of its reference; keep_fp32=False,
+   E5M2 and the MX FP4 format give the forced rule's bits too.
+6. The per-tensor paths: ``tensor.quantize`` (E4M3 and E5M2, any shape, saturating) and ``fastpath.fp8_to_float32``
+   (with and without a scale, row-major and transposed codes) through the kernels against the forced torch rule.
+7. ``dequantize_fp8`` on every code against torch's upcast times
+   the multiplier, and ``quantize_e2m1`` (NVFP4, nearest and stochastic) against the forced rule.
+
+Where a test compares the kernel with the rule it also checks, with a spy, that the kernel ran (and that the
+forced rule did not call it), so a routing change cannot make the comparison vacuous.
+"""
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from mpcourse.core.quant import fused, scaled  # noqa: E402
+from mpcourse.core.quant.scaled import block_view, resolve_block  # noqa: E402
+
+if not fused.AVAILABLE:
+    pytest.skip("mpcourse.core.quant.fused is off (numba missing or MPCOURSE_FUSED=0)", allow_module_level=True)
+
+E4M3 = torch.float8_e4m3fn
+INF, NAN = float("inf"), float("nan")
+F32_MAX, F32_TINY, F32_SUB_MIN = 3.4028234663852886e38, 2.0 ** -126, 2.0 ** -149
+AMAX_BLOCKS = [(1, 128), (128, 1), (128, 128), (1, -1), (-1, 1), (-1, -1), (1, 32), (32, 1), (1, 16), (16, 1), (16, 16)]
+FP32_SCALED_BLOCKS = [(1, 128), (128, 1), (128, 128), (1, -1), (-1, 1), (-1, -1)]
+MX_BLOCKS = [(1, 32), (32, 1)]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _f32(bits) -> torch.Tensor:
+    """float32 tensor of the given IEEE bit patterns (Python ints, any sign convention)."""
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _first_mismatches(bad: torch.Tensor, *named) -> str:
+    idx = bad.reshape(-1).nonzero().squeeze(1)[:8]
+    rows = []
+    for i in idx.tolist():
+        parts = []
+        for name, t in named:
+            v = t.reshape(-1)[i]
+            if t.dtype == torch.float32:
+                parts.append(f"{name}={v.item()!r} (0x{v.view(torch.int32).item() & 0xFFFFFFFF:08x})")
+            else:
+                parts.append(f"{name}=0x{int(v.view(torch.uint8)) if t.element_size() == 1 else int(v):02x}")
+        rows.append(f"  [{i}] " + ", ".join(parts))
+    return f"{int(bad.sum())} of {bad.numel()} differ; first:\n" + "\n".join(rows)
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, *context) -> None:
+    """float32 got and want have the same shape, NaN in the same places (any payload or sign) and the same bits
+    everywhere else (so -0.0 differs from 0.0). ``context``: (name, tensor) pairs shown for the first mismatches."""
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, (got.dtype, want.dtype, got.shape,
+                                                                                  want.shape)
+    gi, wi = got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)
+    if torch.equal(gi, wi):
+        return
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    bad = (gn != wn) | (~gn & ~wn & (gi != wi))
+    assert not bool(bad.any()), _first_mismatches(bad, *context, ("got", got), ("want", want))
+
+
+def assert_codes_equal(got: torch.Tensor, want: torch.Tensor, *context, nan_sign: bool = True) -> None:
+    """float8_e4m3fn got and want hold the same bytes (``nan_sign=False``: a NaN code, 0x7F or 0xFF, may stand for
+    the other)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    g, w = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    bad = g != w
+    if not nan_sign:
+        bad &= ~(((g & 0x7F) == 0x7F) & ((w & 0x7F) == 0x7F))
+    assert not bool(bad.any()), _first_mismatches(bad, *context, ("got", got), ("want", want))
+
+
+def torch_rule(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the kernels off (``fused.AVAILABLE`` False): the torch rule."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "AVAILABLE", False)
+        assert not fused.usable(torch.zeros(2, 2))
+        return fn(*args, **kwargs)
+
+
+def kernel_quantize(x, block, mult, divide, dequant, fp8_format="e4m3"):
+    """The FP8 quantize kernel: (codes, float32 copy)."""
+    return fused.quantize_fp8(x, block, mult, divide, dequant, fp8_format=fp8_format)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the kernels' calls through ``scaled``: "block_amax" and "quantize" (the FP8 quantizer). A kernel
+    called from inside another is not counted twice."""
+    count = {"block_amax": 0, "quantize": 0}
+    depth = [0]
+    for name in ("block_amax", "quantize_fp8"):
+        real, key = getattr(fused, name), "block_amax" if name == "block_amax" else "quantize"
+
+        def spy(*args, _real=real, _key=key, **kwargs):
+            count[_key] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(fused, name, spy)
+    return count
+
+
+def _expand(s: torch.Tensor, x: torch.Tensor, block) -> torch.Tensor:
+    """(M/r, K/c) block values repeated over their blocks: (M, K)."""
+    r, c = block
+    return s.repeat_interleave(r, 0).repeat_interleave(c, 1).reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------ 1. the E4M3 cast
+# per format: (torch dtype, max, the value past max it does not have, codes of the finite non-negative values,
+# NaN test on a code byte)
+FP8_FORMATS = {
+    "e4m3": (E4M3, 448.0, 480.0, 0x7F, lambda b: (b & 0x7F) == 0x7F),
+    "e5m2": (torch.float8_e5m2, 57344.0, 65536.0, 0x7C, lambda b: (b & 0x7F) > 0x7C),
+}
+
+
+def _fp8_cases(fmt: str) -> torch.Tensor:
+    """Every finite value of ``fmt``, every midpoint between neighbours (and between max and the next power-of-two
+    step past it: 464 for E4M3), one FP32 ulp either side of each, the FP32 specials, subnormals and extremes, of
+    both signs (1-D float32)."""
+    dtype, top, past, n_codes, _ = FP8_FORMATS[fmt]
+    values = torch.arange(n_codes, dtype=torch.int32).to(torch.uint8).view(dtype).float()   # 0 .. max, increasing
+    assert values[-1] == top and bool((values[1:] > values[:-1]).all())
+    grid = torch.cat([values, torch.tensor([past])]).double()
+    mids = ((grid[1:] + grid[:-1]) / 2).float()                       # exact in FP32 (a few significant bits)
+    assert float(mids[-1]) == (top + past) / 2 and float(mids[0]) == float(values[1]) / 2
+    edges = torch.cat([values, mids, values[1:2] / 2, torch.tensor([top, past, 2 * past, 2.0 ** -6, 2.0 ** -14])])
+    up, down = torch.nextafter(edges, torch.tensor(INF)), torch.nextafter(edges, torch.tensor(-INF))
+    sub = torch.randint(1, 1 << 23, (2000,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    special = torch.cat([
+        torch.tensor([0.0, INF, NAN, F32_MAX, F32_TINY, F32_SUB_MIN, 1e30, 1e-30, 2.0 ** -127]),
+        _f32([0x007FFFFF, 0x00400000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7FBFFFFF]),   # subnormals; NaN payloads
+        sub.view(torch.float32)])
+    x = torch.cat([edges, up, down, special])
+    return torch.cat([x, -x])
+
+
+def _cast_by_kernel(x: torch.Tensor, shape, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize kernel on x reshaped to ``shape``, one block of it all, multiplier and dequant 1: (codes, copy)."""
+    one = torch.ones(1, 1)
+    data, copy = kernel_quantize(x.reshape(shape), tuple(shape), one, False, one, fp8_format=fmt)
+    return data.reshape(-1), copy.reshape(-1)
+
+
+def _check_cast(x: torch.Tensor, shape, fmt: str = "e4m3") -> None:
+    dtype, top, _, _, is_nan_code = FP8_FORMATS[fmt]
+    got, copy = _cast_by_kernel(x, shape, fmt)
+    want = x.clamp(-top, top).to(dtype)
+    nan = torch.isnan(x)
+    assert_codes_equal(got[~nan], want[~nan], ("x", x[~nan]))
+    assert bool(is_nan_code(got[nan].view(torch.uint8)).all()), "NaN input without a NaN code"
+    assert_bits_equal(copy, got.float(), ("x", x))                     # the copy is the code's value (times 1)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", ["row", "column"])
+def test_fp8_cast_equals_torch_on_every_value_midpoint_and_neighbour(shape, fmt):
+    """Ties go to the even code (a kernel that rounds them up or away fails here), 464 and above saturate to 448,
+    subnormal midpoints round to even multiples of 2^-9, -0.0 keeps its sign (E5M2: the same at 57344 and 2^-16).
+    ``row``: a (1, n) block, the kernel's loop over blocks; ``column``: (n, 1), one multiplier per element."""
+    x = _fp8_cases(fmt)
+    _check_cast(x, (1, x.numel()) if shape == "row" else (x.numel(), 1), fmt)
+    if fmt == "e4m3":
+        got, _ = _cast_by_kernel(torch.tensor([464.0, -464.0, 2.0 ** -10, 1.0625, 0.0]), (1, 5))
+        assert got.view(torch.uint8).tolist() == [0x7E, 0xFE, 0x00, 0x38, 0x00]   # a sanity anchor
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_cast_equals_torch_on_random_fp32_bit_patterns(fmt):
+    g = torch.Generator().manual_seed(2)
+    n = 1 << 22 if fmt == "e4m3" else 1 << 20
+    x = torch.randint(-2 ** 31, 2 ** 31, (n,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    near = torch.randn(n // 4, generator=g) * FP8_FORMATS[fmt][1] / 2   # the format's range, densely
+    _check_cast(torch.cat([x, near]), (n // 1024 * 5 // 4, 1024), fmt)
+
+
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("block", [(1, 32), (32, 1), (16, 16), (1, 1)])
+def test_quantize_kernel_scales_casts_and_dequantizes_as_torch(block, divide):
+    """Random non-power-of-two multipliers (negative, tiny and huge ones too): codes = cast(sat(x * mult)) (or x /
+    mult), one FP32 rounding per product as in torch; the copy = float32(code) * dequant, also rounded once."""
+    g = torch.Generator().manual_seed(3)
+    M, K = 128, 256
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-8, 9, (M, 1), generator=g).float())
+    x[0, :8] = torch.tensor([NAN, INF, -INF, -0.0, 0.0, 1e-45, F32_MAX, -3e38])
+    r, c = block
+    shape = (M // r, K // c)
+    mult = torch.exp(torch.empty(shape).uniform_(-6, 6, generator=g))
+    mult = mult * torch.where(torch.rand(shape, generator=g) < 0.2, -1.0, 1.0)
+    dequant = torch.exp(torch.empty(shape).uniform_(-30, 30, generator=g)) * torch.where(
+        torch.rand(shape, generator=g) < 0.2, -1.0, 1.0)
+    mult.view(-1)[:6] = torch.tensor([1e-40, 3e38, 0.3712, -1.7, 2.0 ** -130, 1e30])
+    dequant.view(-1)[:6] = torch.tensor([1e-40, 3e38, 0.3712, -1.7, 2.0 ** -140, 1e35])
+    for t in (mult, dequant):                                          # products really round (2^-130, 2^-140 aside)
+        assert int((torch.frexp(t)[0].abs() == 0.5).sum()) <= 1
+    data, copy = kernel_quantize(x, block, mult, divide, dequant)
+    m = _expand(mult, x, block)
+    y = x / m if divide else x * m
+    want = y.clamp(-448, 448).to(E4M3)
+    assert data.dtype == E4M3 and copy.dtype == torch.float32 and data.shape == copy.shape == x.shape
+    nan = torch.isnan(y)
+    assert_codes_equal(data[~nan], want[~nan], ("y", y[~nan]))
+    assert bool(((data[nan].view(torch.uint8) & 0x7F) == 0x7F).all())
+    assert_bits_equal(copy, data.float() * _expand(dequant, x, block), ("y", y))
+
+
+# ------------------------------------------------------------------------------------------------ 2. block amax
+def _special_matrix(M: int, K: int, seed: int, nan: bool = True, inf: bool = True) -> torch.Tensor:
+    """(M, K) float32 of random magnitudes with the values a reduction or a cast can get wrong, spread over blocks:
+    NaN of both signs, +-inf, a 128x128 (or smaller) region of +-0.0 and one of FP32 subnormals, huge values,
+    values beyond 448 next to 448 (MX floor saturates them), and ties (midpoints between E4M3 values)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-12, 13, (M // 16, 1, K // 16, 1), generator=g)
+                                                    .float()).expand(M // 16, 16, K // 16, 16).reshape(M, K)
+    h, w = M // 2, K // 2
+    x[h:, w:] = 0.0                                   # zero blocks, signed zeros in half of them
+    x[h:h + h // 2, w:] = -0.0
+    sub = torch.randint(1, 1 << 23, (M - h, 16), generator=g, dtype=torch.int32).view(torch.float32)
+    x[h:, :16] = sub * torch.where(torch.rand(M - h, 16, generator=g) < 0.5, -1.0, 1.0)   # exact: FP32 subnormals
+    x[h + 1, 1] = 1e-45                               # FP32 subnormals (and a block of only them)
+    x[3, w - 1] = 3e38                                # huge
+    x[4, w + 3] = -F32_MAX
+    x[30, :32] = 448.0                                # 448 * 31 + 1000: MX floor saturates 1000 / 2 = 500
+    x[30, 31] = 1000.0
+    x[31, :32] = torch.tensor([448.0, 1.0625, -1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 15 * 2.0 ** -10, 0.0703125,
+                               -13.0, 14.5, 304.0, 416.0, -440.0] + [0.5] * 20)     # ties at scale 1
+    if inf:
+        x[7, 2] = INF
+        x[h - 1, 20] = -INF
+        x[7, 3] = 1000.0                              # beyond 448 in the inf block (scale 1): saturates
+    if nan:
+        x[5, 7] = NAN
+        x[9, K - 1] = _f32([0xFFC00001])[0]           # a negative NaN with a payload
+    return x
+
+
+def _amax_cases():
+    for M, K in ((256, 384), (128, 128)):
+        for nan, inf in ((True, True), (False, True), (False, False)):
+            yield _special_matrix(M, K, seed=M + K + 2 * nan + inf, nan=nan, inf=inf)
+
+
+@pytest.mark.parametrize("block", AMAX_BLOCKS, ids=str)
+def test_block_amax_kernel_equals_the_torch_rule(block, calls):
+    for x in _amax_cases():
+        b = resolve_block(x.shape, block)
+        got = scaled.block_amax(x, block)              # the kernel (it resolves -1 itself)
+        assert calls["block_amax"] > 0
+        n = calls["block_amax"]
+        want = torch_rule(scaled.block_amax, x, b)     # the rule takes a resolved block
+        assert calls["block_amax"] == n                # the forced rule did not call the kernel
+        plain = block_view(x.abs(), b).amax(dim=(1, 3))
+        assert_bits_equal(got, want)
+        assert_bits_equal(got, plain)
+        assert got.shape == (x.shape[0] // b[0], x.shape[1] // b[1])
+        assert not bool(torch.signbit(got).any())     # -0.0 blocks give +0.0
+        # the injected NaNs (not the inf) really reach the result: it can tell NaN from inf
+        assert bool(torch.isnan(x).any()) == bool(torch.isnan(got).any())
+
+
+# ------------------------------------------------------------------------------------------------ 3. the quantizers
+def _ties_matrix(M: int, K: int, seed: int) -> torch.Tensor:
+    """Every block of 16 or more along a dimension has amax exactly 448 (scale 1, or 2^-margin, in every rule), the
+    other elements are E4M3 midpoints (ties) of random sign, the subnormal ones included."""
+    values = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(E4M3).float().double()
+    mids = ((values[1:] + values[:-1]) / 2).float()                   # < 448
+    g = torch.Generator().manual_seed(seed)
+    x = mids[torch.randint(0, mids.numel(), (M, K), generator=g)]
+    x = x * torch.where(torch.rand(M, K, generator=g) < 0.5, -1.0, 1.0)
+    x[::16, :] = 448.0
+    x[:, ::16] = -448.0
+    return x
+
+
+def _quant_cases():
+    yield _special_matrix(256, 384, 21)
+    yield _special_matrix(128, 128, 22, nan=False)
+    yield _ties_matrix(256, 384, 23)
+    yield _special_matrix(256, 128, 24, nan=False, inf=False) * 1e-36   # tiny blocks: huge or subnormal scales
+
+
+def _check_same(got: scaled.ScaledTensor, want: scaled.ScaledTensor, x: torch.Tensor, nan_sign: bool = True) -> None:
+    """Same data bytes, scale_inv bits, block, orig_dtype; got's kept copy is the rule's dequantize(float32) (run with
+    the kernels off: ``dequantize`` may take one too) and got's own ``dequantize(torch.float32)``."""
+    assert got.block == want.block and got.orig_dtype == want.orig_dtype and got.elem_format == want.elem_format
+    assert got.scale_inv.dtype == want.scale_inv.dtype and got.scale_inv.shape == want.scale_inv.shape
+    assert_codes_equal(got.data, want.data, ("x", x), nan_sign=nan_sign)
+    if got.scale_inv.dtype == torch.float32:
+        assert_bits_equal(got.scale_inv, want.scale_inv)
+    else:
+        assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8))
+    assert got.dequantized is not None and got.dequantized.dtype == torch.float32
+    assert_bits_equal(got.dequantized, torch_rule(want.dequantize, torch.float32), ("x", x))
+    assert_bits_equal(got.dequantized, got.dequantize(torch.float32), ("x", x))
+
+
+@pytest.mark.parametrize("power_2_scale", [True, False])
+@pytest.mark.parametrize("block", FP32_SCALED_BLOCKS + [(1, 32), (16, 16)], ids=str)
+def test_quantize_fp32_scaled_kernel_equals_the_torch_rule(block, power_2_scale, calls):
+    for x in _quant_cases():
+        for margin in (0, 1):
+            for eps in (0.0, 1e-3):
+                kw = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=eps, keep_fp32=True)
+                n = calls["quantize"]
+                got = scaled.quantize_fp32_scaled(x, block, "e4m3", **kw)
+                assert calls["quantize"] == n + 1
+                want = torch_rule(scaled.quantize_fp32_scaled, x, block, "e4m3", **kw)
+                assert calls["quantize"] == n + 1
+                _check_same(got, want, x)
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("block", MX_BLOCKS, ids=str)
+def test_quantize_mx_kernel_equals_the_torch_rule(block, rule, calls):
+    saturated = 0
+    for x in _quant_cases():
+        n = calls["quantize"]
+        got = scaled.quantize_mx(x, block, "e4m3", rule, keep_fp32=True)
+        assert calls["quantize"] == n + 1
+        want = torch_rule(scaled.quantize_mx, x, block, "e4m3", rule, keep_fp32=True)
+        assert calls["quantize"] == n + 1
+        _check_same(got, want, x)
+        saturated += int(((got.data.view(torch.uint8) & 0x7F) == 0x7E).sum())
+    assert saturated > 0                              # the 448 codes are there (floor: 1000 / 2 saturates)
+
+
+# ------------------------------------------------------------------------------------------ 4. a learner's functions
+LEARNER_SCALES = {
+    "negative": lambda amax, top, margin: -(top / amax) / 2 ** margin,          # forgot a sign: -inf at amax 0
+    "non_pow2": lambda amax, top, margin: top / amax * 0.77,                    # inf at amax 0
+    "constant": lambda amax, top, margin: torch.full_like(amax, 0.3712),
+    "mixed_sign": lambda amax, top, margin: torch.where(amax > 1, -0.61, 3.3) * torch.ones_like(amax),
+    "tiny_negative": lambda amax, top, margin: torch.full_like(amax, -2.0 ** -125),
+}
+
+
+@pytest.mark.parametrize("power_2_scale", [False, True])
+@pytest.mark.parametrize("name", list(LEARNER_SCALES))
+def test_learner_compute_scale_fn_matches_the_torch_rule(name, power_2_scale, calls):
+    """Everything bit for bit, except the sign of a NaN code that a NaN scale puts in a block: a learner's scale
+    computed from a NaN amax carries that NaN's sign into x * scale, and the amaxes differ there (the kernel's |x|
+    max is +NaN; torch's amax over a (128, 1) block of |x| is -NaN, 0xFFFFFFFF, on torch 2.13's CPU), so the
+    rule writes 0x7F where the kernel writes 0xFF, or the other way round; both are E4M3's NaN."""
+    fn = LEARNER_SCALES[name]
+    for x in _quant_cases():
+        for block in ((1, 128), (128, 1), (-1, -1)):
+            kw = dict(power_2_scale=power_2_scale, compute_scale_fn=fn, keep_fp32=True)
+            got = scaled.quantize_fp32_scaled(x, block, "e4m3", **kw)
+            want = torch_rule(scaled.quantize_fp32_scaled, x, block, "e4m3", **kw)
+            _check_same(got, want, x, nan_sign=False)
+    assert calls["quantize"] == 3 * 4
+
+
+def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
+    from mpcourse.core.quant.scaled import mx_shared_exponent
+    def fn(amax, elem):                               # 2^3 too small: blocks saturate
+        return (mx_shared_exponent(amax, elem, "floor") - 3).clamp(min=-127)
+    for x in _quant_cases():
+        for block in MX_BLOCKS:
+            got = scaled.quantize_mx(x, block, "e4m3", exponent_fn=fn, keep_fp32=True)
+            want = torch_rule(scaled.quantize_mx, x, block, "e4m3", exponent_fn=fn, keep_fp32=True)
+            _check_same(got, want, x)
+    assert calls["quantize"] == 4 * 2
+
+
+# ------------------------------------------------------------------------------------------------ 5. layouts and paths
+def _quantizer_takes_kernel(x: torch.Tensor) -> bool:
+    """Whether scaled's quantizers send x (keep_fp32, E4M3) to the kernel: ``scaled._fused(x)`` where scaled has that
+    predicate (contiguous x only), else ``fused.usable(x)``."""
+    return bool(getattr(scaled, "_fused", fused.usable)(x))
+
+
+def test_transposed_input_takes_the_right_path_and_matches(calls):
+    """A transposed float32 view: block_amax takes the kernel (which reads a contiguous copy); the quantizers take
+    whichever path scaled's predicate names for it, and either way give the rule's bits and those of the
+    contiguous copy (whose data and FP32 copy are row-major like it)."""
+    base = _special_matrix(384, 256, 31)
+    xt = base.t()                                                     # (256, 384), not contiguous
+    assert not xt.is_contiguous() and fused.usable(xt)
+    for block in ((1, 128), (128, 1), (32, 1), (-1, 1)):
+        n = calls["block_amax"]
+        got = scaled.block_amax(xt, block)
+        assert calls["block_amax"] == n + 1
+        b = resolve_block(xt.shape, block)
+        assert_bits_equal(got, torch_rule(scaled.block_amax, xt, b))
+        assert_bits_equal(got, scaled.block_amax(xt.contiguous(), block))
+    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (scaled.quantize_fp32_scaled, (128, 128), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (scaled.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+        n = calls["quantize"]
+        got = q(xt, block, keep_fp32=True, **kw)
+        assert calls["quantize"] == n + _quantizer_takes_kernel(xt)
+        want = torch_rule(q, xt, block, keep_fp32=True, **kw)
+        contiguous = q(xt.contiguous(), block, keep_fp32=True, **kw)  # the kernel
+        assert calls["quantize"] == n + _quantizer_takes_kernel(xt) + 1
+        _check_same(contiguous, want, xt)
+        assert_codes_equal(got.data, want.data, ("x", xt))
+        assert torch.equal(got.scale_inv.float().view(torch.int32), want.scale_inv.float().view(torch.int32))
+        assert_bits_equal(got.dequantize_fp32(), contiguous.dequantized, ("x", xt))
+
+
+def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
+    """bfloat16 (not the kernels' dtype) runs the rule (no kernel called), and its results are the kernel's on the
+    exact float32 copy, orig_dtype aside. keep_fp32=False, E5M2 and the MX FP6/FP4 formats give the forced rule's
+    bits too (whichever path they take), and keep_fp32 changes no data bit."""
+    x32 = _special_matrix(256, 384, 41).bfloat16().float()
+    xb = x32.bfloat16()
+    assert not fused.usable(xb)
+    for i, block in enumerate(((1, 128), (16, 1), (-1, -1))):
+        b = resolve_block(xb.shape, block)
+        got = scaled.block_amax(xb, b)
+        assert calls["block_amax"] == i                               # the rule
+        assert_bits_equal(got, scaled.block_amax(x32, b))             # the kernel
+        assert calls["block_amax"] == i + 1
+    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (scaled.quantize_fp32_scaled, (-1, -1), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (scaled.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+        n_amax, n = calls["block_amax"], calls["quantize"]
+        got = q(xb, block, keep_fp32=True, **kw)
+        assert calls["quantize"] == n and calls["block_amax"] == n_amax
+        assert got.orig_dtype == torch.bfloat16 and got.dequantize().dtype == torch.bfloat16
+        ref = q(x32, block, keep_fp32=True, **kw)                     # the kernel
+        assert calls["quantize"] == n + 1
+        assert_codes_equal(got.data, ref.data, ("x", x32))
+        assert torch.equal(got.scale_inv.float().view(torch.int32), ref.scale_inv.float().view(torch.int32))
+        assert_bits_equal(ref.dequantized, got.dequantize_fp32(), ("x", x32))
+    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3", keep_fp32=False)),
+                         (scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e5m2", keep_fp32=True)),
+                         (scaled.quantize_fp32_scaled, (-1, 1), dict(fp8_format="e5m2", keep_fp32=False)),
+                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", keep_fp32=False)),
+                         (scaled.quantize_mx, (1, 32), dict(elem="e5m2", keep_fp32=True)),
+                         (scaled.quantize_mx, (32, 1), dict(elem="e2m1", keep_fp32=True))):
+        st = q(x32, block, **kw)
+        want = torch_rule(q, x32, block, **kw)
+        assert_codes_equal(st.data, want.data, ("x", x32))
+        assert torch.equal(st.scale_inv.float().view(torch.int32), want.scale_inv.float().view(torch.int32))
+        assert_bits_equal(st.dequantize_fp32(), torch_rule(want.dequantize, torch.float32), ("x", x32))
+        other = q(x32, block, **{**kw, "keep_fp32": not kw["keep_fp32"]})
+        assert_codes_equal(st.data, other.data, ("x", x32))
+
+
+# ------------------------------------------------------------------------------------------------ dequantize, NVFP4
+@pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2])
+@pytest.mark.parametrize("block", [(1, 32), (32, 1), (16, 16)])
+def test_dequantize_kernel_equals_torch_upcast_times_the_multiplier(dtype, block):
+    """``fused.dequantize_fp8`` (``ScaledTensor.dequantize``'s and ``fastpath.fp8_to_float32``'s pass): float32(code) * mult per block, against torch's own upcast times the multiplier, on every code (both
+    NaN signs, E5M2's inf) and multipliers that are subnormal, non-power-of-two, huge, inf, 0, NaN or negative."""
+    codes = torch.arange(64 * 128, dtype=torch.int64).remainder(256).to(torch.uint8)
+    data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(51))].reshape(64, 128)
+    data = data.view(dtype)
+    r, c = block
+    n = (64 // r) * (128 // c)
+    special = torch.tensor([2.0 ** -149, 3e-41, 0.3712, 2.0 ** 119, 2.0 ** 120, F32_MAX, INF, 0.0, NAN, -0.3712,
+                            -F32_MAX, -INF, -0.0, 1e-30, 7.77e20])
+    g = torch.Generator().manual_seed(52)
+    m = torch.cat([special, torch.exp(torch.empty(n).uniform_(-60, 60, generator=g))])[:n].reshape(64 // r, 128 // c)
+    got = fused.dequantize_fp8(data, block, m)
+    assert_bits_equal(got, data.float() * _expand(m, data, block), ("code", data))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
+def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
+    """``fused.quantize_e2m1`` through ``quantize_nvfp4(..., keep_fp32=True)`` against the forced
+    rule with the same generator seed (the kernel reads the rule's own draws): data bytes, both scales, the copy."""
+    real, count = fused.quantize_e2m1, [0]
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "quantize_e2m1", spy)
+        for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
+                  torch.zeros(64, 128)):
+            got = scaled.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
+                                        keep_fp32=True)
+            want = torch_rule(scaled.quantize_nvfp4, x, block, rounding=rounding,
+                              generator=torch.Generator().manual_seed(7), keep_fp32=True)
+            assert_codes_equal(got.data, want.data, ("x", x))
+            assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8))
+            assert_bits_equal(got.tensor_scale_inv.reshape(1), want.tensor_scale_inv.reshape(1))
+            assert got.dequantized is not None
+            assert_bits_equal(got.dequantized, torch_rule(want.dequantize, torch.float32), ("x", x))
+    assert count[0] == 3
+
+
+# ------------------------------------------------------------------------------------------------ per tensor
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [1.0, 0.3712, 2.0 ** -20, 7.77e20])
+def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
+    """``tensor.quantize`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
+    forced torch rule (clamp, then torch's cast), for a 3-D and a 2-D float32 tensor with every special value,
+    and scales that push values past the format's max (and FP32's: to inf) or into its subnormals."""
+    from mpcourse.core.quant.tensor import quantize
+    real, count = fused.quantize_fp8, [0]
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    x2 = _special_matrix(128, 256, 71)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "quantize_fp8", spy)
+        for x in (x2.reshape(4, 32, 256), x2):
+            got = quantize(x, fmt, scale)
+            want = torch_rule(quantize, x, fmt, scale)
+            g, w = got.data.view(torch.uint8), want.data.view(torch.uint8)
+            nan = torch.isnan(want.data.float())
+            assert torch.isnan(got.data.float()[nan]).all()                       # NaN: a NaN code
+            assert torch.equal(g[~nan], w[~nan]), int((g != w)[~nan].sum())
+            assert_bits_equal(got.scale_inv.reshape(1), want.scale_inv.reshape(1))
+    assert count[0] == 2
+
+
+@pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2])
+@pytest.mark.parametrize("scale", [None, 0.3712, 2.0 ** 120])
+def test_fp8_upcast_kernel_equals_the_torch_rule(dtype, scale):
+    """``fastpath.fp8_to_float32`` (the per-tensor GEMMs' upcast) through ``fused.dequantize_fp8`` against the forced
+    rule and against torch's own upcast times the scale: every code, row-major, transposed and 3-D codes; the
+    result keeps the codes' layout."""
+    from mpcourse.core.quant.fastpath import fp8_to_float32
+    codes = torch.arange(96 * 64, dtype=torch.int64).remainder(256).to(torch.uint8)
+    data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(81))].view(dtype)
+    s = None if scale is None else torch.tensor(scale)
+    for d in (data.reshape(96, 64), data.reshape(64, 96).t(), data.reshape(4, 24, 64)):
+        got = fp8_to_float32(d, s)
+        want = torch_rule(fp8_to_float32, d, s)
+        assert got.stride() == want.stride()
+        assert_bits_equal(got, want)
+        assert_bits_equal(got, d.float() if s is None else d.float() * s)
