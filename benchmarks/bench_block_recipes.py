@@ -11,40 +11,39 @@ GEMM), not a GPU speed-up. A number for one machine in one run: re-run it where 
     python benchmarks/bench_block_recipes.py
     python benchmarks/bench_block_recipes.py --recipes fp32,fp8-current,mxfp8 --steps 20
 
-Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU, machine otherwise idle; the fp32 step itself
-moves by about 25% from hour to hour here, so read each ratio as +-15%), three runs in a row on the tree whose
-block quantizers keep the FP32 copy the emulated GEMM reads (``keep_fp32``, ``fastpath.fp8_blocks_to_float32``)::
+Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU, numba 0.68.1, machine otherwise idle; the
+fp32 step itself moves by 15-25% from run to run and hour to hour here, so read each ratio as +-15%), three runs
+in a row on the tree with the compiled kernels of ``mpcourse.core.quant.fused``::
 
     python benchmarks/bench_block_recipes.py --steps 5 --warmup 1 --threads 1 --clock cpu
 
-            recipe   step ms  x fp32   (5 steps, median; threads 1; cpu clock)     runs 2 and 3: x fp32
-              fp32     178.1    1.00                                                 1.00   1.00  (208.5, 192.0 ms)
-       fp8-current     295.0    1.66                                                 1.33   1.41
-       fp8-delayed     305.5    1.72                                                 1.35   1.66
-       fp8-rowwise     322.1    1.81                                                 1.78   1.83
-         fp8-block     329.8    1.85                                                 1.77   1.80
-             mxfp8     337.7    1.90                                                 1.79   1.76
-             nvfp4     972.0    5.46                                                 4.82   5.04
+            recipe   x fp32, runs 1 / 2 / 3   median     (fp32 step 213.8 / 216.3 / 184.8 ms)
+       fp8-current   1.38 / 1.48 / 1.51        1.48
+       fp8-delayed   1.49 / 1.48 / 1.57        1.49
+       fp8-rowwise   1.31 / 1.30 / 1.62        1.31
+         fp8-block   1.30 / 1.42 / 1.68        1.42
+             mxfp8   1.37 / 1.42 / 1.81        1.42
+             nvfp4   3.42 / 3.24 / 4.08        3.42
 
-The same command on the tree before (three runs): fp8-current 1.45 / 1.62 / 1.69, fp8-delayed 1.42 / 1.77 / 1.68,
-fp8-rowwise 1.99 / 2.31 / 2.20, fp8-block 2.06 / 2.11 / 2.31, mxfp8 2.15 / 2.27 / 2.44, nvfp4 4.45 / 4.93 / 4.86;
-and before the fast paths of ``mpcourse.core.quant.fastpath`` about 1.8-2.1 (per tensor), 2.2-2.6 (rowwise, blocks,
-MX) and 5.1-6.6 (NVFP4). Interleaved in one process (both versions of the quantizers, training steps of each,
-CPU time, fastest of 6 rounds): fp8-rowwise 2.26 -> 1.78, fp8-block 2.02 -> 1.70, mxfp8 2.01 -> 1.87. Every run
+The third run's fp32 step was 15% faster than the first two's while the FP8 steps were not: the 1.5x aimed for
+holds in the median of the three runs for every FP8 and MX recipe, not in every run. On the tree before the
+kernels (the torch fast paths of ``mpcourse.core.quant.fastpath`` only) the same command gave fp8-current 1.33-1.66,
+fp8-delayed 1.35-1.72, fp8-rowwise 1.78-1.83, fp8-block 1.77-1.85, mxfp8 1.76-1.90, nvfp4 4.8-5.5 (three runs);
+before those fast paths about 1.8-2.1 (per tensor), 2.2-2.6 (rowwise, blocks, MX) and 5.1-6.6 (NVFP4). Every run
 gives the same losses as before, bit for bit (``mpcourse compare`` histories).
 
-Where the time goes. The emulated GEMMs cost what FP32's do (the same FP32 GEMMs on the dequantized operands); the
-rest is the quantizers, 6 per linear layer and step (x, W and dy, each along two contraction dimensions: TE's
-rule), about 23 million elements per step on this model, each a chain of eager passes over memory: |x|, the block
-amax, the scaled copy, the cast (torch's float -> float8 cast, about 1 ns per element, the slowest), and the
-upcast of the codes through FP16 bits into the scaled copy's buffer times each block's multiplier. That is about
-50 bytes of memory traffic per element (counted from the passes' reads and writes), about 1.2 GB per step, against which the small ops on the scale grids
-(a few microseconds each) hardly count. The 1.5x target for FP8 and MX steps and the 3x aim for NVFP4 are not
-met: every pass left is one the rule needs, and fusing them needs a compiled kernel (a ``torch.compile``d MX
-quantizer, bit-identical, was about 1.4x faster after about 30 s of compilation per process, and needs a C++
-compiler that a learner's laptop may lack); NVFP4's random draw could be halved by drawing 32 bits per element,
-which changes the rule (and every stored nvfp4 number). A glibc allocator that keeps freed memory
-(``mallopt``, no page faults left in a step) changed no step time measurably.
+Where the time goes (cProfile and torch.profiler, fp8-block, one thread). The emulated GEMMs cost what FP32's do
+(the same FP32 GEMMs on the dequantized operands). The quantizers, 6 per linear layer and step (x, W and dy, each
+along two contraction dimensions: TE's rule), handle about 21 million elements per step on this model; with the
+kernels each is two compiled passes (the block amax, about 0.5 ns per element; the scaled cast with its FP32 copy,
+about 1 ns), about 35-40 ms of a step, where the torch rules' chain of eager passes (|x|, the block max, the
+scaled copy, the cast, the upcast) took about 3x that. The scale rules on the grid of blocks are one kernel call
+each (as seven small torch ops they cost about a tenth of the step). What is left over FP32: the kernels, the bias
+added after the GEMM (FP32's ``addmm`` fuses it; adding it inside the GEMM would change the rounding), the
+per-call Python of 100 quantizations a step, and for NVFP4 the rule's 62-bit random draw per gradient element
+(``torch.randint``, about a third of its step; drawing 32 bits would change the rule and every stored nvfp4 number)
+and the random Hadamard transforms. Without numba (or with ``MPCOURSE_FUSED=0``) the torch rules run, as in the
+tree before.
 """
 from __future__ import annotations
 

@@ -560,3 +560,39 @@ def test_fp8_upcast_kernel_equals_the_torch_rule(dtype, scale):
         assert got.stride() == want.stride()
         assert_bits_equal(got, want)
         assert_bits_equal(got, d.float() if s is None else d.float() * s)
+
+
+# ------------------------------------------------------------------------------------------------ scale rules
+def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
+    """``fastpath.pow2_scale`` and ``fastpath.rceil_scale_inv`` through ``fused`` against their torch bodies (forced)
+    and the rules they stand for (``compute_scale(..., power_2_scale=True)``, 2^k of ``mx_shared_exponent``), on
+    amaxes that are 0, -0, subnormal, tiny (scale inf -> 2^127), ordinary, E4M3 and FP32 maxima, inf and NaN."""
+    from mpcourse.core.quant.fastpath import pow2_scale, rceil_scale_inv
+    from mpcourse.core.quant.tensor import compute_scale
+    g = torch.Generator().manual_seed(91)
+    amax = torch.cat([torch.tensor([0.0, -0.0, F32_SUB_MIN, 1e-40, F32_TINY, 1e-30, 1e-3, 0.5, 1.0, 447.9, 448.0,
+                                    448.1, 6.0, 5.99, 57344.0, 1e30, F32_MAX, INF, NAN]),
+                      torch.exp(torch.empty(4000).uniform_(-100, 88, generator=g))]).reshape(-1, 1).repeat(1, 3)
+    for top in (448.0, 57344.0):
+        got = pow2_scale(amax, top)
+        assert_bits_equal(got, torch_rule(pow2_scale, amax, top))
+        assert_bits_equal(got, compute_scale(amax, top, 0, None, True))
+    finite = ~torch.isnan(amax)
+    for elem, top in (("e4m3", 448.0), ("e2m1", 6.0)):
+        got = rceil_scale_inv(amax, top)
+        assert_bits_equal(got[finite], torch_rule(rceil_scale_inv, amax, top)[finite])
+        k = scaled.mx_shared_exponent(amax[finite], elem, "rceil")
+        assert_bits_equal(got[finite], torch.exp2(k.double()).float())
+
+
+def test_per_tensor_amax_kernel_equals_the_torch_rule():
+    """``tensor.compute_amax`` through ``fused.block_amax`` (one block: the whole tensor) against its torch body
+    (forced) on 1-D, 2-D and 3-D tensors with and without NaN, inf, -0.0 only, and subnormals only."""
+    from mpcourse.core.quant.tensor import compute_amax
+    x = _special_matrix(128, 256, 93)
+    cases = [x, x.reshape(4, 32, 256), x.reshape(-1), torch.full((8, 16), -0.0), torch.full((3, 5), F32_SUB_MIN),
+             _special_matrix(128, 256, 94, nan=False), _special_matrix(128, 256, 95, nan=False, inf=False)]
+    for t in cases:
+        got, want = compute_amax(t), torch_rule(compute_amax, t)
+        assert got.shape == want.shape == ()
+        assert_bits_equal(got.reshape(1), want.reshape(1))

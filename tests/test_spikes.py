@@ -3,7 +3,7 @@
 Planted: a clean curve, a noisy but healthy one, the same with one real spike, a curve whose noise
 is larger than the spike, and the pattern that broke the earlier rule (one unusually easy batch,
 then an ordinary one). Real: the histories in ``tests/data/loss_histories.json``, each with the
-command that made it (the default compare run, three quick seeds' two, fp32 at a too-large
+command that made it (a 150-step compare run, three quick seeds' two, fp32 at a too-large
 learning rate), where the spikes are known from the losses themselves (see the module docstring).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_a_clean_curve_has_no_spike_and_no_noise():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_noisy_but_healthy_curves_are_not_flagged(seed):
-    losses = curve(noise=0.04, seed=seed)                  # the measured batch noise of the default run
+    losses = curve(noise=0.04, seed=seed)                  # the measured batch noise of the 150-step run
     s = find_spikes(hist(losses))
     assert not s.spiked, (s.jump, s.jump_step, s.threshold)
     assert s.noise == pytest.approx(0.04, rel=0.3)         # the rule measures the noise it was given
@@ -64,7 +64,7 @@ def test_the_threshold_follows_the_noise():
 
 
 def test_an_easy_batch_then_an_ordinary_one_is_not_a_spike():
-    """The earlier rule (over 1.2x the lowest loss so far) fired here on every default run."""
+    """The earlier rule (over 1.2x the lowest loss so far) fired here on every 150-step run."""
     losses = curve(noise=0.03, seed=2)
     losses[100] *= 0.85                                    # one easy batch
     assert not find_spikes(hist(losses)).spiked

@@ -29,7 +29,7 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
-# ``--quick``: every recipe, on a sixth of the default's tokens (a first contact, not a measurement:
+# ``--quick``: every recipe, on under a third of the default's tokens (a first contact, not a measurement:
 # 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
 QUICK = {"steps": 50, "batch_size": 8}
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
                    help="comma-separated recipe names (default: the default run, every registered recipe but those `mpcourse recipes` marks as not in it)")
     c.add_argument("--quick", action="store_true",
-                   help=f"a first run, a sixth of the default's tokens (about 3 minutes on one CPU core): {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
+                   help=f"a first run, under a third of the default's tokens (about 2 minutes on the 2-core CPU): {QUICK['steps']} steps x {QUICK['batch_size']} sequences "
                         "(explicit --steps/--batch-size still win)")
     c.add_argument("--steps", type=positive_int, default=None,
                    help=f"optimizer steps per recipe (default {TrainConfig.steps}; {QUICK['steps']} with --quick)")

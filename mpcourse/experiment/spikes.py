@@ -22,7 +22,7 @@ is a step whose jump exceeds both ``SPIKE_SIGMAS`` = 5 noise standard deviations
 3.5 million steps, and the 25% is set between the largest jump of a healthy run and the smallest
 real spike measured on this model:
 
-* default run (150 steps x 16 x 64 characters, seed 0, 14 recipes that do not diverge): against
+* ``--steps 150`` (150 steps x 16 x 64 characters, seed 0, 14 recipes that do not diverge): against
   the consensus the largest jump is x1.10 (``torch-amp-fp16`` and ``fp16-dynamic`` at step 12,
   after the two steps they skip), every other under x1.06; on its own a run's noise is 0.030-0.037
   and its largest jump x1.10 (5 noise deviations: x1.16-x1.20). No spike, none visible on the plot.

@@ -28,6 +28,11 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
   The stochastic path draws the same random integers as the rule (``torch.randint(0, 2**62, ...)``), so a
   seeded run gives the same bits, and reads each as two 32-bit words (no 64-bit arithmetic).
 
+Where numba imports, ``fp8_to_float32``, ``pow2_scale`` and ``rceil_scale_inv`` hand CPU tensors to the compiled
+kernels of ``fused`` (one pass, the same bits; ``tests/test_quant_fused.py``), and the block quantizers take
+``fused``'s quantize-and-copy pass instead of ``fp8_blocks_to_float32``; the torch bodies here run otherwise
+(``MPCOURSE_FUSED=0``) and stay tested against their rules.
+
 Fast paths that live next to their rule (same tests): ``tensor.compute_amax`` (one ``aminmax`` pass),
 ``scaled.block_amax`` for 1x16 blocks (max pooling), ``quantize_nvfp4``'s tensor amax (the largest block amax),
 ``NVFP4BlockScaling.rht`` (one batched matmul with a cached matrix), and ``gemm.fp8_linear_backward_gemms`` on
@@ -139,6 +144,8 @@ def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the smallest normal
     (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
     """
+    if fused.AVAILABLE and amax.dtype == torch.float32 and amax.device.type == "cpu":
+        return fused.pow2_scale(amax, fp8_max)                                 # the same bits, one compiled pass
     s = torch.full_like(amax, fp8_max) / amax                                  # as the rule divides
     p = (s.view(torch.int32) & 0x7F800000).clamp_(max=0x7F000000).view(torch.float32)   # 2^floor(log2 s)
     return torch.where((amax > 0) & (amax < float("inf")), p, 1.0)
@@ -150,6 +157,8 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     (bits + 0x7FFFFF) & 0x7F800000 for a normal d (a nonzero mantissa carries into the exponent), capped at
     2^127 (d = inf, or a carry past it); d zero, subnormal or negative zero gives 2^-127 as the rule's k = -127.
     NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
+    if fused.AVAILABLE and amax.dtype == torch.float32 and amax.device.type == "cpu":
+        return fused.rceil_scale_inv(amax, elem_max)                           # the same bits, one compiled pass
     bits = (amax.float() / elem_max).view(torch.int32)
     up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits
     return torch.where(bits < 0x800000, 0x400000, up).view(torch.float32)

@@ -36,10 +36,10 @@ avoids emulated BF16 matmuls on CPUs without BF16 units.) To run as TE usually d
 Delayed scaling uses TE's ``DelayedScaling`` defaults except ``amax_history_len=16`` (default 1024),
 the value of TE's own examples (``docs/examples/quickstart.ipynb``, "Enabling FP8":
 ``DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")``). Reason: a
-``mpcourse compare`` run has 150-200 steps, so a 1024-entry window would never forget anything: every
+``mpcourse compare`` run has 80-200 steps, so a 1024-entry window would never forget anything: every
 scale would be the largest amax since step 0, i.e. not delayed scaling as it behaves in a long run,
-where 1024 steps are a small part of the run. Sixteen steps still cover the step-to-step jitter of the amax. Measured on the 150-step default
-run (1 thread): final validation loss 2.282 with 16, 2.274 with 1024, fp32 2.286; the choice is about
+where 1024 steps are a small part of the run. Sixteen steps still cover the step-to-step jitter of the amax. Measured on a 150-step
+run (``--steps 150``, 1 thread): final validation loss 2.282 with 16, 2.274 with 1024, fp32 2.286; the choice is about
 behaving like delayed scaling, not about the loss.
 
 How the state moves through a step (``mpcourse.core.quant.region``): the forward runs inside
