@@ -596,3 +596,18 @@ def test_per_tensor_amax_kernel_equals_the_torch_rule():
         got, want = compute_amax(t), torch_rule(compute_amax, t)
         assert got.shape == want.shape == ()
         assert_bits_equal(got.reshape(1), want.reshape(1))
+
+
+def test_block_scales_of_the_wrong_shape_are_refused():
+    """The kernels index without bounds checks: a learner's ``compute_scale_fn`` that returns one scale per row
+    instead of per block, or a grid of the wrong shape handed to a kernel, gets a ValueError naming the shape."""
+    x = torch.randn(128, 256)
+    with pytest.raises(ValueError, match="one per block"):
+        scaled.quantize_fp32_scaled(x, (1, 128), keep_fp32=True,
+                                    compute_scale_fn=lambda a, top, m: (top / a).amax(dim=1))   # (128,), not (128, 2)
+    with pytest.raises(ValueError, match="one per block"):
+        fused.quantize_fp8(x, (1, 128), torch.ones(128, 1), False, torch.ones(128, 2))
+    with pytest.raises(ValueError, match="does not divide"):
+        fused.block_amax(x, (1, 100))
+    with pytest.raises(ValueError, match="one per block"):
+        fused.dequantize_fp8(torch.zeros(128, 256, dtype=E4M3), (16, 16), torch.ones(16, 8))

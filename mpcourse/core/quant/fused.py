@@ -271,12 +271,26 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     x: (M, K) float32 on the CPU (``usable``)."""
     x = x.detach().contiguous()
     r, c = block
+    _grid(x, block)
     out = torch.empty(x.shape[0] // r, x.shape[1] // c, dtype=torch.int32)
     _amax_bits(x.view(torch.int32).numpy(), r, c, out.numpy())
     return out.view(torch.float32)
 
 
 _NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def _grid(x: torch.Tensor, block: tuple[int, int], *grids: torch.Tensor) -> None:
+    """ValueError unless ``block`` (r, c) divides x's (M, K) and every grid is (M/r, K/c): the kernels index
+    without bounds checks, so a wrong shape (e.g. a learner's scale function returning a flat tensor) is refused
+    here, as the rule's broadcast would refuse it."""
+    (M, K), (r, c) = x.shape, block
+    if r < 1 or c < 1 or M % r or K % c:
+        raise ValueError(f"a {r}x{c} block does not divide shape {(M, K)}")
+    for g in grids:
+        if tuple(g.shape) != (M // r, K // c):
+            raise ValueError(f"block scales of shape {tuple(g.shape)} for a {(M, K)} tensor in {r}x{c} blocks: "
+                             f"expected {(M // r, K // c)}, one per block")
 
 
 def quantize_fp8(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, divide: bool = False,
@@ -289,6 +303,7 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, di
     M, K = x.shape
     r, c = block
     keep = dequant is not None
+    _grid(x, block, mult, *([dequant] if keep else []))
     codes = torch.empty(M, K, dtype=torch.uint8)
     out = torch.empty(M if keep else 1, K, dtype=torch.float32)
     mult = mult.float().contiguous()
@@ -309,6 +324,9 @@ def quantize_e2m1(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, d
     r, c = block
     codes = torch.empty(M, K, dtype=torch.uint8)
     out = torch.empty(M, K, dtype=torch.float32)
+    _grid(x, block, mult, dequant)
+    if draws is not None and draws.numel() != M * K:
+        raise ValueError(f"{draws.numel()} random draws for {M * K} elements")
     kernel = _e2m1_nearest if draws is None else _e2m1_stochastic
     d = torch.zeros(1, 1, dtype=torch.int64) if draws is None else draws.reshape(M, K).contiguous()
     kernel(x.numpy(), r, c, mult.float().contiguous().numpy(), dequant.float().contiguous().numpy(), d.numpy(),
@@ -321,6 +339,7 @@ def dequantize_fp8(data: torch.Tensor, block: tuple[int, int], mult: torch.Tenso
     times a per-tensor scale, ``fastpath.fp8_to_float32``) for contiguous 2-D float8_e4m3fn (E4M3, or E2M1 values
     in that container) or float8_e5m2 ``data`` on the CPU and (M/r, K/c) float32 ``mult``."""
     M, K = data.shape
+    _grid(data, block, mult)
     out = torch.empty(M, K, dtype=torch.float32)
     _DEQUANTIZE[_NAMES[data.dtype]](data.view(torch.uint8).numpy(), block[0], block[1],
                                     mult.float().contiguous().numpy(), out.numpy())

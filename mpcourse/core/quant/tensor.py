@@ -176,12 +176,12 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 tensor of shape () (exact in any float dtype; NaN if x holds a NaN; 0 if empty)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    # max |x| = max(-min x, max x): one reading pass (``aminmax``) instead of abs (a written copy) then amax; the
-    # final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x| gives. Both are exact.
     if fused.AVAILABLE and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
             and x.is_contiguous():   # the same max in one compiled pass (NaN propagates: fused.block_amax)
         x2 = x.detach().reshape(-1, x.shape[-1])                               # (M, K) view
         return fused.block_amax(x2, tuple(x2.shape)).reshape(())
+    # max |x| = max(-min x, max x): one reading pass (``aminmax``) instead of abs (a written copy) then amax; the
+    # final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x| gives. Both are exact.
     lo, hi = torch.aminmax(x.detach())
     return torch.maximum(lo.neg(), hi).abs().float()
 
