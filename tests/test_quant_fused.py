@@ -611,3 +611,25 @@ def test_block_scales_of_the_wrong_shape_are_refused():
         fused.block_amax(x, (1, 100))
     with pytest.raises(ValueError, match="one per block"):
         fused.dequantize_fp8(torch.zeros(128, 256, dtype=E4M3), (16, 16), torch.ones(16, 8))
+
+
+def test_the_kernels_leave_their_tensors_resizable():
+    """The kernels read and write tensors through NumPy views made from addresses, not ``Tensor.numpy()``, which
+    would mark the storage as not resizable: FSDP2 frees each gathered parameter by resizing its storage to 0
+    (``free_storage``), and a weight quantized by the kernels must still allow that."""
+    w = torch.randn(128, 256)
+    codes, copy = fused.quantize_fp8(w, (1, 128), torch.ones(128, 2), False, torch.ones(128, 2))
+    amax = fused.block_amax(w, (128, 128))
+    up = fused.dequantize_fp8(codes, (1, 128), torch.ones(128, 2))
+    for t in (w, codes, copy, amax, up):
+        t.untyped_storage().resize_(0)                   # raises "not resizable" after t.numpy()
+        assert t.untyped_storage().size() == 0
+
+
+def test_torch_compile_traces_the_torch_rules():
+    """Inside ``torch.compile``'s tracing the kernels step aside (``fused.active()`` is False there): a compiled
+    function that quantizes gives the kernels' bits without tracing into them."""
+    x = _special_matrix(128, 256, 97, nan=False, inf=False)
+    f = torch.compile(lambda t: scaled.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
+                      backend="eager", fullgraph=False)
+    assert_bits_equal(f(x), scaled.quantize_mx(x, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32())

@@ -69,7 +69,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     data = data.contiguous()
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_to_float32 takes float8_e4m3fn or float8_e5m2 data, got {data.dtype}")
-    if fused.AVAILABLE and data.dim() >= 1 and data.numel():   # the same products in one compiled pass
+    if fused.active() and data.dim() >= 1 and data.numel():   # the same products in one compiled pass
         d2 = data.reshape(-1, data.shape[-1])                                     # (M, K) codes
         m = torch.ones(1, 1) if scale is None else scale.reshape(1, 1).float()
         return fused.dequantize_fp8(d2, tuple(d2.shape), m).reshape(data.shape)
@@ -144,7 +144,7 @@ def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the smallest normal
     (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
     """
-    if fused.AVAILABLE and amax.dtype == torch.float32 and amax.device.type == "cpu":
+    if fused.active() and amax.dtype == torch.float32 and amax.device.type == "cpu":
         return fused.pow2_scale(amax, fp8_max)                                 # the same bits, one compiled pass
     s = torch.full_like(amax, fp8_max) / amax                                  # as the rule divides
     p = (s.view(torch.int32) & 0x7F800000).clamp_(max=0x7F000000).view(torch.float32)   # 2^floor(log2 s)
@@ -157,7 +157,7 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     (bits + 0x7FFFFF) & 0x7F800000 for a normal d (a nonzero mantissa carries into the exponent), capped at
     2^127 (d = inf, or a carry past it); d zero, subnormal or negative zero gives 2^-127 as the rule's k = -127.
     NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
-    if fused.AVAILABLE and amax.dtype == torch.float32 and amax.device.type == "cpu":
+    if fused.active() and amax.dtype == torch.float32 and amax.device.type == "cpu":
         return fused.rceil_scale_inv(amax, elem_max)                           # the same bits, one compiled pass
     bits = (amax.float() / elem_max).view(torch.int32)
     up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits

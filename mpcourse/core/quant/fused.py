@@ -39,6 +39,7 @@ Single-threaded: ``mpcourse compare`` runs one 1-thread worker per core. Measure
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Optional
 
@@ -58,11 +59,32 @@ except ImportError:  # numba missing (or turned off): the torch rules run
     numba = None
 
 AVAILABLE = numba is not None
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
+def active() -> bool:
+    """Whether the kernels run: numba present (and not turned off), and not inside ``torch.compile``'s tracing
+    (which cannot trace a compiled call: there the torch rules are traced instead)."""
+    return AVAILABLE and not _is_compiling()
 
 
 def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernels take ``x``: numba present (and not turned off), a 2-D tensor of ``dtype`` on the CPU."""
-    return AVAILABLE and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype
+    """Whether the kernels take ``x``: ``active()``, and a 2-D tensor of ``dtype`` on the CPU."""
+    return active() and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype
+
+
+_CTYPES = {torch.float32: ctypes.c_float, torch.int32: ctypes.c_int32, torch.uint8: ctypes.c_uint8,
+           torch.int64: ctypes.c_int64}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of contiguous CPU tensor t's memory, made from its address: ``t.numpy()`` would mark t's
+    storage as not resizable, and FSDP2 frees a gathered parameter by resizing its storage to 0. t must stay
+    alive while the view is used (the wrappers below hold it)."""
+    assert t.is_contiguous() and t.device.type == "cpu", "fused takes contiguous CPU tensors"
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype=np.dtype(_CTYPES[t.dtype]))
+    return np.ctypeslib.as_array(ctypes.cast(t.data_ptr(), ctypes.POINTER(_CTYPES[t.dtype])), shape=tuple(t.shape))
 
 
 if AVAILABLE:
@@ -273,7 +295,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     r, c = block
     _grid(x, block)
     out = torch.empty(x.shape[0] // r, x.shape[1] // c, dtype=torch.int32)
-    _amax_bits(x.view(torch.int32).numpy(), r, c, out.numpy())
+    _amax_bits(_np(x.view(torch.int32)), r, c, _np(out))
     return out.view(torch.float32)
 
 
@@ -306,10 +328,9 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, di
     _grid(x, block, mult, *([dequant] if keep else []))
     codes = torch.empty(M, K, dtype=torch.uint8)
     out = torch.empty(M if keep else 1, K, dtype=torch.float32)
-    mult = mult.float().contiguous()
-    _QUANTIZE[fp8_format, bool(divide), keep](x.numpy(), r, c, mult.numpy(),
-                                              (dequant.float().contiguous() if keep else mult).numpy(),
-                                              codes.numpy(), out.numpy())
+    mult = mult.float().contiguous()                # locals: _np's views need their tensors alive
+    dequant = dequant.float().contiguous() if keep else mult
+    _QUANTIZE[fp8_format, bool(divide), keep](_np(x), r, c, _np(mult), _np(dequant), _np(codes), _np(out))
     return codes.view(FORMATS[fp8_format].torch_dtype), (out if keep else None)
 
 
@@ -329,8 +350,8 @@ def quantize_e2m1(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, d
         raise ValueError(f"{draws.numel()} random draws for {M * K} elements")
     kernel = _e2m1_nearest if draws is None else _e2m1_stochastic
     d = torch.zeros(1, 1, dtype=torch.int64) if draws is None else draws.reshape(M, K).contiguous()
-    kernel(x.numpy(), r, c, mult.float().contiguous().numpy(), dequant.float().contiguous().numpy(), d.numpy(),
-           codes.numpy(), out.numpy())
+    mult, dequant = mult.float().contiguous(), dequant.float().contiguous()   # locals, alive for _np's views
+    kernel(_np(x), r, c, _np(mult), _np(dequant), _np(d), _np(codes), _np(out))
     return codes.view(torch.float8_e4m3fn), out
 
 
@@ -338,11 +359,11 @@ def dequantize_fp8(data: torch.Tensor, block: tuple[int, int], mult: torch.Tenso
     """``float32(data) * mult`` per block, (M, K) float32: ``ScaledTensor.dequantize``'s rule (and the FP8 upcast
     times a per-tensor scale, ``fastpath.fp8_to_float32``) for contiguous 2-D float8_e4m3fn (E4M3, or E2M1 values
     in that container) or float8_e5m2 ``data`` on the CPU and (M/r, K/c) float32 ``mult``."""
+    data, mult = data.contiguous(), mult.float().contiguous()             # locals, alive for _np's views
     M, K = data.shape
     _grid(data, block, mult)
     out = torch.empty(M, K, dtype=torch.float32)
-    _DEQUANTIZE[_NAMES[data.dtype]](data.view(torch.uint8).numpy(), block[0], block[1],
-                                    mult.float().contiguous().numpy(), out.numpy())
+    _DEQUANTIZE[_NAMES[data.dtype]](_np(data.view(torch.uint8)), block[0], block[1], _np(mult), _np(out))
     return out
 
 
@@ -350,7 +371,7 @@ def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     """``fastpath.pow2_scale(amax, fp8_max)`` for float32 CPU ``amax`` (any shape), one compiled pass."""
     a = amax.contiguous()
     out = torch.empty_like(a)
-    _pow2_scale(a.view(-1).numpy(), np.float32(fp8_max), out.view(-1).numpy())
+    _pow2_scale(_np(a.view(-1)), np.float32(fp8_max), _np(out.view(-1)))
     return out
 
 
@@ -358,5 +379,5 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     """``fastpath.rceil_scale_inv(amax, elem_max)`` for float32 CPU ``amax`` (any shape), one compiled pass."""
     a = amax.contiguous()
     out = torch.empty_like(a)
-    _rceil_scale_inv(a.view(-1).numpy(), np.float32(elem_max), out.view(-1).numpy())
+    _rceil_scale_inv(_np(a.view(-1)), np.float32(elem_max), _np(out.view(-1)))
     return out

@@ -176,7 +176,7 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 tensor of shape () (exact in any float dtype; NaN if x holds a NaN; 0 if empty)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if fused.AVAILABLE and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
+    if fused.active() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
             and x.is_contiguous():   # the same max in one compiled pass (NaN propagates: fused.block_amax)
         x2 = x.detach().reshape(-1, x.shape[-1])                               # (M, K) view
         return fused.block_amax(x2, tuple(x2.shape)).reshape(())
@@ -273,7 +273,7 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
         data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
         return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
     if saturate and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
-            and fused.AVAILABLE and x.is_contiguous():
+            and fused.active() and x.is_contiguous():
         # the two lines below in one compiled pass (the same bits: tests/test_quant_fused.py)
         x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
         data, _ = fused.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
