@@ -39,7 +39,6 @@ Single-threaded: ``mpcourse compare`` runs one 1-thread worker per core. Measure
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Optional
 
@@ -73,8 +72,16 @@ def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return active() and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype
 
 
-_CTYPES = {torch.float32: ctypes.c_float, torch.int32: ctypes.c_int32, torch.uint8: ctypes.c_uint8,
-           torch.int64: ctypes.c_int64}
+_TYPESTR = {torch.float32: "<f4", torch.int32: "<i4", torch.uint8: "|u1", torch.int64: "<i8"}
+
+
+class _Memory:
+    """A tensor's memory as NumPy's array interface describes it (address, shape, dtype): nothing else."""
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, t: torch.Tensor):
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": _TYPESTR[t.dtype], "version": 3}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -82,9 +89,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
     storage as not resizable, and FSDP2 frees a gathered parameter by resizing its storage to 0. t must stay
     alive while the view is used (the wrappers below hold it)."""
     assert t.is_contiguous() and t.device.type == "cpu", "fused takes contiguous CPU tensors"
-    if t.numel() == 0:
-        return np.empty(tuple(t.shape), dtype=np.dtype(_CTYPES[t.dtype]))
-    return np.ctypeslib.as_array(ctypes.cast(t.data_ptr(), ctypes.POINTER(_CTYPES[t.dtype])), shape=tuple(t.shape))
+    return np.asarray(_Memory(t))
 
 
 if AVAILABLE:
