@@ -10,7 +10,7 @@ the rule cannot avoid, reading x and writing the codes (and the FP32 copy an emu
   integer order is float order for numbers and every NaN lies above +inf, so an integer max is the float max
   with NaN propagating (torch's ``amax``); a max is exact in any order, and the integer one vectorizes.
 * ``quantize_fp8(x, block, mult, divide, dequant, fp8_format)``: per element y = x * mult (``divide``: x / mult,
-  MX's rule) in FP32, one rounding as in torch; its E4M3 / E5M2 code (``_make_round_fp8``); and, with
+  MX's rule) in FP32, one rounding as in torch; its E4M3 / E5M2 code (``_round_fp8``, with ``_fp8_params``' constants from ``formats``); and, with
   ``dequant`` (each block's dequantization multiplier), the FP32 copy float32(code) * dequant, the product
   ``ScaledTensor.dequantize`` forms.
 * ``quantize_e2m1(x, block, mult, dequant, draws)``: NVFP4's element step, ``fastpath.round_e2m1`` to nearest
@@ -19,7 +19,6 @@ the rule cannot avoid, reading x and writing the codes (and the FP32 copy an emu
   ``ScaledTensor.dequantize``.
 * ``pow2_scale`` and ``rceil_scale_inv``: ``fastpath``'s scale rules on the grid of blocks, in one call instead of
   seven small torch ops (10-25 us each on this CPU: by cProfile about a tenth of an ``fp8-block`` step).
-
 
 The FP8 cast (OCP FP8: E4M3 "fn" has no inf, S.1111.111 is NaN, max 448; E5M2 max 57344), for |y|'s FP32 bits a:
     NaN                              -> a NaN code (0x7F)
