@@ -33,7 +33,7 @@ def one_step(scaler, opt, w, grad):
 @pytest.fixture(params=["fused", "fallback"])
 def unscale_path(request, monkeypatch):
     if request.param == "fallback":
-        monkeypatch.setattr(scaling.check, "HAS_FUSED_UNSCALE", False)
+        monkeypatch.setattr(scaling.fused, "HAS_FUSED_UNSCALE", False)
     return request.param
 
 

@@ -29,7 +29,7 @@ from .learner import overrides_for
 from .recipes import get_recipe
 from .recipes.base import OverrideError
 from .spikes import SPIKE_MIN_JUMP, SpikeReport, consensus, find_spikes, finite_losses
-from .train import RunResult, TrainConfig, Trainer, train
+from .train import RunResult, TrainConfig, train, train_inspected
 
 
 def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
@@ -317,19 +317,6 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
                "results": rows}
     return strict_json(payload)
 
-def _inspected(name: str, corpus: Corpus, cfg: TrainConfig, out: Path, every: int, progress: bool,
-               on_step=None) -> RunResult:
-    from mpcourse.core.inspect import plot_heatmap
-
-    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress, on_step=on_step)
-    trainer.inspector.to_json(out / f"inspect-{name}.json")
-    if trainer.inspector.records:
-        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
-                     kind="subnormal")
-    trainer.inspector.remove()
-    return trainer.result()
-
-
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
                 peak_flops: float | None = None, inspect_every: int = 0,
@@ -366,7 +353,7 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
             if (seed, name) in pooled:
                 rows.append(pooled[seed, name])
             elif inspect_every and seed == seeds[0]:
-                rows.append(_inspected(name, corpus, scfg, out, inspect_every, progress))
+                rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
             else:
                 rows.append(train(name, corpus, scfg, progress=progress))
             if learner:

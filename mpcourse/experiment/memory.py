@@ -1,7 +1,8 @@
 """Memory of one training step, counted from the live tensors: the one place that does it.
 
-For any recipe (``mpcourse.experiment.recipes``), ``measure_step`` runs one training step exactly as the
-training loop does and reports the bytes held, by kind:
+For any recipe (``mpcourse.experiment.recipes``), ``measure_step`` wraps the training loop's own step
+(``mpcourse.experiment.step.training_step``, the call ``Trainer.train_step`` makes) and reports the bytes held,
+by kind:
 
     weights       the model's parameters (a tied head counted once)
     grads         every gradient alive after ``step()``: ``param.grad`` of model and master params, and
@@ -39,6 +40,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .step import training_step
 
 KINDS = ("weights", "grads", "master", "optimizer", "extra", "fp8_cache", "activations")
 STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")
@@ -225,10 +228,17 @@ def _mark_fp8_weight_copies(model, saved: SavedTensors):
             del m._quantize
 
 
+@contextlib.contextmanager
+def _counting_forward(model, saved: SavedTensors):
+    """The region around the forward in which saved tensors and FP8 weight copies are counted."""
+    with saved, _mark_fp8_weight_copies(model, saved):
+        yield
+
+
 def measure_step(recipe, x: torch.Tensor, y: torch.Tensor, *, track_peak: bool = True, forward_loss=None,
                  after_backward=None, after_step=None):
-    """Run one training step of ``recipe`` on batch ``(x, y)`` (forward, backward, ``step()``; not
-    ``zero_grad``) and count its memory. Returns ``(loss, StepResult, StepMemory)``.
+    """Run one training step of ``recipe`` on batch ``(x, y)`` (``step.training_step``: forward, backward,
+    ``step()``; not ``zero_grad``) and count its memory. Returns ``(loss, StepResult, StepMemory)``.
 
     ``forward_loss(x, y) -> loss`` replaces ``recipe.model(x, y)[1]`` (the trainer passes its own, e.g.
     a data-parallel one); ``after_backward(recipe)`` and ``after_step(recipe, result)`` are the
@@ -253,14 +263,8 @@ def measure_step(recipe, x: torch.Tensor, y: torch.Tensor, *, track_peak: bool =
     saved = SavedTensors(model)
     forward_loss = forward_loss or (lambda x, y: model(x, y)[1])
     with tracker:
-        with saved, _mark_fp8_weight_copies(model, saved), recipe.forward_context():
-            loss = forward_loss(x, y)                              # fp32 ()
-        recipe.backward(loss)
-        if after_backward is not None:
-            after_backward(recipe)
-        result = recipe.step()
-        if after_step is not None:
-            after_step(recipe, result)
+        loss, result = training_step(recipe, x, y, forward_loss, forward_region=_counting_forward(model, saved),
+                                     after_backward=after_backward, after_step=after_step)
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()

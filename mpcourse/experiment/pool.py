@@ -90,15 +90,14 @@ def _init_worker(threads: int, progress) -> None:
 
 
 def _run_task(task: Task, corpus: Corpus) -> RunResult:
-    from .compare import _inspected
-    from .train import Trainer
+    from .train import Trainer, train_inspected
 
     def tick(_trainer):
         if _progress is not None:
             _progress.put(1)
 
     if task.inspect_every:
-        return _inspected(task.name, corpus, task.cfg, task.out, task.inspect_every, False, on_step=tick)
+        return train_inspected(task.name, corpus, task.cfg, task.out, task.inspect_every, False, on_step=tick)
     return Trainer(task.name, corpus, task.cfg).run(on_step=tick).result()
 
 

@@ -1,8 +1,10 @@
 """The training loop every recipe runs: same model init, same batches, same schedule.
 
-``Trainer`` runs one recipe; ``train`` is the one-call form. ``Trainer.train_step`` is the one
-training step of the project (the tests' recipe loop and the benchmarks call it too); the recipe
-decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
+``Trainer`` runs one recipe; ``train`` is the one-call form; ``train_inspected`` the same with the numerics
+inspector. ``Trainer.train_step`` runs the one training step of the project, ``training_step`` (module
+``mpcourse.experiment.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
+inside ``memory.measure_step``, which counts its memory); the recipe decides the precision of each line
+(see ``mpcourse.experiment.recipes.base``)::
 
     with recipe.forward_context():          # autocast / FP8 autocast / nothing
         _, loss = recipe.model(x, y)        # loss: fp32 ()
@@ -10,7 +12,7 @@ decides the precision of each line (see ``mpcourse.experiment.recipes.base``)::
     after_backward(step, recipe)            # optional hook: look at (or change) the gradients
     result = recipe.step()                  # clip, optimizer step (maybe skipped), scaler update
     after_step(step, recipe, result)        # optional hook: look at the updated state
-    recipe.zero_grad()
+    recipe.zero_grad()                      # (Trainer.train_step, after training_step)
 
 Every step runs inside ``mpcourse.core.emulation.tensor_cores(fast=True)`` (``Trainer.emulation()``), so
 low-precision matmuls on a CPU without BF16/FP16 units are computed as tensor cores compute them, by
@@ -36,6 +38,7 @@ from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_chec
 from .memory import STATE_KINDS, measure_step
 from .model import GPT, GPTConfig
 from .speed import flops_per_token
+from .step import training_step
 from .recipes import OptimConfig, get_recipe
 
 
@@ -253,25 +256,18 @@ class Trainer:
             self.inspector.set_step(self.step)
         recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps if self.lr_decay else None))
         ab = (lambda r: after_backward(self.step, r)) if after_backward is not None else None
+        as_ = (lambda r, res: after_step(self.step, r, res)) if after_step is not None else None
         with self.emulation():
             if self.step_memory is None:                     # memory counted on the first step (not timed)
-                calls = emulated_calls()
-                loss, result, self.step_memory = measure_step(
-                    recipe, x, y, forward_loss=self.forward_loss, after_backward=ab,
-                    after_step=(lambda r, res: after_step(self.step, r, res)) if after_step is not None else None)
+                calls = emulated_calls()                     # measure_step wraps training_step
+                loss, result, self.step_memory = measure_step(recipe, x, y, forward_loss=self.forward_loss,
+                                                              after_backward=ab, after_step=as_)
                 self.memory = {k: getattr(self.step_memory, k) for k in STATE_KINDS}
                 if self.needs_emulation is None and self._emulating:
                     self.needs_emulation = emulated_calls() > calls
             else:
                 t0 = time.perf_counter()
-                with recipe.forward_context():
-                    loss = self.forward_loss(x, y)           # fp32 ()
-                recipe.backward(loss)
-                if ab is not None:
-                    ab(recipe)
-                result = recipe.step()
-                if after_step is not None:
-                    after_step(self.step, recipe, result)
+                loss, result = training_step(recipe, x, y, self.forward_loss, after_backward=ab, after_step=as_)
                 self.step_time += time.perf_counter() - t0
                 self.timed_steps += 1
             recipe.zero_grad()
@@ -382,3 +378,22 @@ def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool 
     if label is not None:
         trainer.name = label                                 # the row's name, e.g. "fp16-dynamic [yours]"
     return trainer.run(progress=progress, position=position).result()
+
+
+def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int, progress: bool,
+                    on_step=None) -> RunResult:
+    """``train`` with the numerics inspector every ``every`` steps; writes ``out/inspect-NAME.json`` and
+    ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients). Used by
+    ``mpcourse compare --inspect-every`` in this process and in the pool's workers."""
+    from pathlib import Path
+
+    from mpcourse.core.inspect import plot_heatmap
+
+    out = Path(out)
+    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress, on_step=on_step)
+    trainer.inspector.to_json(out / f"inspect-{name}.json")
+    if trainer.inspector.records:
+        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
+                     kind="subnormal")
+    trainer.inspector.remove()
+    return trainer.result()

@@ -12,9 +12,14 @@ get_init_scale, get_/set_growth_factor, get_/set_backoff_factor, get_/set_growth
 load_state_dict`, pickling between iterations, and optimizers that declare `_step_supports_amp_scaling`.
 Per-optimizer stage READY -> UNSCALED -> STEPPED, reset by `update()`; `inv_scale = scale.double().reciprocal()
 .float()`; one fused `torch._amp_foreach_non_finite_check_and_unscale_` per (device, dtype) group of gradients;
-the only host sync of an iteration is in `step()` (the skip decision). Modules: `check` (the inf/NaN check),
-`validate` (one rule set for constructor, setters and checkpoints), `base` (the state machine), `static`,
-`dynamic`; `mpcourse.core.distributed` holds the all-reduce.
+the only host sync of an iteration is in `step()` (the skip decision).
+
+The rules, each one plain function: `update_scale` (module `update`, lesson 04: one update of the dynamic scale)
+and `unscale_grads_` / `check_and_unscale_` (module `check`, lesson 03: unscale and the inf/NaN check). Their
+kernels, ATen's fused `torch._amp_update_scale_` and `torch._amp_foreach_non_finite_check_and_unscale_`, are in
+`fused`, which no rule imports; a scaler binds rule or kernel once at construction (``MPCOURSE_FUSED=0``: the
+rules). Other modules: `validate` (one rule set for constructor, setters and checkpoints), `base` (the state
+machine), `static`, `dynamic`; `mpcourse.core.distributed` holds the all-reduce.
 
 Typical loop (FP16 model, FP32 master weights; see mpcourse/core/master.py)::
 
@@ -66,7 +71,8 @@ from .check import has_inf_or_nan, unscale_grads_
 from .choose import choose_loss_scale
 from .dynamic import DynamicLossScaler
 from .static import StaticLossScaler
+from .update import update_scale
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "LossScaleFloorError", "LossScalerBase", "has_inf_or_nan",
-           "choose_loss_scale", "unscale_grads_",
+           "choose_loss_scale", "unscale_grads_", "update_scale",
            "READY", "UNSCALED", "STEPPED"]

@@ -1,7 +1,8 @@
 """The GradScaler state machine shared by `StaticLossScaler` and `DynamicLossScaler` (torch.amp.GradScaler's API).
 
 Per optimizer, stage READY -> UNSCALED -> STEPPED, reset by `update()` (torch/amp/grad_scaler.py). `unscale_` groups
-the gradients by (device, dtype) and runs one `check_and_unscale_` per group (scaling/check.py); with more than one
+the gradients by (device, dtype) and runs one check-and-unscale per group: the rule `check.check_and_unscale_` or
+its kernel `fused.check_and_unscale_`, chosen once at construction (``MPCOURSE_FUSED=0``: the rule); with more than one
 rank the flag is all-reduced (MAX) before `step` decides (FSDP's ShardedGradScaler). `step` makes the iteration's
 one host sync: the inf/NaN flag and the current scale come back together in one transfer; the scale seeds a
 host-side lower bound of the next iteration's scale (`_scale_lower_bound`), which tells `unscale_` without a
@@ -23,7 +24,8 @@ import torch
 from ..distributed import all_reduce_max_, world_size
 from ..seams import check_flag, check_found_inf
 from . import validate
-from .check import check_and_unscale_, has_inf_or_nan
+from .check import has_inf_or_nan
+from .fused import choose_check_and_unscale
 
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
 
@@ -52,6 +54,7 @@ class LossScalerBase:
     def __init__(self, init_scale: float, enabled: bool = True, process_group=None, unscale_grads_=None,
                  all_reduce_found_inf_=None):
         self.unscale_grads_ = unscale_grads_  # optional rule: fn(list of fp32 grads, scale) -> found_inf (lesson 03)
+        self._check_and_unscale_ = choose_check_and_unscale()  # the rule or its kernel, bit for bit the same
         self._enabled = validate.boolean(enabled, "enabled")
         # lesson 11's all_reduce_found_inf_(found_inf, group) -> found_inf in place of all_reduce_max_ (None: it)
         self.all_reduce_found_inf_ = all_reduce_found_inf_
@@ -129,7 +132,7 @@ class LossScalerBase:
                     flag = check_flag("unscale_grads_", self.unscale_grads_(grads, float(scale)))
                     found[device] = torch.maximum(found[device], torch.tensor(float(flag), device=device))
                 else:
-                    check_and_unscale_(grads, found[device], inv_scale.to(device), may_overflow)
+                    self._check_and_unscale_(grads, found[device], inv_scale.to(device), may_overflow)
             if distributed:  # one flag for all ranks (FSDP ShardedGradScaler): all skip or all step, same scale
                 flag = torch.zeros((), dtype=torch.float32, device=scale.device)
                 for f in found.values():

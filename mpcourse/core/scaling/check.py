@@ -1,13 +1,14 @@
-"""The inf/NaN check of loss scaling: `has_inf_or_nan`, and `check_and_unscale_` (check, then divide by the scale).
+"""The rules of the unscale and its inf/NaN check: `has_inf_or_nan`, `unscale_grads_`, `check_and_unscale_`.
 
-The rule: a step may use its gradients only if every unscaled gradient g / S is finite. The fast path is ATen's
-fused `torch._amp_foreach_non_finite_check_and_unscale_` (one pass over memory: each element is checked, then
-multiplied by 1/S; ATen AmpKernels, used by torch.amp.GradScaler). That kernel checks the *scaled* value, which is
-enough while 1/S <= 1: a finite g times a factor <= 1 stays finite. With S < 1 (reached by backing off, or set by
-hand) the product can overflow (g = 3e38, S = 0.5 gives inf) and the fused kernel would report "finite" for an
-infinite gradient; torch.amp.GradScaler then hands that inf to the optimizer. Here the caller says whether that
-can happen (`may_overflow`, from a host-side lower bound of the scale, no sync), and only then the gradients are
-multiplied first and the *products* checked: two passes, paid only where overflow on unscale is possible.
+The rule: a step may use its gradients only if every unscaled gradient g / S is finite. `unscale_grads_` is lesson
+03's function (Python numbers in and out); `check_and_unscale_` is the same rule on tensors, the form the scalers
+run (no host sync). Its kernel, ATen's fused `torch._amp_foreach_non_finite_check_and_unscale_` (one pass over
+memory; ATen AmpKernels, used by torch.amp.GradScaler), lives in `scaling/fused.py`. That kernel checks the
+*scaled* value, which is enough while 1/S <= 1: a finite g times a factor <= 1 stays finite. With S < 1 (reached
+by backing off, or set by hand) the product can overflow (g = 3e38, S = 0.5 gives inf) and the fused kernel would
+report "finite" for an infinite gradient; torch.amp.GradScaler then hands that inf to the optimizer. Here the
+caller says whether that can happen (`may_overflow`, from a host-side lower bound of the scale, no sync), and only
+then the gradients are multiplied first and the *products* checked.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from ..formats import get_format
 FP32 = get_format("fp32")
 FP32_TINY = FP32.min_normal  # 2**-126: below it 1/scale overflows FP32
 FP32_MAX = FP32.max
-HAS_FUSED_UNSCALE = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
 
 def has_inf_or_nan(tensors) -> torch.Tensor:
@@ -46,8 +46,8 @@ def has_inf_or_nan(tensors) -> torch.Tensor:
 
 def unscale_grads_(grads, scale: float) -> bool:
     """The rule of the unscale, unfused (lesson 03's signature): ``g *= float32(1 / scale)`` in place for every
-    gradient; returns whether any element was inf/NaN before or after. ``check_and_unscale_`` is the fused form the
-    scalers run; this one is what a learner's ``unscale_grads_`` given to a scaler replaces.
+    gradient; returns whether any element was inf/NaN before or after. ``check_and_unscale_`` is the same rule on
+    tensors, the form the scalers run; a learner's ``unscale_grads_`` given to a scaler replaces it.
 
     grads: list of fp32/fp64 tensors (any shapes). scale: the loss scale S (positive).
     """
@@ -68,8 +68,5 @@ def check_and_unscale_(grads, found_inf, inv_scale, may_overflow: bool) -> None:
         torch._foreach_mul_(grads, inv_scale)
         found_inf.copy_(torch.maximum(found_inf, has_inf_or_nan(grads).float()))
         return
-    if HAS_FUSED_UNSCALE:  # one pass over memory (ATen AmpKernels)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        return
-    found_inf.copy_(torch.maximum(found_inf, has_inf_or_nan(grads).float()))  # fallback: read, then write
+    found_inf.copy_(torch.maximum(found_inf, has_inf_or_nan(grads).float()))  # check g, then multiply
     torch._foreach_mul_(grads, inv_scale)

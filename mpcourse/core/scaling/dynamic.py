@@ -4,6 +4,10 @@ Skip and back off on inf/NaN, grow after `growth_interval` clean steps. Growth t
 (ATen `_amp_update_scale_`) and Megatron (core/optimizer/grad_scaler.py); hysteresis, `min_scale` and the error at
 the floor follow DeepSpeed (runtime/fp16/loss_scaler.py). The constructor takes torch.amp.GradScaler's arguments
 in its order (`DynamicLossScaler("cuda", init_scale=...)`) and the same getters and setters.
+
+The update's rule is `scaling.update.update_scale` (lesson 04's function); its kernel, ATen's fused
+`torch._amp_update_scale_`, is `scaling.fused.update_scale_`. `_set_config` binds one of them (or a learner's
+`update_scale=`) once, at construction and at `load_state_dict`; `_update` calls what was bound.
 """
 from __future__ import annotations
 
@@ -11,11 +15,10 @@ import math
 
 import torch
 
-from . import validate
+from . import fused, validate
 from .base import LossScaleFloorError, LossScalerBase
 from .check import FP32_MAX, FP32_TINY
-
-HAS_FUSED_UPDATE = hasattr(torch, "_amp_update_scale_")
+from .update import update_scale as _update_scale_rule
 _GRAD_SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 _OWN_KEYS = {"hysteresis", "consecutive_hysteresis", "_hysteresis_tracker", "min_scale", "max_scale",
              "skipped_steps"}
@@ -72,7 +75,8 @@ class DynamicLossScaler(LossScalerBase):
         all_reduce_found_inf_: optional lesson 11 ``all_reduce_found_inf_(found_inf, group) -> found_inf``, the MAX
             all-reduce of the inf/NaN flag over ``process_group`` in place of the library's (more than one rank only).
     With hysteresis=1 and no floor/cap the trajectory equals torch.amp.GradScaler's bit for bit (the fused
-    `torch._amp_update_scale_` is used then; the general rule is plain tensor ops, no host sync).
+    `torch._amp_update_scale_` is used then, unless MPCOURSE_FUSED=0; the rule `update_scale` is plain tensor
+    ops, no host sync).
     State: scale fp32 (), growth tracker int32 (), hysteresis tracker int32 (), on the loss's device.
     Every value is validated the same way in the constructor, the setters and load_state_dict (torch validates
     only the constructor's factors).
@@ -106,6 +110,9 @@ class DynamicLossScaler(LossScalerBase):
         self._init_growth_tracker, self._init_hysteresis_tracker = c["_growth_tracker"], c["_hysteresis_tracker"]
         self._init_scale = self._scale_lower_bound = c["scale"]
         self.skipped_steps = c["skipped_steps"]
+        lesson_shape = self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+        self._update_step = (_by_learner if self.update_scale is not None
+                             else _by_kernel if fused.HAS_FUSED_UPDATE and lesson_shape else _by_rule)
 
     def _lazy_init(self, device):
         super()._lazy_init(device)
@@ -144,7 +151,7 @@ class DynamicLossScaler(LossScalerBase):
         return max(backed_off, self.min_scale) if self.min_scale is not None else backed_off
 
     def _update(self, found_inf, overflow):
-        scale, tracker, hyst = self._scale, self._growth_tracker, self._hysteresis_tracker
+        scale, hyst = self._scale, self._hysteresis_tracker
         if overflow is None or overflow:  # check the floor (a sync, only on iterations that overflowed)
             backed_off = (scale.double() * self._backoff_factor).float()
             at_floor = (scale <= self.min_scale) if self.min_scale is not None else (backed_off < FP32_TINY)
@@ -156,29 +163,7 @@ class DynamicLossScaler(LossScalerBase):
                     "MasterWeights.zero_grad() every iteration, also after a skipped step), or the model/data "
                     "produce inf/NaN even in FP32 (check inputs and loss with torch.isfinite; try "
                     "torch.autograd.set_detect_anomaly(True)).")
-        if self.update_scale is not None:
-            self._update_with_rule(found_inf)
-            return
-        if HAS_FUSED_UPDATE and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None:
-            torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor, self._backoff_factor,
-                                     self._growth_interval)
-            return
-        ovf = found_inf > 0                                              # bool ()
-        spend = ovf & (hyst > 1)                                         # spend hysteresis, keep the scale
-        backoff = ovf & ~spend
-        backed_off = (scale.double() * self._backoff_factor).float()     # fp32 product as ATen: double, rounded
-        if self.min_scale is not None:
-            backed_off = backed_off.clamp(min=self.min_scale)
-        clean_run = tracker + 1
-        grow = ~ovf & (clean_run == self._growth_interval)
-        grown = (scale.double() * self._growth_factor).float()
-        if self.max_scale is not None:
-            grown = grown.clamp(max=self.max_scale)
-        grown = torch.where(torch.isfinite(grown), grown, scale)         # never grow to inf (pytorch#98828)
-        refill = grow | (~ovf & self.consecutive_hysteresis)
-        scale.copy_(torch.where(backoff, backed_off, torch.where(grow, grown, scale)))
-        tracker.copy_(torch.where(ovf | grow, 0, clean_run))
-        hyst.copy_(torch.where(spend, hyst - 1, torch.where(refill, self.hysteresis, hyst)))
+        self._update_step(self, found_inf)
 
     def _update_with_rule(self, found_inf) -> None:
         """The given ``update_scale`` on Python numbers; its result is checked and written back in FP32."""
@@ -234,3 +219,25 @@ class DynamicLossScaler(LossScalerBase):
             self._scale.fill_(c["scale"])
             self._growth_tracker.fill_(c["_growth_tracker"])
             self._hysteresis_tracker.fill_(c["_hysteresis_tracker"])
+
+
+# -- the update steps a scaler binds in `_set_config` (plain functions: a bound scaler still pickles) ------------
+def _by_rule(s: DynamicLossScaler, found_inf) -> None:
+    """The library's rule, `update.update_scale`, written back into the scaler's state tensors."""
+    new = _update_scale_rule(s._scale, s._growth_tracker, found_inf, s._growth_factor, s._backoff_factor,
+                             s._growth_interval, hysteresis=s.hysteresis, hysteresis_tracker=s._hysteresis_tracker,
+                             consecutive_hysteresis=s.consecutive_hysteresis, min_scale=s.min_scale,
+                             max_scale=s.max_scale)
+    for state, value in zip((s._scale, s._growth_tracker, s._hysteresis_tracker), new):
+        state.copy_(value)
+
+
+def _by_kernel(s: DynamicLossScaler, found_inf) -> None:
+    """ATen's fused update (`fused.update_scale_`), equal to `_by_rule` with hysteresis 1 and no floor or cap."""
+    fused.update_scale_(s._scale, s._growth_tracker, found_inf, s._growth_factor, s._backoff_factor,
+                        s._growth_interval)
+
+
+def _by_learner(s: DynamicLossScaler, found_inf) -> None:
+    """A learner's `update_scale=` on Python numbers (one host sync), checked by `_update_with_rule`."""
+    s._update_with_rule(found_inf)
