@@ -119,10 +119,10 @@ def test_environment_variable_and_python_switch(monkeypatch):
 
 
 def test_auto_follows_cpu_flags(monkeypatch):
-    monkeypatch.setattr(emulation, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(emulation.policy, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert not emulation_enabled(torch.bfloat16)              # native bf16 units: leave it to torch
     assert emulation_enabled(torch.float16)                   # no fp16 units: emulate
-    monkeypatch.setattr(emulation, "_cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(emulation.policy, "_cpu_flags", lambda: frozenset({"avx2"}))
     assert emulation_enabled(torch.bfloat16)
 
 
