@@ -37,6 +37,10 @@ Policies (where implementations disagree):
 - Inputs: float32 tensors; narrower float dtypes (fp16, bf16, fp8) are upcast first, exactly.
   float64 is refused (its cast to fp32 already rounds once). Denormals must not be flushed
   (torch's default, torch.set_flush_denormal(False)).
+
+The rule of rounding is `round_to(x, fmt, rounding=..., saturate=..., generator=...)` (lesson 00), plain integer
+arithmetic on the bits with no kernel and no fast path. Faster casts that equal it bit for bit for one format
+live beside the quantizers in `mpcourse.core.quant` (E2M1 and the FP8 casts), which this module never imports.
 """
 from __future__ import annotations
 
