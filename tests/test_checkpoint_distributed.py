@@ -85,7 +85,7 @@ def _resumed(rank, port, d):
         t = DataParallelTrainer("fp8-delayed", corpus, CFG, "fsdp").load(os.path.join(d, "fsdp-fp8-delayed"))
         for m in t.recipe.model.modules():
             if isinstance(m, Float8Linear):
-                m._reset_fp8_state()                       # planted: scales 1, amax histories 0
+                m._reset_scaling_state()                       # planted: scales 1, amax histories 0
         res["planted"] = _record(t.run())
         torch.save(res, os.path.join(d, f"resumed{rank}.pt"))
     finally:

@@ -77,9 +77,9 @@ def test_layer_on_the_gpu_matches_the_cpu_layer(recipe, dtype):
         assert (dx1 - dx0).abs().amax() <= rel_out * scale(dx0) * 8
         assert (dw1 - dw0).abs().amax() <= 2.0 ** -12 * scale(dw0) * 8
         assert torch.equal(db1, db0) or (db1 - db0).abs().amax() <= 1e-6 * scale(db0)
-        for role, s in cpu.fp8_state.items():  # delayed scaling: the same scales, bit for bit
-            assert torch.equal(s.scale, dev.fp8_state[role].scale.cpu()), role
-            assert torch.equal(s.amax_history, dev.fp8_state[role].amax_history.cpu()), role
+        for role, s in cpu.scaling_state.items():  # delayed scaling: the same scales, bit for bit
+            assert torch.equal(s.scale, dev.scaling_state[role].scale.cpu()), role
+            assert torch.equal(s.amax_history, dev.scaling_state[role].amax_history.cpu()), role
 
 
 @cuda_only

@@ -29,7 +29,7 @@ def _worker(rank, world_size, init_file, out_dir):
             with fp8_autocast(fp8_recipe=recipe):
                 y = layer(x)
             y.backward(torch.full_like(y, 1.0 + rank))  # gradient amax 1 and 2
-            out[reduce_amax] = {r: s.state_dict() for r, s in layer.fp8_state.items()}
+            out[reduce_amax] = {r: s.state_dict() for r, s in layer.scaling_state.items()}
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()

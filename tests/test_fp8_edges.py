@@ -96,7 +96,7 @@ def test_checkpoint_from_before_conversion_loads_and_starts_fp8_state_fresh():
     ckpt = plain.state_dict()
     model = convert_to_float8_training(_mlp(), recipe=recipe)
     _train_steps(model, recipe)  # non-trivial FP8 state that the loaded weights must not inherit
-    assert float(model[0].fp8_state["input"].scale) != 1.0
+    assert float(model[0].scaling_state["input"].scale) != 1.0
     result = model.load_state_dict(ckpt)  # strict
     assert result.missing_keys == [] and result.unexpected_keys == []
     for name, p in plain.named_parameters():
@@ -146,7 +146,7 @@ def test_checkpoint_with_a_bad_fp8_scale_is_refused_at_load_time(bad):
     with pytest.raises(ValueError, match="finite and > 0"):
         target.load_state_dict(damaged)
     assert torch.equal(target[2].get_extra_state(), before)  # nothing of that layer changed
-    legacy = {"recipe": repr(recipe), **{r: s.state_dict() for r, s in model[2].fp8_state.items()}}
+    legacy = {"recipe": repr(recipe), **{r: s.state_dict() for r, s in model[2].scaling_state.items()}}
     legacy["weight"]["scale"] = torch.tensor(bad)
     with pytest.raises(ValueError, match="'weight'.*finite and > 0"):  # the earlier dict format too
         target[2].set_extra_state(legacy)
@@ -246,7 +246,7 @@ def _mismatch_worker(rank, world_size, init_file, out_dir):
         same = Float8Linear(16, 16, bias=False, recipe=recipe)
         with fp8_autocast(fp8_recipe=recipe):
             same(torch.full((4, 16), float(rank + 1)))
-        out["same_scale"] = float(same.fp8_state["input"].scale)
+        out["same_scale"] = float(same.scaling_state["input"].scale)
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()

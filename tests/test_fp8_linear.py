@@ -71,15 +71,15 @@ def test_delayed_scaling_uses_the_scales_from_earlier_steps():
     layer = Float8Linear(32, 16, bias=False, recipe=recipe)
     for step in range(3):
         x, gy = torch.randn(16, 32) * 4 ** step, torch.randn(16, 16) * 4 ** step
-        before = {r: float(s.scale) for r, s in layer.fp8_state.items()}
+        before = {r: float(s.scale) for r, s in layer.scaling_state.items()}
         with fp8_autocast(fp8_recipe=recipe):
             y, dx, dw, _ = run_layer(layer, x, gy)
         xd, wd = ref_dequant(x, "e4m3", before["input"]), ref_dequant(layer.weight, "e4m3", before["weight"])
         gd = ref_dequant(gy, "e5m2", before["grad_output"])
         assert torch.equal(y, xd @ wd.t()) and torch.equal(dx, gd @ wd) and torch.equal(dw, gd.t() @ xd)
         # after the step every scale comes from this step's amax (the window max, rising inputs)
-        assert float(layer.fp8_state["input"].scale) == np.float32(448) / np.float32(x.abs().max().item())
-        assert float(layer.fp8_state["grad_output"].scale) == np.float32(57344) / np.float32(gy.abs().max().item())
+        assert float(layer.scaling_state["input"].scale) == np.float32(448) / np.float32(x.abs().max().item())
+        assert float(layer.scaling_state["grad_output"].scale) == np.float32(57344) / np.float32(gy.abs().max().item())
     assert before["input"] != 1.0  # the last step really used a delayed scale
 
 
@@ -141,12 +141,12 @@ def test_forward_scales_update_when_the_outermost_region_exits():
     with fp8_autocast():
         with fp8_autocast():
             y = layer(x)
-        assert float(layer.fp8_state["input"].scale) == 1.0  # inner exit: still pending
-        assert layer.fp8_state["input"].amax_history.tolist() == [2.0, 0, 0, 0]
-    assert float(layer.fp8_state["input"].scale) == 224.0  # outer exit: updated
-    assert layer.fp8_state["input"].amax_history.tolist() == [0, 0, 0, 2.0]
+        assert float(layer.scaling_state["input"].scale) == 1.0  # inner exit: still pending
+        assert layer.scaling_state["input"].amax_history.tolist() == [2.0, 0, 0, 0]
+    assert float(layer.scaling_state["input"].scale) == 224.0  # outer exit: updated
+    assert layer.scaling_state["input"].amax_history.tolist() == [0, 0, 0, 2.0]
     y.sum().backward()  # backward outside the region: gradient state updates right away
-    assert float(layer.fp8_state["grad_output"].scale) == 57344.0
+    assert float(layer.scaling_state["grad_output"].scale) == 57344.0
 
 
 def test_gradient_accumulation_in_one_region_gives_one_history_entry():
@@ -154,16 +154,16 @@ def test_gradient_accumulation_in_one_region_gives_one_history_entry():
     with fp8_autocast():
         for scale in (1.0, 3.0, 2.0):  # three micro-batches of one optimizer step
             layer(torch.full((4, 16), scale)).sum().mul(scale).backward()
-        assert float(layer.fp8_state["grad_output"].scale) == 1.0  # deferred to the exit
-    for s in layer.fp8_state.values():
+        assert float(layer.scaling_state["grad_output"].scale) == 1.0  # deferred to the exit
+    for s in layer.scaling_state.values():
         assert int((s.amax_history != 0).sum()) == 1 and s.amax_history[0] == 0
-    assert layer.fp8_state["input"].amax_history[-1] == 3.0 and layer.fp8_state["grad_output"].amax_history[-1] == 3.0
+    assert layer.scaling_state["input"].amax_history[-1] == 3.0 and layer.scaling_state["grad_output"].amax_history[-1] == 3.0
 
 
 def test_outside_any_region_each_call_updates_and_no_grad_records_nothing():
     layer = _layer()
     layer(torch.full((4, 16), 4.0))
-    assert float(layer.fp8_state["input"].scale) == 112.0
+    assert float(layer.scaling_state["input"].scale) == 112.0
     state = layer.get_extra_state().clone()  # (3 roles, 1 + history) fp32: [scale, *amax_history] per row
     with torch.no_grad():
         layer(torch.full((4, 16), 100.0))  # evaluation must not change the training state
@@ -175,7 +175,7 @@ def test_disabled_region_runs_high_precision():
     with fp8_autocast(enabled=False):
         y = layer(x)
     assert torch.equal(y, x @ layer.weight.t())
-    assert float(layer.fp8_state["input"].scale) == 1.0 and layer.fp8_state["input"].amax_history.sum() == 0
+    assert float(layer.scaling_state["input"].scale) == 1.0 and layer.scaling_state["input"].amax_history.sum() == 0
 
 
 def test_region_recipe_must_match_the_layer():
@@ -228,7 +228,7 @@ def test_state_survives_dtype_casts_and_checks_history_length():
     layer = _layer()
     layer(torch.full((4, 16), 3.0))
     layer.bfloat16()
-    s = layer.fp8_state["input"]
+    s = layer.scaling_state["input"]
     assert s.scale.dtype == torch.float32 and float(s.scale) == np.float32(448) / np.float32(3)
     other = Float8Linear(16, 16, bias=False, recipe=DelayedScaling(amax_history_len=7))
     with pytest.raises(ValueError, match="amax_history_len"):
@@ -358,7 +358,7 @@ def test_no_autocast_region_only_when_an_autocast_is_on():
         return compute_scale(amax, fp8_max, margin)
 
     torch.manual_seed(0)
-    layer = Float8Linear(32, 16, recipe=CurrentScaling(compute_scale_fn=spy))
+    layer = Float8Linear(32, 16, recipe=CurrentScaling(), functions={"compute_scale": spy})
     x = torch.randn(8, 32)
     y_plain = layer(x)
     assert set(seen) == {("NoneType", 0, False)}

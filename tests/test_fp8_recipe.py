@@ -45,10 +45,9 @@ def test_te_field_names_and_defaults():
     r = DelayedScaling()
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.scaling_factor_compute_algo,
             r.reduce_amax) == (0, Format.HYBRID, 1024, "max", None, True)
-    assert [f.name for f in dataclasses.fields(DelayedScaling)] == [   # TE's, then the learner's seams (default None)
-        "margin", "fp8_format", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo", "reduce_amax",
-        "quantize_fn", "update_fn"]
-    assert (r.quantize_fn, r.update_fn) == (None, None)
+    assert [f.name for f in dataclasses.fields(DelayedScaling)] == [   # TE's, nothing else
+        "margin", "fp8_format", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo", "reduce_amax"]
+    assert [f.name for f in dataclasses.fields(CurrentScaling)] == ["fp8_format", "use_power_2_scales", "amax_epsilon"]
     assert CurrentScaling().fp8_format is Format.HYBRID and Float8CurrentScaling is CurrentScaling
     assert (Format.E4M3.max_fwd, Format.E4M3.max_bwd) == (448.0, 448.0)
     assert (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd) == (448.0, 57344.0)
@@ -182,5 +181,5 @@ def test_module_with_amax_8_every_step(margin, want):
     for step in range(6):
         with fp8_autocast(fp8_recipe=recipe):
             layer(x).sum().backward()
-        assert float(layer.fp8_state["input"].scale) == want
-    assert layer.fp8_state["input"].amax_history.tolist() == [0.0, 8.0, 8.0, 8.0]
+        assert float(layer.scaling_state["input"].scale) == want
+    assert layer.scaling_state["input"].amax_history.tolist() == [0.0, 8.0, 8.0, 8.0]

@@ -27,7 +27,7 @@ def _step(model, region, x):
 
 def _states(model):
     return [(s.scale.clone(), s.amax_history.clone()) for m in model.modules() if isinstance(m, Float8Linear)
-            for s in m.fp8_state.values()]
+            for s in m.scaling_state.values()]
 
 
 def test_autocast_and_fp8_autocast_are_the_same_region():

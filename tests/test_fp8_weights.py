@@ -85,20 +85,20 @@ def test_layer_stores_only_fp8_and_matches_float8linear_bit_for_bit(recipe):
                 w.grad = None
         mine.cast_master_to_weight_()
     for role in ("input", "grad_output"):
-        if role in mine.fp8_state:                                   # delayed scaling: the same states
-            assert torch.equal(i32(mine.fp8_state[role].amax_history), i32(ref.fp8_state[role].amax_history))
-    if mine.fp8_state:
+        if role in mine.scaling_state:                                   # delayed scaling: the same states
+            assert torch.equal(i32(mine.scaling_state[role].amax_history), i32(ref.scaling_state[role].amax_history))
+    if mine.scaling_state:
         # the weight state is one update ahead: the cast after the last step already recorded the next weight's
         # amax, which ref records in its next forward
         with autocast(recipe=recipe):
             ref(torch.randn(2, 32))
         for key in ("scale", "amax_history"):
-            assert torch.equal(getattr(mine.fp8_state["weight"], key), getattr(ref.fp8_state["weight"], key))
+            assert torch.equal(getattr(mine.scaling_state["weight"], key), getattr(ref.scaling_state["weight"], key))
 
 
 def test_cast_is_torchs_saturating_cast_with_the_delayed_scale():
     _, mine, master = pair(DelayedScaling(amax_history_len=4))
-    state = mine.fp8_state["weight"]
+    state = mine.scaling_state["weight"]
     with torch.no_grad():
         master.mul_(300.0)                                           # some elements beyond 448 / scale: saturate
     scale = state.scale.clone()
@@ -189,7 +189,7 @@ def test_trains_bit_for_bit_as_fp8_delayed(corpus):
         w32, layer = ref.model.get_submodule(fqn).weight, mine.model.get_submodule(fqn)
         assert torch.equal(i32(master), i32(w32))
         # the stored FP8 weight is what fp8-delayed's next forward quantizes from its FP32 weight
-        scale = ref.model.get_submodule(fqn).fp8_state["weight"].scale
+        scale = ref.model.get_submodule(fqn).scaling_state["weight"].scale
         assert torch.equal(u8(layer.weight), u8(torch_cast_e4m3(w32, scale)))
     fp8_weights = {f"{fqn}.weight" for fqn in mine.masters}
     for (na, a), (nb, b) in zip(ref.model.named_parameters(), mine.model.named_parameters()):

@@ -63,7 +63,7 @@ def test_a_default_run_computes_no_statistic_and_the_rule_adds_one_without_chang
 
 
 def test_a_rule_that_ignores_ties_gives_a_different_lost_updates_row():
-    from mpcourse.experiment.yours import train_yours
+    from mpcourse.course.yours import train_yours
 
     def is_update_lost(w, dw):                               # strict half-spacing test: a tie counted as kept
         a = w.float().abs()

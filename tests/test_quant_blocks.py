@@ -192,12 +192,14 @@ def test_te_recipe_defaults_and_refusals():
 
 def test_backward_requantizes_along_each_contraction_dim():
     """1x128 forward tiles of x become 128x1 tiles for the weight gradient; 2-D weight blocks are shared."""
-    r, x = Float8BlockScaling(), spread(256, 256)
-    assert r.quantize("input", x, 1).block == (1, 128) and r.quantize("input", x, 0).block == (128, 1)
-    assert r.quantize("weight", x, 0).block == r.quantize("weight", x, 1).block == (128, 128)
-    n = NVFP4BlockScaling()
-    assert torch.equal(n.quantize("weight", x, 0).dequantize(), n.quantize("weight", x, 1).dequantize())
-    h = n.rht(x)   # orthogonal along M: h^T h == x^T x up to rounding
+    from mpcourse.core.quant.engine import quantizers
+    from mpcourse.core.quant.hadamard import rht
+    r, x = quantizers(Float8BlockScaling()), spread(256, 256)
+    assert r["input"](x, 1).block == (1, 128) and r["input"](x, 0).block == (128, 1)
+    assert r["weight"](x, 0).block == r["weight"](x, 1).block == (128, 128)
+    n = quantizers(NVFP4BlockScaling())
+    assert torch.equal(n["weight"](x, 0).dequantize(), n["weight"](x, 1).dequantize())
+    h = rht(x)   # orthogonal along M: h^T h == x^T x up to rounding
     torch.testing.assert_close(h.t() @ h, x.t() @ x, rtol=1e-4, atol=1e-2)
 
 

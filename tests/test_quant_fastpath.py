@@ -11,10 +11,16 @@ from mpcourse.core.formats import round_to
 from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
 from mpcourse.core.quant.block_gemm import scaled_gemm
 from mpcourse.core.quant.block_linear import same_both_axes
-from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, round_e2m1
-from mpcourse.core.quant.scaled import mx_shared_exponent, quantize_fp32_scaled
+from mpcourse.core.quant.engine import BlockQuantizer
+from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, quantize_fp32_scaled, round_e2m1
+from mpcourse.core.quant.mx import mx_shared_exponent
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_role(recipe, role, x, axis, wgrad=False, keep_fp32=False, functions=None):
+    """``role``'s tensor x under ``recipe``, quantized along ``axis`` by the engine's quantizer."""
+    return BlockQuantizer(recipe, role, functions)(x, axis, wgrad, keep_fp32)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -146,7 +152,7 @@ def test_weight_copy_is_kept_only_where_both_axes_quantize_alike(recipe, same):
     assert not same_both_axes(recipe, "grad_output")
     if same:   # the reuse is exact: Q(W, 0) and Q(W, 1) hold the same bits
         w = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * 0.02
-        w0, w1 = recipe.quantize("weight", w, 0), recipe.quantize("weight", w, 1)
+        w0, w1 = quantize_role(recipe, "weight", w, 0), quantize_role(recipe, "weight", w, 1)
         assert torch.equal(w0.data.view(torch.uint8), w1.data.view(torch.uint8))
         assert torch.equal(w0.scale_inv.float(), w1.scale_inv.float()) and w0.block == w1.block
 
@@ -186,7 +192,8 @@ def test_compute_amax_equals_abs_then_amax(dtype):
 
 
 def test_block_amax_1x16_pooling_equals_the_reduction():
-    from mpcourse.core.quant.scaled import block_amax, block_view
+    from mpcourse.core.quant.fastpath import block_amax
+    from mpcourse.core.quant.scaled import block_view
     for x in (_edge_matrix(32, 256, 6), _edge_matrix(16, 128, 7)[:, :16].contiguous(), _edge_matrix(48, 128, 8).bfloat16()):
         rule = block_view(x.float().abs(), (1, 16)).amax(dim=(1, 3))
         fast = block_amax(x, (1, 16))
@@ -196,7 +203,7 @@ def test_block_amax_1x16_pooling_equals_the_reduction():
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
 def test_nvfp4_tensor_amax_from_the_block_maxima_is_the_tensor_amax(block):
-    from mpcourse.core.quant.scaled import quantize_nvfp4
+    from mpcourse.core.quant.fastpath import quantize_nvfp4
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 3
     x[5, 7] = 40.0
     for t in (x, torch.zeros_like(x), x.bfloat16()):
@@ -232,15 +239,16 @@ def test_fp8_linear_cpu_backward_equals_the_fp8_gemm_path(recipe, x_dtype):
 
 @pytest.mark.parametrize("mk", [(1024, 128), (1024, 384), (1024, 512), (64, 48), (16, 16)])
 def test_rht_batched_matmul_equals_the_einsum_rule(mk):
-    from mpcourse.core.quant.block_recipes import random_hadamard
+    from mpcourse.core.quant import fastpath, hadamard
+    from mpcourse.core.quant.hadamard import random_hadamard
     M, K = mk
     x = _edge_matrix(max(M, 16), max(K, 128), 11)[:M, :K].contiguous() * 5
     x[0:16, 0] = torch.tensor([1e4] + [1e-2] * 15)                  # an outlier spread over its group
     for seed in (0, 3):
         rule = torch.einsum("ij,gjk->gik", random_hadamard(16, seed), x.reshape(M // 16, 16, K)).reshape(M, K)
-        fast = NVFP4BlockScaling(rht_seed=seed).rht(x)
-        assert bits_equal(fast, rule)
-        assert bits_equal(NVFP4BlockScaling(rht_seed=seed).rht(x.bfloat16()), torch.einsum(
+        fast = fastpath.rht(x, seed)
+        assert bits_equal(fast, rule) and bits_equal(hadamard.rht(x, seed), rule)
+        assert bits_equal(fastpath.rht(x.bfloat16(), seed), torch.einsum(
             "ij,gjk->gik", random_hadamard(16, seed), x.bfloat16().float().reshape(M // 16, 16, K)).reshape(M, K))
 
 
@@ -296,7 +304,6 @@ def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
 def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     """The quantizers give the same bits with the flag off (clamp, then cast) as with it on."""
     import mpcourse.core.quant.fastpath as fastpath
-    import mpcourse.core.quant.scaled as scaled
     x = _edge_matrix(64, 256, 14) * 1e3
     x[9, :] = 3e38
     import mpcourse.core.quant.tensor as tensor
@@ -304,9 +311,10 @@ def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     outs = []
     for flag in (True, False):
         monkeypatch.setattr(fastpath, "E4M3_CAST_SATURATES", flag and saturates)
-        q = [scaled.quantize_fp32_scaled(x, (1, 128)), scaled.quantize_mx(x, (1, 32), "e4m3", "floor"),
-             scaled.quantize_mx(x, (32, 1), "e4m3", "rceil"), scaled.quantize_fp32_scaled(x, (-1, -1)),
-             tensor.quantize(x, "e4m3", 2.0 ** 20), tensor.quantize(x, "e4m3", 0.37)]
+        q = [fastpath.quantize_fp32_scaled(x, (1, 128)), fastpath.quantize_mx(x, (1, 32), "e4m3", "floor"),
+             fastpath.quantize_mx(x, (32, 1), "e4m3", "rceil"), fastpath.quantize_fp32_scaled(x, (-1, -1)),
+             fastpath.quantize(x, "e4m3", 2.0 ** 20), fastpath.quantize(x, "e4m3", 0.37),
+             tensor.quantize(x, "e4m3", 0.37)]
         outs.append([t.data.view(torch.uint8) for t in q])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -369,9 +377,9 @@ def test_kept_fp32_copy_equals_dequantize_and_the_quantization_is_unchanged(reci
     for x in _keep_cases():
         for axis in (0, 1):
             torch.manual_seed(0)
-            plain = recipe.quantize(role, x, axis, wgrad=True)
+            plain = quantize_role(recipe, role, x, axis, wgrad=True)
             torch.manual_seed(0)
-            kept = recipe.quantize(role, x, axis, wgrad=True, keep_fp32=True)
+            kept = quantize_role(recipe, role, x, axis, wgrad=True, keep_fp32=True)
             # kept for a contiguous x (the layer's operands); a transposed view may take dequantize when asked
             assert plain.dequantized is None and (kept.dequantized is not None or not x.is_contiguous())
             assert torch.equal(plain.data.view(torch.uint8), kept.data.view(torch.uint8))
@@ -390,22 +398,23 @@ def _learner_nvfp4_scales(x):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: Float8BlockScaling(power_2_scales=False, amax_epsilon=1e-3),
-    lambda: MXFP8BlockScaling(scale_rule="floor", mx_shared_exponent_fn=lambda a, e: mx_shared_exponent(a, e, "floor") - 3),
-    lambda: NVFP4BlockScaling(disable_stochastic_rounding=True, nvfp4_scales_fn=_learner_nvfp4_scales),
+    lambda: (Float8BlockScaling(power_2_scales=False, amax_epsilon=1e-3), None),
+    lambda: (MXFP8BlockScaling(scale_rule="floor"),
+             {"mx_shared_exponent": lambda a, e: mx_shared_exponent(a, e, "floor") - 3}),
+    lambda: (NVFP4BlockScaling(disable_stochastic_rounding=True), {"nvfp4_scales": _learner_nvfp4_scales}),
 ])
 def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):
-    """Non-power-of-two scales, an amax epsilon and lesson 10's function hooks (exponents that saturate blocks,
-    negative block scales; a learner's compute_scale with a negative scale): the copy is dequantize's bits."""
-    recipe = make()
+    """Non-power-of-two scales, an amax epsilon and lesson 10's functions (exponents that saturate blocks,
+    negative block scales; a learner's scale with a negative value): the copy is dequantize's bits."""
+    from mpcourse.core.quant.fastpath import encode_fp32_scaled
+    recipe, functions = make()
     x = _edge_matrix(256, 256, 19).nan_to_num(nan=0.5, posinf=7e4, neginf=-7e4) * 0.05   # the seams refuse NaN scales
     x[7, :] = -3e38
     for role in ("input", "weight"):
         for axis in (0, 1):
-            kept = recipe.quantize(role, x, axis, keep_fp32=True)
+            kept = quantize_role(recipe, role, x, axis, keep_fp32=True, functions=functions)
             assert bits_equal(kept.dequantize_fp32(), kept.dequantize(torch.float32))
-    xq = quantize_fp32_scaled(torch.randn(4, 32), (1, 32), compute_scale_fn=lambda a, t, m: torch.full_like(a, -2.0 ** -125),
-                              keep_fp32=True)
+    xq = encode_fp32_scaled(torch.randn(4, 32), (1, 32), "e4m3", torch.full((4, 1), -2.0 ** -125), keep_fp32=True)
     assert bits_equal(xq.dequantize_fp32(), xq.dequantize(torch.float32))
 
 

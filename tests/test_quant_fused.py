@@ -1,6 +1,6 @@
 """The numba kernels of ``mpcourse.core.quant.fused`` equal, bit for bit, the torch rules they replace.
 
-``fused`` holds compiled loops that ``scaled`` takes for 2-D float32 CPU tensors: ``block_amax`` (max |x| per
+``fused`` holds compiled loops that ``fastpath``'s quantizers take for 2-D float32 CPU tensors: ``block_amax`` (max |x| per
 block, NaN propagating) and the FP8 quantizer (``quantize_fp8``: y = x *
 mult or x / mult per block, its FP8 code by round to nearest even with saturation, and the FP32 copy
 float32(code) * dequant). Their arithmetic is written out by hand on FP32 bit patterns, so every case a cast or
@@ -13,11 +13,11 @@ a reduction can get wrong is checked here against an oracle run side by side on 
    million random FP32 bit patterns (E5M2 the same way); then the multiply or divide
    by random non-power-of-two block multipliers and the FP32 copy times a random non-power-of-two ``dequant``,
    against the same few torch operations.
-2. ``scaled.block_amax`` through the kernel against the torch rule (``fused.AVAILABLE`` forced False) and the
+2. ``fastpath.block_amax`` through the kernel against the torch rule (``fused.AVAILABLE`` forced False) and the
    plain reduction, for every block shape the recipes use, with NaN, +-inf, -0.0, huge and subnormal values.
 3. ``quantize_fp32_scaled`` and ``quantize_mx`` with ``keep_fp32=True`` (the kernel) against the forced torch rule:
    data bytes, scale_inv bits and the kept FP32 copy, which must also be ``dequantize(torch.float32)``'s bits.
-4. A learner's ``compute_scale_fn`` (negative, non-power-of-two scales) and ``exponent_fn`` through both paths
+4. A learner's scale rule (negative, non-power-of-two scales) and ``mx_shared_exponent`` through both paths
    (a NaN code's sign aside: see that test).
 5. A transposed (non-contiguous) float32 input takes the path scaled's own predicate names (block_amax: the
    kernel), bfloat16 input the rule (no kernel called), and each gives the bits of its reference; keep_fp32=False,
@@ -35,7 +35,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from mpcourse.core.quant import fused, scaled  # noqa: E402
+from mpcourse.core.quant import blockwise, fastpath, fused, mx, nvfp4, scaled, tensor  # noqa: E402
 from mpcourse.core.quant.scaled import block_view, resolve_block  # noqa: E402
 
 if not fused.AVAILABLE:
@@ -273,10 +273,10 @@ def _amax_cases():
 def test_block_amax_kernel_equals_the_torch_rule(block, calls):
     for x in _amax_cases():
         b = resolve_block(x.shape, block)
-        got = scaled.block_amax(x, block)              # the kernel (it resolves -1 itself)
+        got = fastpath.block_amax(x, block)              # the kernel (it resolves -1 itself)
         assert calls["block_amax"] > 0
         n = calls["block_amax"]
-        want = torch_rule(scaled.block_amax, x, b)     # the rule takes a resolved block
+        want = torch_rule(fastpath.block_amax, x, b)     # the rule takes a resolved block
         assert calls["block_amax"] == n                # the forced rule did not call the kernel
         plain = block_view(x.abs(), b).amax(dim=(1, 3))
         assert_bits_equal(got, want)
@@ -331,9 +331,9 @@ def test_quantize_fp32_scaled_kernel_equals_the_torch_rule(block, power_2_scale,
             for eps in (0.0, 1e-3):
                 kw = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=eps, keep_fp32=True)
                 n = calls["quantize"]
-                got = scaled.quantize_fp32_scaled(x, block, "e4m3", **kw)
+                got = fastpath.quantize_fp32_scaled(x, block, "e4m3", **kw)
                 assert calls["quantize"] == n + 1
-                want = torch_rule(scaled.quantize_fp32_scaled, x, block, "e4m3", **kw)
+                want = torch_rule(fastpath.quantize_fp32_scaled, x, block, "e4m3", **kw)
                 assert calls["quantize"] == n + 1
                 _check_same(got, want, x)
 
@@ -344,9 +344,9 @@ def test_quantize_mx_kernel_equals_the_torch_rule(block, rule, calls):
     saturated = 0
     for x in _quant_cases():
         n = calls["quantize"]
-        got = scaled.quantize_mx(x, block, "e4m3", rule, keep_fp32=True)
+        got = fastpath.quantize_mx(x, block, "e4m3", rule, keep_fp32=True)
         assert calls["quantize"] == n + 1
-        want = torch_rule(scaled.quantize_mx, x, block, "e4m3", rule, keep_fp32=True)
+        want = torch_rule(fastpath.quantize_mx, x, block, "e4m3", rule, keep_fp32=True)
         assert calls["quantize"] == n + 1
         _check_same(got, want, x)
         saturated += int(((got.data.view(torch.uint8) & 0x7F) == 0x7E).sum())
@@ -365,7 +365,7 @@ LEARNER_SCALES = {
 
 @pytest.mark.parametrize("power_2_scale", [False, True])
 @pytest.mark.parametrize("name", list(LEARNER_SCALES))
-def test_learner_compute_scale_fn_matches_the_torch_rule(name, power_2_scale, calls):
+def test_learner_compute_scale_matches_the_torch_rule(name, power_2_scale, calls):
     """Everything bit for bit, except the sign of a NaN code that a NaN scale puts in a block: a learner's scale
     computed from a NaN amax carries that NaN's sign into x * scale, and the amaxes differ there (the kernel's |x|
     max is +NaN; torch's amax over a (128, 1) block of |x| is -NaN, 0xFFFFFFFF, on torch 2.13's CPU), so the
@@ -373,22 +373,41 @@ def test_learner_compute_scale_fn_matches_the_torch_rule(name, power_2_scale, ca
     fn = LEARNER_SCALES[name]
     for x in _quant_cases():
         for block in ((1, 128), (128, 1), (-1, -1)):
-            kw = dict(power_2_scale=power_2_scale, compute_scale_fn=fn, keep_fp32=True)
-            got = scaled.quantize_fp32_scaled(x, block, "e4m3", **kw)
-            want = torch_rule(scaled.quantize_fp32_scaled, x, block, "e4m3", **kw)
+            got = _learner_fp32_scaled(x, block, fn, power_2_scale)
+            want = torch_rule(_learner_fp32_scaled, x, block, fn, power_2_scale)
             _check_same(got, want, x, nan_sign=False)
     assert calls["quantize"] == 3 * 4
 
 
+def _learner_fp32_scaled(x, block, fn, power_2_scale, keep_fp32=True):
+    """The engine's path for a learner's scale rule on FP32-scaled blocks: its scales into ``encode_fp32_scaled``."""
+    b = resolve_block(x.shape, block)
+    scale = torch.as_tensor(fn(fastpath.block_amax(x, b), 448.0, 0), dtype=torch.float32)
+    scale = tensor.round_down_to_power_of_2(scale) if power_2_scale else scale
+    return fastpath.encode_fp32_scaled(x, b, "e4m3", scale, keep_fp32)
+
+
+def _learner_mx(x, block, fn, keep_fp32=True):
+    """The engine's path for a learner's ``mx_shared_exponent``: its exponents into ``encode_mx``."""
+    b = resolve_block(x.shape, block)
+    amax = fastpath.block_amax(x, b)
+    k = fn(amax.flatten(), "e4m3").reshape(amax.shape)
+    return fastpath.encode_mx(x, b, "e4m3", amax, torch.exp2(k.double()).float(), keep_fp32)
+
+
 def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
-    from mpcourse.core.quant.scaled import mx_shared_exponent
+    from mpcourse.core.quant.mx import mx_shared_exponent
     def fn(amax, elem):                               # 2^3 too small: blocks saturate
         return (mx_shared_exponent(amax, elem, "floor") - 3).clamp(min=-127)
     for x in _quant_cases():
         for block in MX_BLOCKS:
-            got = scaled.quantize_mx(x, block, "e4m3", exponent_fn=fn, keep_fp32=True)
-            want = torch_rule(scaled.quantize_mx, x, block, "e4m3", exponent_fn=fn, keep_fp32=True)
+            got = _learner_mx(x, block, fn)
+            want = torch_rule(_learner_mx, x, block, fn)
             _check_same(got, want, x)
+            b = resolve_block(x.shape, block)
+            amax = scaled.block_amax(x, b)                                    # the rules
+            rule = mx.encode_mx(x, b, "e4m3", amax, fn(amax.flatten(), "e4m3").reshape(amax.shape))
+            assert_codes_equal(got.data, rule.data, ("x", x))
     assert calls["quantize"] == 4 * 2
 
 
@@ -396,7 +415,7 @@ def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
 def _quantizer_takes_kernel(x: torch.Tensor) -> bool:
     """Whether scaled's quantizers send x (keep_fp32, E4M3) to the kernel: ``scaled._fused(x)`` where scaled has that
     predicate (contiguous x only), else ``fused.usable(x)``."""
-    return bool(getattr(scaled, "_fused", fused.usable)(x))
+    return bool(getattr(fastpath, "_fused", fused.usable)(x))
 
 
 def test_transposed_input_takes_the_right_path_and_matches(calls):
@@ -408,15 +427,15 @@ def test_transposed_input_takes_the_right_path_and_matches(calls):
     assert not xt.is_contiguous() and fused.usable(xt)
     for block in ((1, 128), (128, 1), (32, 1), (-1, 1)):
         n = calls["block_amax"]
-        got = scaled.block_amax(xt, block)
+        got = fastpath.block_amax(xt, block)
         assert calls["block_amax"] == n + 1
         b = resolve_block(xt.shape, block)
-        assert_bits_equal(got, torch_rule(scaled.block_amax, xt, b))
-        assert_bits_equal(got, scaled.block_amax(xt.contiguous(), block))
-    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
-                         (scaled.quantize_fp32_scaled, (128, 128), dict(fp8_format="e4m3", power_2_scale=True)),
-                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
-                         (scaled.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+        assert_bits_equal(got, torch_rule(fastpath.block_amax, xt, b))
+        assert_bits_equal(got, fastpath.block_amax(xt.contiguous(), block))
+    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (fastpath.quantize_fp32_scaled, (128, 128), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (fastpath.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
         n = calls["quantize"]
         got = q(xt, block, keep_fp32=True, **kw)
         assert calls["quantize"] == n + _quantizer_takes_kernel(xt)
@@ -438,14 +457,14 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
     assert not fused.usable(xb)
     for i, block in enumerate(((1, 128), (16, 1), (-1, -1))):
         b = resolve_block(xb.shape, block)
-        got = scaled.block_amax(xb, b)
+        got = fastpath.block_amax(xb, b)
         assert calls["block_amax"] == i                               # the rule
-        assert_bits_equal(got, scaled.block_amax(x32, b))             # the kernel
+        assert_bits_equal(got, fastpath.block_amax(x32, b))             # the kernel
         assert calls["block_amax"] == i + 1
-    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
-                         (scaled.quantize_fp32_scaled, (-1, -1), dict(fp8_format="e4m3", power_2_scale=True)),
-                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
-                         (scaled.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (fastpath.quantize_fp32_scaled, (-1, -1), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (fastpath.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
         n_amax, n = calls["block_amax"], calls["quantize"]
         got = q(xb, block, keep_fp32=True, **kw)
         assert calls["quantize"] == n and calls["block_amax"] == n_amax
@@ -455,12 +474,12 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
         assert_codes_equal(got.data, ref.data, ("x", x32))
         assert torch.equal(got.scale_inv.float().view(torch.int32), ref.scale_inv.float().view(torch.int32))
         assert_bits_equal(ref.dequantized, got.dequantize_fp32(), ("x", x32))
-    for q, block, kw in ((scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3", keep_fp32=False)),
-                         (scaled.quantize_fp32_scaled, (1, 128), dict(fp8_format="e5m2", keep_fp32=True)),
-                         (scaled.quantize_fp32_scaled, (-1, 1), dict(fp8_format="e5m2", keep_fp32=False)),
-                         (scaled.quantize_mx, (1, 32), dict(elem="e4m3", keep_fp32=False)),
-                         (scaled.quantize_mx, (1, 32), dict(elem="e5m2", keep_fp32=True)),
-                         (scaled.quantize_mx, (32, 1), dict(elem="e2m1", keep_fp32=True))):
+    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3", keep_fp32=False)),
+                         (fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e5m2", keep_fp32=True)),
+                         (fastpath.quantize_fp32_scaled, (-1, 1), dict(fp8_format="e5m2", keep_fp32=False)),
+                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", keep_fp32=False)),
+                         (fastpath.quantize_mx, (1, 32), dict(elem="e5m2", keep_fp32=True)),
+                         (fastpath.quantize_mx, (32, 1), dict(elem="e2m1", keep_fp32=True))):
         st = q(x32, block, **kw)
         want = torch_rule(q, x32, block, **kw)
         assert_codes_equal(st.data, want.data, ("x", x32))
@@ -504,9 +523,9 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
         mp.setattr(fused, "quantize_e2m1", spy)
         for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
                   torch.zeros(64, 128)):
-            got = scaled.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
+            got = fastpath.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
                                         keep_fp32=True)
-            want = torch_rule(scaled.quantize_nvfp4, x, block, rounding=rounding,
+            want = torch_rule(fastpath.quantize_nvfp4, x, block, rounding=rounding,
                               generator=torch.Generator().manual_seed(7), keep_fp32=True)
             assert_codes_equal(got.data, want.data, ("x", x))
             assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8))
@@ -523,7 +542,7 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
     """``tensor.quantize`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
     forced torch rule (clamp, then torch's cast), for a 3-D and a 2-D float32 tensor with every special value,
     and scales that push values past the format's max (and FP32's: to inf) or into its subnormals."""
-    from mpcourse.core.quant.tensor import quantize
+    from mpcourse.core.quant.fastpath import quantize
     real, count = fused.quantize_fp8, [0]
 
     def spy(*args, **kwargs):
@@ -535,7 +554,7 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
         mp.setattr(fused, "quantize_fp8", spy)
         for x in (x2.reshape(4, 32, 256), x2):
             got = quantize(x, fmt, scale)
-            want = torch_rule(quantize, x, fmt, scale)
+            want = torch_rule(tensor.quantize, x, fmt, scale)            # the rule
             g, w = got.data.view(torch.uint8), want.data.view(torch.uint8)
             nan = torch.isnan(want.data.float())
             assert torch.isnan(got.data.float()[nan]).all()                       # NaN: a NaN code
@@ -581,14 +600,14 @@ def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
     for elem, top in (("e4m3", 448.0), ("e2m1", 6.0)):
         got = rceil_scale_inv(amax, top)
         assert_bits_equal(got[finite], torch_rule(rceil_scale_inv, amax, top)[finite])
-        k = scaled.mx_shared_exponent(amax[finite], elem, "rceil")
+        k = mx.mx_shared_exponent(amax[finite], elem, "rceil")
         assert_bits_equal(got[finite], torch.exp2(k.double()).float())
 
 
 def test_per_tensor_amax_kernel_equals_the_torch_rule():
     """``tensor.compute_amax`` through ``fused.block_amax`` (one block: the whole tensor) against its torch body
     (forced) on 1-D, 2-D and 3-D tensors with and without NaN, inf, -0.0 only, and subnormals only."""
-    from mpcourse.core.quant.tensor import compute_amax
+    from mpcourse.core.quant.fastpath import compute_amax
     x = _special_matrix(128, 256, 93)
     cases = [x, x.reshape(4, 32, 256), x.reshape(-1), torch.full((8, 16), -0.0), torch.full((3, 5), F32_SUB_MIN),
              _special_matrix(128, 256, 94, nan=False), _special_matrix(128, 256, 95, nan=False, inf=False)]
@@ -596,15 +615,15 @@ def test_per_tensor_amax_kernel_equals_the_torch_rule():
         got, want = compute_amax(t), torch_rule(compute_amax, t)
         assert got.shape == want.shape == ()
         assert_bits_equal(got.reshape(1), want.reshape(1))
+        assert_bits_equal(got.reshape(1), tensor.compute_amax(t).reshape(1))      # the rule
 
 
 def test_block_scales_of_the_wrong_shape_are_refused():
-    """The kernels index without bounds checks: a learner's ``compute_scale_fn`` that returns one scale per row
-    instead of per block, or a grid of the wrong shape handed to a kernel, gets a ValueError naming the shape."""
+    """The kernels index without bounds checks: a learner's scale rule that returns one scale per row instead of
+    per block, or a grid of the wrong shape handed to a kernel, gets a ValueError naming the shape."""
     x = torch.randn(128, 256)
     with pytest.raises(ValueError, match="one per block"):
-        scaled.quantize_fp32_scaled(x, (1, 128), keep_fp32=True,
-                                    compute_scale_fn=lambda a, top, m: (top / a).amax(dim=1))   # (128,), not (128, 2)
+        _learner_fp32_scaled(x, (1, 128), lambda a, top, m: (top / a).amax(dim=1), False)   # (128,), not (128, 2)
     with pytest.raises(ValueError, match="one per block"):
         fused.quantize_fp8(x, (1, 128), torch.ones(128, 1), False, torch.ones(128, 2))
     with pytest.raises(ValueError, match="does not divide"):
@@ -630,6 +649,6 @@ def test_torch_compile_traces_the_torch_rules():
     """Inside ``torch.compile``'s tracing the kernels step aside (``fused.active()`` is False there): a compiled
     function that quantizes gives the kernels' bits without tracing into them."""
     x = _special_matrix(128, 256, 97, nan=False, inf=False)
-    f = torch.compile(lambda t: scaled.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
+    f = torch.compile(lambda t: fastpath.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
                       backend="eager", fullgraph=False)
-    assert_bits_equal(f(x), scaled.quantize_mx(x, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32())
+    assert_bits_equal(f(x), fastpath.quantize_mx(x, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32())

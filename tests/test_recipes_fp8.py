@@ -42,7 +42,7 @@ def fp8_states(recipe):
     """{(layer, role): (scale, amax_history)} copies of every delayed-scaling state."""
     return {(n, role): (s.scale.clone(), s.amax_history.clone())
             for n, m in recipe.model.named_modules() if isinstance(m, Float8Linear)
-            for role, s in m.fp8_state.items()}
+            for role, s in m.scaling_state.items()}
 
 
 def bits(t):
@@ -132,16 +132,16 @@ def test_delayed_state_follows_te_rule_and_eval_does_not_touch_it(corpus):
     r = make("fp8-delayed", corpus)
     layers = {n: mod for n, mod in r.model.named_modules() if isinstance(mod, Float8Linear)}
     w_amax = {n: mod.weight.detach().abs().max() for n, mod in layers.items()}
-    assert all(float(s.scale) == 1.0 for mod in layers.values() for s in mod.fp8_state.values())
+    assert all(float(s.scale) == 1.0 for mod in layers.values() for s in mod.scaling_state.values())
     run(r, corpus, torch.Generator().manual_seed(0), 1)
     for n, mod in layers.items():
         for role, fp8_max in (("input", E4M3_MAX), ("weight", E4M3_MAX), ("grad_output", E5M2_MAX)):
-            s = mod.fp8_state[role]
+            s = mod.scaling_state[role]
             h = s.amax_history
             assert h.shape == (AMAX_HISTORY_LEN,) and h.dtype == torch.float32
             assert torch.count_nonzero(h[:-1]) == 0 and h[-1] > 0, (n, role, h)
             assert torch.equal(s.scale, torch.tensor(fp8_max) / h[-1]), (n, role)
-        assert torch.equal(mod.fp8_state["weight"].amax_history[-1], w_amax[n])
+        assert torch.equal(mod.scaling_state["weight"].amax_history[-1], w_amax[n])
     before = fp8_states(r)
     evaluate(r, corpus, TrainConfig(batch_size=B, eval_batches=2, model=SMALL))
     after = fp8_states(r)
@@ -196,7 +196,7 @@ def test_resume_is_bit_for_bit(name, corpus):
         r.load_state_dict(ckpt["recipe"])
         if not load_fp8_state:
             for mod in r.fp8_layers().values():
-                mod._reset_fp8_state()
+                mod._reset_scaling_state()
         g = torch.Generator()
         g.set_state(ckpt["gen"])
         return r, run(r, corpus, g, 4, start=4)

@@ -1,12 +1,12 @@
 """Every exercise ends by training the course's GPT with the learner's functions beside the library's
-(``mpcourse.experiment.yours.train_yours``, the cell tagged ``train-yours``). For every exercise in
+(``mpcourse.course.yours.train_yours``, the cell tagged ``train-yours``). For every exercise in
 ``solutions/``: the cell is there and trains the recipes listed below; the solution's functions give the
 library's rows bit for bit; a planted bug in each function gives a different row or one line naming it;
 the shipped exercise's stubs give one "not implemented yet" line per recipe, never a traceback.
 
 To add a lesson: give it an entry in ``EXERCISES`` (the recipes its last cell trains, the functions those
 recipes take from it, one planted bug per function), add the cell to the solution
-(``from mpcourse.experiment.yours import train_yours`` / ``_ = train_yours(globals(), [...])``, tagged
+(``from mpcourse.course.yours import train_yours`` / ``_ = train_yours(globals(), [...])``, tagged
 ``train-yours``, the last code cell), re-execute it and regenerate the exercises. An entry with
 ``missing`` set is expected to fail (xfail) until what it names exists; remove ``missing`` then (the
 cell test is strict: it fails once the cell is there and ``missing`` is still set).
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mpcourse.experiment.learner import load_functions
-from mpcourse.experiment.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, YOURS_DIST_CONFIG, Comparison, train_yours
+from mpcourse.course.yours import YOURS_BLOCK_CONFIG, YOURS_CONFIG, YOURS_DIST_CONFIG, Comparison, train_yours
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "train-yours"

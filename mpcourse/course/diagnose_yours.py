@@ -1,7 +1,7 @@
 """Lesson 09's last cell: train the GPT in settings whose cause is known, then diagnose the fresh logs twice.
 
 ``diagnose_yours(globals(), ["underflow", "healthy"])`` trains the course's GPT briefly (the size and length
-of every exercise's last cell, ``mpcourse.experiment.yours.YOURS_CONFIG``) in each named setting of
+of every exercise's last cell, ``mpcourse.course.yours.YOURS_CONFIG``) in each named setting of
 ``SETTINGS``, with the ablations' one run (``mpcourse.experiment.ablations.common.run_one``: the log of
 loss, skipped steps, loss scale, gradient amax and zero fraction per step) and the FP32 run of the same
 setting as its ``reference_loss``; then it reads every log with the grader's rule
@@ -34,7 +34,7 @@ from mpcourse.core.emulation import tensor_cores
 from mpcourse.experiment.ablations.common import run_one
 from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss_trainer
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
-from mpcourse.experiment.yours import YOURS_CONFIG, _default_corpus
+from mpcourse.course.yours import YOURS_CONFIG, _default_corpus
 
 from .grading.diagnosis import CAUSES, log_of, reference_diagnose
 

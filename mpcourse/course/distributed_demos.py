@@ -53,7 +53,7 @@ def _amax():
         x = torch.full((4, 16), 2.0 * (dist.get_rank() + 1))   # rank 0: amax 2, rank 1: amax 4
         with fp8_autocast(fp8_recipe=recipe):
             layer(x).sum().backward()
-        out[reduce_amax] = float(layer.fp8_state["input"].scale)
+        out[reduce_amax] = float(layer.scaling_state["input"].scale)
     return out
 
 

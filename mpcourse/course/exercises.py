@@ -19,7 +19,7 @@ the solution, and a shipped exercise fails its checks. Cells tagged ``check`` ca
 Prints are allowed where the learner works: in the exercise, every cell that holds learner code (a
 marked block), every check cell, and every cell that calls a function or class the learner writes is
 tagged ``nbval-ignore-output``, and so is the last cell, tagged ``train-yours``, which trains the course's GPT
-with the learner's functions beside the library's (``mpcourse.experiment.yours.train_yours``: a correct but
+with the learner's functions beside the library's (``mpcourse.course.yours.train_yours``: a correct but
 differently written function may train a different row). Those cells are graded by what they raise (a check cell raises
 ``GradingError`` on a wrong implementation, a stub raises ``NotImplementedError``), not by their text,
 so a debugging ``print`` cannot fail them. The solutions keep strict output checks.
@@ -68,7 +68,7 @@ def strip_solutions(source: str) -> str:
 
 
 IGNORE_OUTPUT = "nbval-ignore-output"
-TRAIN_YOURS = "train-yours"      # the last cell: trains the GPT with the learner's functions (experiment.yours)
+TRAIN_YOURS = "train-yours"      # the last cell: trains the GPT with the learner's functions (course.yours)
 _DEFINED = re.compile(r"^(?:def|class)\s+(\w+)", re.M)     # the names a solution cell defines
 
 

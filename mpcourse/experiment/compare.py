@@ -25,9 +25,8 @@ from pathlib import Path
 
 from .data import Corpus
 from mpcourse.core.seams import SeamError
-from .learner import overrides_for
 from .recipes import get_recipe
-from .recipes.base import OverrideError
+from .recipes.base import OverrideError, learner_functions
 from .spikes import SPIKE_MIN_JUMP, SpikeReport, consensus, find_spikes, finite_losses
 from .train import RunResult, TrainConfig, train, train_inspected
 
@@ -247,7 +246,7 @@ def train_with_learner(name: str, corpus: Corpus, cfg: TrainConfig, functions: d
     line names the function and why, never a traceback from inside the training step.
     """
     recipe_cls = get_recipe(name)
-    overrides = overrides_for(recipe_cls, functions)
+    overrides = learner_functions(recipe_cls, functions)
     if not overrides:
         accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
         echo(f"{name}: cannot use any of {', '.join(sorted(functions)) or 'no functions'} "

@@ -4,8 +4,9 @@
 only what *defines* things: top-level ``import`` statements, ``def`` and ``class`` statements and
 assignments to UPPER_CASE names (``A, B = 1, 2`` too), from every code cell except the check cells (tagged ``check``) and the
 cell that trains with the learner's code (tagged ``train-yours``). Nothing else runs: no training, no
-plots, no prints. The result maps function names to functions; ``overrides_for(recipe_cls, functions)``
-keeps those a recipe accepts (its ``OVERRIDABLE``), and ``mpcourse compare --with NB`` adds a row per
+plots, no prints. The result maps function names to functions;
+``mpcourse.experiment.recipes.base.learner_functions(recipe_cls, functions)`` keeps those a recipe accepts (its
+``OVERRIDABLE``), and ``mpcourse compare --with NB`` adds a row per
 recipe trained with them (``mpcourse.experiment.compare``).
 """
 from __future__ import annotations
@@ -67,11 +68,6 @@ def load_functions(path: str | Path) -> dict[str, Callable]:
         if name in sources and hasattr(fn, "__code__"):
             fn.__learner_source__ = sources[name]   # inspect.getsource cannot read it back from the notebook file
     return functions
-
-
-def overrides_for(recipe_cls, functions: dict[str, Callable]) -> dict[str, Callable]:
-    """The subset of ``functions`` that ``recipe_cls`` accepts as overrides (its ``OVERRIDABLE``)."""
-    return {name: fn for name, fn in functions.items() if name in recipe_cls.OVERRIDABLE}
 
 
 def functions_from_sources(sources: dict[str, str]) -> dict[str, Callable]:

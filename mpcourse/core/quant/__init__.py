@@ -1,18 +1,29 @@
-"""FP8 training as Transformer Engine defines it, small enough to read (lessons 07 and 08).
+"""Quantized training as Transformer Engine and torchao define it, small enough to read (lessons 07, 08 and 10).
 
-* ``tensor``: per-tensor scaled casts (``quantize``, ``compute_scale``, ``Float8Tensor``).
-* ``recipe``: ``Format``, ``DelayedScaling``, ``CurrentScaling`` and the delayed-scaling update.
+The rules, one plain function each (no kernel, no fast path, no learner's hook):
+* ``tensor``: per-tensor scaled casts (``compute_amax``, ``compute_scale``, ``quantize``, ``quantize_current``,
+  ``Float8Tensor``).
+* ``delayed``: the delayed-scaling update (``amax_and_scale_update``, ``DelayedScalingState``).
+* ``scaled``: ``ScaledTensor``, scales of any granularity; ``blockwise``: ``quantize_fp32_scaled``,
+  ``block_quantize`` (tensorwise, rowwise, 1x128, 128x128); ``mx``: ``mx_shared_exponent``, ``quantize_mx``;
+  ``nvfp4``: ``nvfp4_scales``, ``quantize_nvfp4``; ``hadamard``: NVFP4's random Hadamard transform.
+Their kernels, each equal bit for bit to the rule it names: ``fastpath`` (torch fast paths) and ``fused`` (numba
+passes). No rule imports them.
+Configuration and the engine:
+* ``recipe``: ``Recipe``, ``Format``, ``DelayedScaling``, ``Float8CurrentScaling`` (TE's fields and defaults).
+* ``block_recipes``: ``BlockRecipe``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``,
+  ``MXFP8BlockScaling``, ``NVFP4BlockScaling`` (TE's names and defaults).
+* ``engine``: builds the quantizers of a recipe, a layer and a role, binding each step to the learner's function,
+  a kernel or the rule.
+The layers and GEMMs:
 * ``gemm``: one FP8 GEMM through ``torch._scaled_mm`` with its layout/shape/device rules.
 * ``region``: the FP8 region, TE's ``autocast`` (older spelling ``fp8_autocast``), and when delayed
   scales update (plus the amax all-reduce).
 * ``linear``: ``Float8Linear``, ``convert_to_float8_training`` and torchao's ``Float8LinearConfig``.
 * ``fp8_weights``: ``Float8WeightLinear``, a layer storing its weight only in FP8 with the FP32 master in the
   optimizer (TE ``quantized_model_init``), and ``convert_to_fp8_weights``.
-* ``scaled``: ``ScaledTensor``, scales of any granularity (tensorwise, rowwise, 1x128, 128x128, MX, NVFP4).
-* ``block_recipes``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``, ``MXFP8BlockScaling``,
-  ``NVFP4BlockScaling`` (TE's names and defaults), each building a quantizer per role and axis.
 * ``block_gemm``: block-scaled GEMMs via ``F.scaled_mm`` or an exact emulation; an accumulator model.
-* ``block_linear``: the autograd function of a linear layer under those recipes.
+* ``block_linear``: the autograd function of a linear layer under the block recipes.
 
 Sources: Micikevicius et al. 2022 (arXiv 2209.05433); NVIDIA/TransformerEngine
 ``common/recipe/__init__.py``, ``pytorch/quantization.py``, ``common/recipe/delayed_scaling.cu``;
@@ -22,18 +33,23 @@ from .region import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
 from .gemm import check_fp8_gemm_supported, fp8_gemm, fp8_gemm_support_error
 from .linear import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from .fp8_weights import Float8WeightLinear, convert_to_fp8_weights
-from .recipe import (ROLES, CurrentScaling, DelayedScaling, DelayedScalingState, Float8CurrentScaling, Format,
-                     amax_and_scale_update, fp8_format_for)
+from .recipe import ROLES, CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, Recipe, fp8_format_for
+from .delayed import DelayedScalingState, amax_and_scale_update
 from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
-from .block_recipes import (BLOCK_RECIPES, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+from .block_recipes import (BLOCK_RECIPES, BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling)
-from .scaled import ScaledTensor, mx_shared_exponent, quantize_fp32_scaled, quantize_mx, quantize_nvfp4
+from .scaled import ScaledTensor
+from .blockwise import block_quantize, quantize_fp32_scaled
+from .mx import mx_shared_exponent, quantize_mx
+from .nvfp4 import nvfp4_scales, quantize_nvfp4
+from .engine import learner_functions, quantizers
 from .tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
                      fp8_max, quantize, quantize_current, round_down_to_power_of_2)
 
 __all__ = [
     "FP8_DTYPES", "FP32_MAX", "Float8Tensor", "compute_amax", "compute_scale", "fp8_dtype", "fp8_format_name",
     "fp8_max", "quantize", "quantize_current", "round_down_to_power_of_2",
+    "Recipe", "BlockRecipe", "quantizers", "learner_functions", "block_quantize", "nvfp4_scales",
     "Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "DelayedScalingState",
     "amax_and_scale_update", "fp8_format_for", "ROLES",
     "fp8_gemm", "check_fp8_gemm_supported", "fp8_gemm_support_error",

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import NumberFormat, round_to
+from .fastpath import dequantize
 from .scaled import ScaledTensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +59,12 @@ def native_supported(kind: Optional[str], device: torch.device) -> bool:
 
 def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N)."""
-    return (a.dequantize_fp32() @ b.dequantize_fp32()).to(out_dtype)
+    return (_fp32(a) @ _fp32(b)).to(out_dtype)
+
+
+def _fp32(a: ScaledTensor) -> torch.Tensor:
+    """``a.dequantize_fp32()``: the copy kept at quantization, else ``fastpath.dequantize`` (the same bits)."""
+    return a.dequantized if a.dequantized is not None else dequantize(a, torch.float32)
 
 
 def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_accum: bool) -> torch.Tensor:

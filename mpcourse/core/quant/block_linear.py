@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .block_gemm import scaled_gemm
+from .block_recipes import block_for
 from .scaled import ScaledTensor
 
 
@@ -69,7 +70,7 @@ class BlockScaledLinearFunction(torch.autograd.Function):
 
 
 def same_both_axes(recipe, role: str) -> bool:
-    """Whether ``recipe.quantize(role, x, 0)`` equals ``recipe.quantize(role, x, 1)``: a square 2-D block (the
+    """Whether quantizing along axis 0 equals quantizing along axis 1 under ``recipe``: a square 2-D block (the
     same blocks whichever axis is contracted), rounded to nearest (weights are; stochastic rounding draws)."""
-    blocks = {recipe.block_for(role, axis) for axis in (0, 1)}
+    blocks = {block_for(recipe, role, axis) for axis in (0, 1)}
     return len(blocks) == 1 and role != "grad_output"

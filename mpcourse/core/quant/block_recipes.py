@@ -1,10 +1,11 @@
 """Finer-grained scaling recipes with Transformer Engine's names, fields and defaults, plus torchao's rowwise.
 
-Each recipe builds the quantizer of each tensor role ("input", "weight", "grad_output") along an axis:
-``recipe.quantize(role, x, axis)`` returns a ``ScaledTensor`` whose blocks run along dimension ``axis`` of the
-2-D tensor x, the GEMM's contraction dimension (``keep_fp32=True``: with its float32 dequantization, for an
-emulated GEMM); ``recipe.block_for(role, axis)`` names that block. A linear layer y = x W^T needs (TE re-quantizes each copy
-from the high-precision tensor, never one FP8 copy from another):
+Configuration only, as TE's recipes are: ``engine`` builds the quantizer of each tensor role ("input", "weight",
+"grad_output") from a recipe, and quantizes along an axis: a ``ScaledTensor`` whose blocks run along dimension
+``axis`` of the 2-D tensor x, the GEMM's contraction dimension; ``block_for(recipe, role, axis)`` names that block.
+The rules are ``blockwise.quantize_fp32_scaled``, ``mx.quantize_mx``, ``nvfp4.quantize_nvfp4`` and ``hadamard.rht``.
+A linear layer y = x W^T needs (TE re-quantizes each copy from the high-precision tensor, never one FP8 copy from
+another):
 
     forward  y  = x  @ W^T    x along K (axis 1), W (N, K) along K (axis 1)
     dgrad    dx = dy @ W      dy along N (axis 1), W along N (axis 0)
@@ -20,31 +21,20 @@ technical report (arXiv 2412.19437) section 3.3; OCP MX v1.0; NVIDIA, "Pretraini
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
 
-import torch
-
-from ..seams import check_block_scaled
-from .recipe import ROLES, Format
-from .scaled import ScaledTensor, quantize_fp32_scaled, quantize_mx, quantize_nvfp4
+from .recipe import ROLES, Format, Recipe
 
 
-def _check_role_axis(role: str, axis: int) -> None:
+def check_role_axis(role: str, axis: int) -> None:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if axis not in (0, 1):
         raise ValueError(f"axis must be 0 or 1 (the contraction dimension of a 2-D tensor), got {axis!r}")
 
 
-class _BlockRecipe:
-    """What every finer-grained recipe shares: one ``BlockQuantizer`` per role, each calling ``quantize``."""
-
-    def quantizers(self, layer_key: str = "", device=None) -> dict:
-        """{role: ``BlockQuantizer``} (``mpcourse.core.quant.quantizers``); these recipes keep no state."""
-        from .quantizers import block_quantizers
-        return block_quantizers(self)
+class BlockRecipe(Recipe):
+    """Base of the finer-grained recipes: scales per block, re-quantized along each GEMM's contraction dimension."""
 
 
 def _along(axis: int, n: int) -> tuple[int, int]:
@@ -53,7 +43,7 @@ def _along(axis: int, n: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Float8RowwiseScaling(_BlockRecipe):
+class Float8RowwiseScaling(BlockRecipe):
     """torchao's ``rowwise`` recipe: E4M3 for every tensor, one power-of-two FP32 scale per row of the left
     GEMM operand and per column of the right one (``Float8LinearConfig.from_recipe_name("rowwise")``:
     ``ScalingGranularity.AXISWISE``, ``round_scales_to_power_of_2=True``, E4M3 grads)."""
@@ -65,18 +55,8 @@ class Float8RowwiseScaling(_BlockRecipe):
         if self.fp8_format is not Format.E4M3:
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
 
-    def block_for(self, role: str, axis: int) -> tuple[int, int]:
-        return _along(axis, -1)
-
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
-                 keep_fp32: bool = False) -> ScaledTensor:
-        _check_role_axis(role, axis)
-        return quantize_fp32_scaled(x, self.block_for(role, axis), "e4m3",
-                                    power_2_scale=self.round_scales_to_power_of_2, keep_fp32=keep_fp32)
-
-
 @dataclass(frozen=True)
-class Float8BlockScaling(_BlockRecipe):
+class Float8BlockScaling(BlockRecipe):
     """DeepSeek-V3-style block scaling (TE ``Float8BlockScaling``): E4M3 for every tensor, 1x128 tiles for
     activations and gradients, 128x128 blocks for weights, power-of-two FP32 scales.
 
@@ -84,8 +64,7 @@ class Float8BlockScaling(_BlockRecipe):
     grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
     amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
     attention; so does this class. Every dimension a block runs along must be a multiple of 128.
-    Not TE's: block_quantize_fn, a learner's lesson 10 ``block_quantize(x, block) -> (data, scale_inv)`` in place
-    of the library's quantizer (only with the defaults power_2_scales=True, amax_epsilon=0.0, its rule).
+    A learner's lesson 10 ``block_quantize`` goes to the engine (only with power_2_scales=True, amax_epsilon=0.0).
     """
 
     fp8_format: Format = Format.E4M3
@@ -97,12 +76,8 @@ class Float8BlockScaling(_BlockRecipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     block_len: int = 128
-    block_quantize_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
-        if self.block_quantize_fn is not None and not (self.power_2_scales and self.amax_epsilon == 0.0):
-            raise ValueError("block_quantize_fn is lesson 10's rule (power-of-two scales, no amax epsilon): keep "
-                             "power_2_scales=True and amax_epsilon=0.0")
         if self.fp8_format is not Format.E4M3:
             raise ValueError("Float8BlockScaling uses E4M3 for every tensor (fine blocks make E5M2's range "
                              "unnecessary): fp8_format=Format.E4M3")
@@ -119,26 +94,8 @@ class Float8BlockScaling(_BlockRecipe):
             raise ValueError("FP8 attention is not supported with Float8BlockScaling (as in Transformer Engine): "
                              "keep fp8_dpa=False and fp8_mha=False")
 
-    def block_for(self, role: str, axis: int) -> tuple[int, int]:
-        dim = {"input": self.x_block_scaling_dim, "weight": self.w_block_scaling_dim,
-               "grad_output": self.grad_block_scaling_dim}[role]
-        return (self.block_len, self.block_len) if dim == 2 else _along(axis, self.block_len)
-
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
-                 keep_fp32: bool = False) -> ScaledTensor:
-        _check_role_axis(role, axis)
-        block = self.block_for(role, axis)
-        if self.block_quantize_fn is not None:   # a learner's quantizer, checked
-            xf = x.detach().float()
-            data, scale_inv = check_block_scaled("block_quantize", xf, block, self.block_quantize_fn(xf, block),
-                                                 torch.float8_e4m3fn)
-            return ScaledTensor(data, scale_inv, block, "e4m3", None, x.dtype)
-        return quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scales,
-                                    amax_epsilon=self.amax_epsilon, keep_fp32=keep_fp32)
-
-
 @dataclass(frozen=True)
-class MXFP8BlockScaling(_BlockRecipe):
+class MXFP8BlockScaling(BlockRecipe):
     """MXFP8 (TE ``MXFP8BlockScaling``, OCP MX v1.0): 32 consecutive elements along the contraction dimension
     share one E8M0 (power-of-two) scale; rowwise and columnwise copies are each quantized from the
     high-precision tensor.
@@ -148,20 +105,15 @@ class MXFP8BlockScaling(_BlockRecipe):
     (k = ceil(log2(amax / elem_max)), torchao ``ScaleCalculationMode.RCEIL``, what TE's and cuBLAS' MXFP8
     quantizers compute), so no block max ever exceeds the element max. "floor" is the OCP spec's rule
     (k = floor(log2 amax) - emax_elem), under which a block max up to 2x the element max saturates.
-    Not TE's: mx_shared_exponent_fn, a learner's lesson 10 ``mx_shared_exponent(amax, elem) -> k`` (the floor
-    rule, so only with scale_rule="floor") in place of the library's.
+    A learner's lesson 10 ``mx_shared_exponent`` (the floor rule) goes to the engine (only with scale_rule="floor").
     """
 
     margin: int = 0
     fp8_format: Format = Format.E4M3
     scale_rule: str = "rceil"
     block_len: int = 32
-    mx_shared_exponent_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
 
     def __post_init__(self):
-        if self.mx_shared_exponent_fn is not None and self.scale_rule != "floor":
-            raise ValueError("mx_shared_exponent_fn is lesson 10's floor rule: use it with scale_rule='floor' "
-                             "(the mxfp8-floor recipe)")
         if self.margin != 0:
             raise ValueError("MXFP8 scales are powers of two from each block's amax: margin must be 0")
         if self.fp8_format is Format.E5M2:
@@ -169,45 +121,8 @@ class MXFP8BlockScaling(_BlockRecipe):
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
 
-    def block_for(self, role: str, axis: int) -> tuple[int, int]:
-        return _along(axis, self.block_len)
-
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
-                 keep_fp32: bool = False) -> ScaledTensor:
-        _check_role_axis(role, axis)
-        elem = self.fp8_format.bwd if role == "grad_output" else self.fp8_format.fwd
-        return quantize_mx(x, self.block_for(role, axis), elem, self.scale_rule, self.mx_shared_exponent_fn,
-                           keep_fp32=keep_fp32)
-
-
-def hadamard(n: int = 16) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix divided by sqrt(n) (orthonormal), float32."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
-def random_hadamard(n: int = 16, seed: int = 0) -> torch.Tensor:
-    """H @ diag(signs): one fixed random sign vector (TE's random Hadamard transform); orthonormal."""
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
-    return hadamard(n) * signs[None, :]
-
-
-_RHT_MATRICES: dict = {}
-
-
-def _rht_matrix(seed: int, device) -> torch.Tensor:
-    """``random_hadamard(16, seed)`` on ``device``, built once per (seed, device): it is read, never written."""
-    key = (seed, str(device))
-    if key not in _RHT_MATRICES:
-        _RHT_MATRICES[key] = random_hadamard(16, seed).to(device)
-    return _RHT_MATRICES[key]
-
-
 @dataclass(frozen=True)
-class NVFP4BlockScaling(_BlockRecipe):
+class NVFP4BlockScaling(BlockRecipe):
     """NVFP4 (TE ``NVFP4BlockScaling``): E2M1 data, an E4M3 scale per 16 elements, one FP32 scale per tensor.
 
     Fields (TE's names; defaults all False = every technique on):
@@ -219,8 +134,8 @@ class NVFP4BlockScaling(_BlockRecipe):
       disable_2d_quantization: False quantizes weights in 16x16 blocks, so forward and backward use the same
           FP4 weight; True uses 1x16 blocks along each GEMM's contraction dimension.
     Keep some layers in BF16 (NVIDIA's 12B run kept about 16% of its linear layers, arXiv 2509.25149).
-    Not TE's: nvfp4_scales_fn, a learner's lesson 10 ``nvfp4_scales(x) -> (t, s)`` in place of the library's two
-    scale levels (``mpcourse.core.quant.scaled.nvfp4_scales_from`` applies it to 16x1 and 16x16 blocks too).
+    A learner's lesson 10 ``nvfp4_scales`` goes to the engine (``engine.nvfp4_scales_from`` applies it to 16x1 and
+    16x16 blocks too).
     """
 
     disable_rht: bool = False
@@ -229,31 +144,22 @@ class NVFP4BlockScaling(_BlockRecipe):
     fp4_format: str = "e2m1"
     fp8_format: Format = Format.E4M3   # the block scales' format
     rht_seed: int = 0
-    nvfp4_scales_fn: Optional[Callable] = field(default=None, repr=False)   # a learner's rule (not a TE field): kept out of the repr
-
-    def block_for(self, role: str, axis: int) -> tuple[int, int]:
-        if role == "weight" and not self.disable_2d_quantization:
-            return (16, 16)
-        return _along(axis, 16)
-
-    def rht(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, K) -> (M, K): the random Hadamard transform applied to every 16-row group along M."""
-        M, K = x.shape
-        if M % 16:
-            raise ValueError(f"the 16x16 Hadamard transform needs M divisible by 16, got M = {M}")
-        h = _rht_matrix(self.rht_seed, x.device)                   # (16, 16) fp32
-        # H @ each (16, K) group: one batched GEMM. The rule is einsum("ij,gjk->gik", H, x3), which computes the same
-        # bmm after copying x3 (tests/test_quant_fastpath.py checks the bits are the same).
-        return torch.matmul(h, x.float().reshape(M // 16, 16, K)).reshape(M, K)
-
-    def quantize(self, role: str, x: torch.Tensor, axis: int, wgrad: bool = False,
-                 keep_fp32: bool = False) -> ScaledTensor:
-        _check_role_axis(role, axis)
-        if wgrad and not self.disable_rht and role != "weight":
-            x = self.rht(x)
-        sr = role == "grad_output" and not self.disable_stochastic_rounding
-        return quantize_nvfp4(x, self.block_for(role, axis), rounding="stochastic" if sr else "nearest",
-                              scales_fn=self.nvfp4_scales_fn, keep_fp32=keep_fp32)
 
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+
+def block_for(recipe: BlockRecipe, role: str, axis: int) -> tuple[int, int]:
+    """The block a ``recipe`` scales ``role``'s tensor in when ``axis`` is the GEMM's contraction dimension."""
+    check_role_axis(role, axis)
+    if isinstance(recipe, Float8RowwiseScaling):
+        return _along(axis, -1)
+    if isinstance(recipe, Float8BlockScaling):
+        dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
+               "grad_output": recipe.grad_block_scaling_dim}[role]
+        return (recipe.block_len, recipe.block_len) if dim == 2 else _along(axis, recipe.block_len)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return _along(axis, recipe.block_len)
+    if isinstance(recipe, NVFP4BlockScaling):
+        return (16, 16) if role == "weight" and not recipe.disable_2d_quantization else _along(axis, 16)
+    raise TypeError(f"block_for takes a block recipe ({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")

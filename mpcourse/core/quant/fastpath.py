@@ -45,7 +45,8 @@ from typing import Optional
 import torch
 
 from ..formats import FORMATS
-from . import fused
+from . import blockwise, fused, hadamard, mx, nvfp4, scaled, tensor
+from .scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, expand, resolve_block
 
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -261,3 +262,193 @@ def _stochastic_magnitude(a: torch.Tensor, e: torch.Tensor, generator) -> torch.
         n.view(-1)[idx] = (((hi & m) == m) & ((lo_w ^ _INT32_MIN) > (sg ^ 0x7FFFFFFF))).int()
     q = ((e.clamp(min=127) - 1) << 23).view(torch.float32)         # Q: 0.5, 1 or 2
     return n.float().mul_(q).add_(a - a)                           # NaN back in (a - a is 0 elsewhere)
+
+
+# ------------------------------------------------------------------------------------------------ per tensor
+def compute_amax(x: torch.Tensor) -> torch.Tensor:
+    """``tensor.compute_amax(x)`` bit for bit: the compiled pass (``fused.block_amax`` over the whole tensor) for a
+    contiguous float32 CPU tensor, else max |x| = max(-min x, max x) from one reading pass (``aminmax``) instead of
+    abs (a written copy) then amax; the final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x|
+    gives. Both are exact, NaN propagates."""
+    if x.numel() == 0:
+        return tensor.compute_amax(x)
+    if fused.active() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
+            and x.is_contiguous():
+        x2 = x.detach().reshape(-1, x.shape[-1])                               # (M, K) view
+        return fused.block_amax(x2, tuple(x2.shape)).reshape(())
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(lo.neg(), hi).abs().float()
+
+
+def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> "tensor.Float8Tensor":
+    """``tensor.quantize(x, fp8_format, scale, saturate)`` bit for bit: the saturating cast of a contiguous float32
+    CPU tensor in ``fused``'s one compiled pass, other saturating casts through ``saturating_cast``; the
+    non-saturating conversion is the rule's."""
+    if not saturate:
+        return tensor.quantize(x, fp8_format, scale, saturate)
+    name, dtype, top, scale, source = tensor.cast_arguments(x, fp8_format, scale)
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
+            and fused.active() and x.is_contiguous():
+        x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
+        data, _ = fused.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
+        return tensor.Float8Tensor(data.reshape(x.shape), scale.reciprocal(), x.dtype, source)
+    y = x.detach().float() * scale.detach()
+    return tensor.Float8Tensor(saturating_cast(y, dtype, top), scale.reciprocal(), x.dtype, source)
+
+
+# ------------------------------------------------------------------------------------------------ block scaling
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``scaled.block_amax(x, block)`` bit for bit: ``fused``'s compiled pass, or for 1x16 blocks of a contiguous
+    CPU tensor torch's 1-D max pooling with kernel = stride = 16 (torch's CPU reduction over a 16-wide innermost
+    dimension is slow; a max is exact in any order, NaN propagates in both)."""
+    if fused.usable(x):
+        return fused.block_amax(x, resolve_block(x.shape, block))
+    a = x.detach().float().abs()
+    if block == (1, 16) and a.is_contiguous() and a.device.type == "cpu":
+        M, K = a.shape
+        return torch.nn.functional.max_pool1d(a.reshape(M, 1, K), 16, 16).reshape(M, K // 16)
+    return block_view(a, block).amax(dim=(1, 3))
+
+
+def dequantize(st: ScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``st.dequantize(dtype)`` bit for bit: ``fused``'s one pass for contiguous E4M3 data to float32, else the
+    fast upcast (``fp8_to_float32``) times each block's multiplier."""
+    if (dtype or st.orig_dtype) == torch.float32 and st.data.dtype == torch.float8_e4m3fn \
+            and st.data.is_contiguous() and fused.usable(st.data, torch.float8_e4m3fn):
+        return fused.dequantize_fp8(st.data, st.block, st.block_scale_inv())
+    x = block_view(fp8_to_float32(st.data), st.block) * expand(st.block_scale_inv(), st.block)  # fp32
+    return x.reshape(st.shape).to(st.orig_dtype if dtype is None else dtype)
+
+
+def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_scale_inv, orig_dtype,
+          y: torch.Tensor, keep_fp32: bool, amax: Optional[torch.Tensor] = None) -> ScaledTensor:
+    """The ScaledTensor of a quantizer; with keep_fp32 also its float32 dequantization, written into the
+    quantizer's scratch ``y`` (the scaled copy the cast read, no longer needed). ``amax``: the block amaxes, for
+    quantizers whose data holds a NaN code only where a block holds a NaN (FP32-scaled FP8, MX)."""
+    st = ScaledTensor(data, scale_inv, block, elem, tensor_scale_inv, orig_dtype)
+    if keep_fp32 and data.dim() == 2 and data.is_contiguous() and y.is_contiguous():
+        nan_free = amax is not None and not bool(torch.isnan(amax).any())
+        st.dequantized = fp8_blocks_to_float32(data, st.block_scale_inv(), st.block, y, nan_free)
+    return st
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether a quantizer takes ``fused``'s compiled pass for x: a contiguous 2-D float32 CPU tensor (the
+    layer's operands; its copy keeps x's layout, as ``_keep``'s does)."""
+    return fused.usable(x) and x.is_contiguous()
+
+
+def _kept(st: ScaledTensor, dequantized: torch.Tensor) -> ScaledTensor:
+    """st holding its float32 dequantization (from ``fused.quantize_fp8`` / ``quantize_e2m1``)."""
+    st.dequantized = dequantized
+    return st
+
+
+def cast_elements(y: torch.Tensor, elem: str, rounding: str = "nearest",
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``scaled.cast_elements`` bit for bit. ``y`` is a scratch tensor of the caller's: the FP8 formats may clamp
+    it in place (``saturating_cast``); E2M1 takes ``round_e2m1``'s few int32/FP32 passes."""
+    if elem in tensor.FP8_DTYPES and rounding == "nearest":
+        return saturating_cast(y, tensor.FP8_DTYPES[elem], FORMATS[elem].max)
+    if elem == "e2m1" and rounding in ("nearest", "stochastic"):
+        return round_e2m1(y.contiguous(), rounding, generator).to(CONTAINER[elem])
+    return scaled.cast_elements(y, elem, rounding, generator)
+
+
+def quantize_fp32_scaled(x: torch.Tensor, block, fp8_format="e4m3", *, margin: int = 0, power_2_scale: bool = False,
+                         amax_epsilon: float = 0.0, keep_fp32: bool = False) -> ScaledTensor:
+    """``blockwise.quantize_fp32_scaled`` bit for bit; ``keep_fp32``: also keep the float32 dequantization
+    (``ScaledTensor.dequantized``), for an emulated GEMM. Power-of-two scales come from ``pow2_scale``."""
+    name = tensor.fp8_format_name(fp8_format)
+    b = resolve_block(x.shape, block)
+    amax = tensor.apply_amax_epsilon(block_amax(x, b), amax_epsilon)       # (M/r, K/c) fp32
+    top = FORMATS[name].max
+    if power_2_scale and margin == 0:
+        scale = pow2_scale(amax, top)                         # compute_scale's bits in fewer ops
+    else:
+        scale = tensor.compute_scale(amax, top, margin, None, power_2_scale)
+    return encode_fp32_scaled(x, b, name, scale, keep_fp32, amax)
+
+
+def encode_fp32_scaled(x: torch.Tensor, b: tuple[int, int], name: str, scale: torch.Tensor, keep_fp32: bool = False,
+                       amax: Optional[torch.Tensor] = None) -> ScaledTensor:
+    """``blockwise.encode_fp32_scaled`` bit for bit (``amax``: the block amaxes the scales came from, if they did:
+    then no NaN code needs searching for)."""
+    if keep_fp32 and name == "e4m3" and _fused(x):
+        # the rule's cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        scale_inv = scale.reciprocal()
+        data, dq = fused.quantize_fp8(x, b, scale, False, scale_inv)
+        return _kept(ScaledTensor(data, scale_inv, b, name, None, x.dtype), dq)
+    y = block_view(x.float(), b) * expand(scale, b)           # (M/r, r, K/c, c) fp32, one rounding
+    data = cast_elements(y, name).reshape(x.shape)
+    return _keep(data, scale.reciprocal(), b, name, None, x.dtype, y, keep_fp32, amax)
+
+
+def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
+                keep_fp32: bool = False) -> ScaledTensor:
+    """``mx.quantize_mx`` bit for bit; the RCEIL scale from ``rceil_scale_inv`` (2^k without the int64 k)."""
+    fmt = mx.mx_element_format(elem)
+    b = resolve_block(x.shape, block)
+    amax = block_amax(x, b)                                    # (M/r, K/c) fp32
+    k = None                                                   # (held until the cast is done, as the rule holds it)
+    if rule == "rceil":
+        scale_inv = rceil_scale_inv(amax, fmt.max)
+    else:
+        k = mx.mx_shared_exponent(amax, elem, rule)
+        scale_inv = torch.exp2(k.double()).float()
+    return encode_mx(x, b, elem, amax, scale_inv, keep_fp32)
+
+
+def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor, scale_inv: torch.Tensor,
+              keep_fp32: bool = False) -> ScaledTensor:
+    """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k."""
+    scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
+    if keep_fp32 and elem == "e4m3" and _fused(x):
+        # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        e8m0 = scale_inv.to(torch.float8_e8m0fnu)
+        data, dq = fused.quantize_fp8(x, b, scale_inv, True, block_multiplier(e8m0))
+        return _kept(ScaledTensor(data, e8m0, b, elem, None, x.dtype), dq)
+    y = block_view(x.float(), b) / expand(scale_inv, b)
+    data = cast_elements(y, elem).reshape(x.shape)
+    return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32, amax)
+
+
+def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
+                   rounding: str = "nearest", generator: Optional[torch.Generator] = None,
+                   keep_fp32: bool = False) -> ScaledTensor:
+    """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``)."""
+    b = resolve_block(x.shape, block)
+    amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
+    amax_t = (amax_b.amax() if tensor_amax is None else tensor_amax.float()).reshape(())
+    t = nvfp4.nvfp4_tensor_scale_inv(amax_t)
+    s = ((amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))).clamp(
+        FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
+    return encode_nvfp4(x, b, t, s, rounding, generator, keep_fp32)
+
+
+def encode_nvfp4(x: torch.Tensor, b: tuple[int, int], t: torch.Tensor, s: torch.Tensor, rounding: str = "nearest",
+                 generator: Optional[torch.Generator] = None, keep_fp32: bool = False) -> ScaledTensor:
+    """``nvfp4.encode_nvfp4`` bit for bit: ``fused``'s one pass from the rule's own random draws, or ``round_e2m1``."""
+    safe_t = torch.where(t > 0, t, torch.ones_like(t))
+    recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
+    if keep_fp32 and rounding in ("nearest", "stochastic") and _fused(x):
+        draws = None if rounding == "nearest" else torch.randint(0, 2 ** 62, x.shape, generator=generator)
+        data, dq = fused.quantize_e2m1(x, b, recip, block_multiplier(s, t), draws)
+        return _kept(ScaledTensor(data, s, b, "e2m1", t, x.dtype), dq)
+    y = block_view(x.float(), b) * expand(recip, b)
+    data = cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)
+    return _keep(data, s, b, "e2m1", t, x.dtype, y, keep_fp32)
+
+
+_RHT_MATRICES: dict = {}
+
+
+def rht(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``hadamard.rht(x, seed)`` bit for bit: H @ each (16, K) group as one batched GEMM with the matrix built once
+    per (seed, device) (the rule's einsum computes the same bmm after copying x)."""
+    hadamard.check_rht_shape(x)
+    key = (seed, str(x.device))
+    if key not in _RHT_MATRICES:
+        _RHT_MATRICES[key] = hadamard.random_hadamard(16, seed).to(x.device)
+    M, K = x.shape
+    return torch.matmul(_RHT_MATRICES[key], x.float().reshape(M // 16, 16, K)).reshape(M, K)

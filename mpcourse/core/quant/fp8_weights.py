@@ -103,10 +103,10 @@ class Float8WeightLinear(Float8Linear):
             raise TypeError(f"the layer's weight must be FP32, BF16 or FP16, got {layer.weight.dtype}")
         with torch.device("meta"):  # no second high-precision weight is ever allocated
             new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, recipe=layer.recipe,
-                      pad_inner_dim=layer.pad_inner_dim)
+                      pad_inner_dim=layer.pad_inner_dim, functions=layer.functions)
         device = layer.weight.device
         new.bias = layer.bias
-        new.quantizers, new.fp8_state = layer.quantizers, layer.fp8_state      # the scaling state goes on
+        new.quantizers, new.scaling_state = layer.quantizers, layer.scaling_state      # the scaling state goes on
         dtype = fp8_dtype(layer.quantizers["weight"].fmt)
         new.weight = nn.Parameter(torch.zeros(layer.weight.shape, dtype=dtype, device=device), requires_grad=False)
         new.register_buffer("weight_scale_inv", torch.ones((), dtype=torch.float32, device=device))

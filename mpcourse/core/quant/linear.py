@@ -8,7 +8,7 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
     weight-gradient GEMM dW = dy^T @ x     reuses the FP8 x and dy          -> (N, K) weight dtype
 
 Scales come from the recipe, through one quantizer per role ("input", "weight", "grad_output") that the
-recipe builds (``recipe.quantizers(...)``, ``quantizers.py``; the layer never asks which recipe it holds):
+engine builds from the recipe (``engine.quantizers(...)``; the layer never asks which recipe it holds):
 ``DelayedScaling``'s keep a ``DelayedScalingState`` (scale, amax_history) each and use scales from earlier
 steps (see ``recipe.py`` and, for when they update, ``region.py``); ``CurrentScaling``'s compute each scale
 from the tensor itself. The finer-grained recipes (``block_recipes.py``: rowwise, 1x128/128x128, MXFP8,
@@ -58,8 +58,8 @@ from ..autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autoca
 from .region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction
-from .block_recipes import BLOCK_RECIPES
-from .recipe import CurrentScaling, DelayedScaling
+from .engine import check_functions, quantizers
+from .recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from .tensor import Float8Tensor
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,36 +112,36 @@ class Float8Linear(nn.Linear):
               out_features or the number of tokens is not a multiple of 16; exact). Without it such
               shapes raise ValueError on CUDA. CPUs take any shape.
     Input (..., in_features) float32/bfloat16/float16 -> output (..., out_features) (see module doc).
-    ``quantizers``: {role: quantizer} built by the recipe; ``fp8_state``: {role: DelayedScalingState} of
+      functions: a learner's functions in place of the library's, by the exercise's names (``engine``).
+    ``quantizers``: {role: quantizer} built by ``engine.quantizers``; ``scaling_state``: {role: DelayedScalingState} of
     those that keep one (empty for the other recipes).
     Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe=None, pad_inner_dim: bool = False):
+                 recipe=None, pad_inner_dim: bool = False, functions=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         recipe = DelayedScaling() if recipe is None else recipe
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
-            raise TypeError(f"recipe must be DelayedScaling, CurrentScaling or a block recipe "
-                            f"({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")
-        self.recipe = recipe
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
+        self.recipe, self.functions = recipe, check_functions(recipe, functions)
         self.pad_inner_dim = pad_inner_dim
-        self._reset_fp8_state()
+        self._reset_scaling_state()
 
-    def _reset_fp8_state(self) -> None:
-        # One quantizer per role, built by the recipe (``quantizers.py``); delayed scaling's hold their state.
+    def _reset_scaling_state(self) -> None:
+        # One quantizer per role, built by the engine; delayed scaling's hold their state.
         key = f"Float8Linear({self.in_features}, {self.out_features})"
-        self.quantizers = self.recipe.quantizers(key, self.weight.device)
-        self.fp8_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
+        self.quantizers = quantizers(self.recipe, key, self.weight.device, self.functions)
+        self.scaling_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "Float8Linear":
+    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False, functions=None) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
         with torch.device("meta"):  # build without allocating or initialising a second weight
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      recipe=recipe, pad_inner_dim=pad_inner_dim)
+                      recipe=recipe, pad_inner_dim=pad_inner_dim, functions=functions)
         new.weight, new.bias = linear.weight, linear.bias
-        new._reset_fp8_state()  # now on the weight's device
+        new._reset_scaling_state()  # now on the weight's device
         new.train(linear.training)
         return new
 
@@ -198,30 +198,30 @@ class Float8Linear(nn.Linear):
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------
     def get_extra_state(self) -> torch.Tensor:
         """(n_roles, 1 + amax_history_len) float32: row i is ``[scale, *amax_history]`` of ``ROLES[i]``."""
-        if not self.fp8_state:  # CurrentScaling: no state
+        if not self.scaling_state:  # CurrentScaling: no state
             return torch.zeros(0, 1, dtype=torch.float32, device=self.weight.device)
-        return torch.stack([torch.cat([s.scale.reshape(1), s.amax_history]) for s in self.fp8_state.values()])
+        return torch.stack([torch.cat([s.scale.reshape(1), s.amax_history]) for s in self.scaling_state.values()])
 
     def set_extra_state(self, state) -> None:
-        if not self.fp8_state:
+        if not self.scaling_state:
             return  # CurrentScaling keeps no state: a delayed-scaling checkpoint's scales are not needed
         if isinstance(state, dict):  # the earlier format: {"recipe": str, role: {"scale", "amax_history"}}
-            missing = [role for role in self.fp8_state if role not in state]
+            missing = [role for role in self.scaling_state if role not in state]
             if missing:
                 raise ValueError(f"checkpoint has no delayed-scaling state for {missing} (it was saved with "
                                  f"{state.get('recipe')}): convert the model with the checkpoint's recipe")
-            rows = {role: state[role] for role in self.fp8_state}
+            rows = {role: state[role] for role in self.scaling_state}
         else:
             state = torch.as_tensor(state)
-            if state.dim() != 2 or state.shape[0] != len(self.fp8_state):
+            if state.dim() != 2 or state.shape[0] != len(self.scaling_state):
                 raise ValueError(f"checkpoint has no delayed-scaling state for this layer (its FP8 state has shape "
                                  f"{tuple(state.shape)}; it was saved with another recipe, e.g. CurrentScaling): "
                                  "convert the model with the checkpoint's recipe")
-            rows = {role: {"scale": row[0], "amax_history": row[1:]} for role, row in zip(self.fp8_state, state)}
+            rows = {role: {"scale": row[0], "amax_history": row[1:]} for role, row in zip(self.scaling_state, state)}
         for role, row in rows.items():  # check everything before changing anything
-            self.fp8_state[role].check_state_dict(row, role)
+            self.scaling_state[role].check_state_dict(row, role)
         for role, row in rows.items():
-            self.fp8_state[role].load_state_dict(row)
+            self.scaling_state[role].load_state_dict(row)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -232,11 +232,11 @@ class Float8Linear(nn.Linear):
         if key not in state_dict:
             if key in missing_keys:
                 missing_keys.remove(key)
-            self._reset_fp8_state()
+            self._reset_scaling_state()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        for s in self.fp8_state.values():  # follow the weight's device, stay FP32
+        for s in self.scaling_state.values():  # follow the weight's device, stay FP32
             s.to(self.weight.device)
         return self
 
@@ -285,7 +285,7 @@ def _resolve_config(config, recipe, pad_inner_dim):
 def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
                                config: Optional[Float8LinearConfig] = None,
-                               recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
+                               recipe=None, pad_inner_dim: Optional[bool] = None, functions=None) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
 
     Args:
@@ -298,6 +298,7 @@ def convert_to_float8_training(module: nn.Module, *,
               (torchao's tensorwise default) and sets ``pad_inner_dim``.
       recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers.
       pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
+      functions: a learner's functions, {exercise's name: function}, for every swapped layer (``engine``).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
     Raises TypeError for a config of another type, ValueError where config and keywords disagree.
@@ -313,7 +314,8 @@ def convert_to_float8_training(module: nn.Module, *,
             raise ValueError(f"cannot convert a root nn.Linear that has child modules ({list(module._modules)}): "
                              "its children would be lost. Convert the children separately, or wrap the layer in a "
                              "parent module (e.g. nn.Sequential) and keep it out with module_filter_fn")
-        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
+        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim,
+                                         functions=functions)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
 
     def visit(parent: nn.Module, prefix: str) -> None:
@@ -322,7 +324,8 @@ def convert_to_float8_training(module: nn.Module, *,
             if id(child) in swapped:
                 setattr(parent, name, swapped[id(child)])
             elif wanted(child, fqn):
-                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
+                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim,
+                                                              functions=functions)
                 setattr(parent, name, swapped[id(child)])
             else:
                 visit(child, fqn)

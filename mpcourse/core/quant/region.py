@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import all_reduce_max_, world_size
-from .recipe import CurrentScaling, DelayedScaling, DelayedScalingState
+from .delayed import DelayedScalingState
+from .recipe import DelayedScaling, Recipe, recipe_names
 
 
 @dataclass
@@ -81,16 +82,15 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
 
     Args:
       enabled: False runs converted layers in their high-precision dtype (no FP8, no state change).
-      recipe:  ``DelayedScaling`` or ``CurrentScaling``; None keeps the enclosing region's recipe, or
+      recipe:  a ``Recipe`` (``DelayedScaling``, ``Float8CurrentScaling``, a block recipe); None keeps the enclosing region's recipe, or
                each layer's own (the one given to ``convert_to_float8_training``). A layer whose own
                recipe differs raises ValueError (its state was sized for its own recipe).
       amax_reduction_group: ``torch.distributed`` process group for the amax all-reduce (None: the
                default group).
     On exit of the outermost region, pending delayed-scaling states are all-reduced and updated.
     """
-    from .block_recipes import BLOCK_RECIPES
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
-        raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {recipe!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
     saved = (_REGION.enabled, _REGION.recipe, _REGION.group)
     _REGION.enabled = bool(enabled)
     _REGION.recipe = recipe if recipe is not None else saved[1]
@@ -109,9 +109,8 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
 def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
     """TE 1.x's spelling of ``autocast``: ``fp8_autocast(enabled, fp8_recipe, fp8_group)`` is
     ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)``, same region, same updates."""
-    from .block_recipes import BLOCK_RECIPES
-    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, CurrentScaling, *BLOCK_RECIPES)):
-        raise TypeError(f"fp8_recipe must be DelayedScaling or CurrentScaling, got {fp8_recipe!r}")
+    if fp8_recipe is not None and not isinstance(fp8_recipe, Recipe):
+        raise TypeError(f"fp8_recipe must be one of {recipe_names()}, got {fp8_recipe!r}")
     return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
 
 

@@ -36,9 +36,6 @@ from typing import Optional
 import torch
 
 from ..formats import FORMATS
-from ..seams import check_fp8, check_scale
-from . import fused
-from .fastpath import saturating_cast
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
 # "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).
@@ -176,14 +173,7 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 tensor of shape () (exact in any float dtype; NaN if x holds a NaN; 0 if empty)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if fused.active() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
-            and x.is_contiguous():   # the same max in one compiled pass (NaN propagates: fused.block_amax)
-        x2 = x.detach().reshape(-1, x.shape[-1])                               # (M, K) view
-        return fused.block_amax(x2, tuple(x2.shape)).reshape(())
-    # max |x| = max(-min x, max x): one reading pass (``aminmax``) instead of abs (a written copy) then amax; the
-    # final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x| gives. Both are exact.
-    lo, hi = torch.aminmax(x.detach())
-    return torch.maximum(lo.neg(), hi).abs().float()
+    return x.detach().abs().amax().float()
 
 
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -244,7 +234,18 @@ def _as_scale(scale, device: torch.device) -> torch.Tensor:
     return s
 
 
-def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize_fn=None) -> Float8Tensor:
+def cast_arguments(x: torch.Tensor, fp8_format, scale) -> tuple:
+    """(format name, torch dtype, fp8_max, scale as a float32 () tensor, the autograd source or None) of a
+    per-tensor cast; TypeError for a non-float or FP8 ``x``, ValueError for a bad format or scale."""
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
+        raise TypeError(f"quantize takes a float32/bfloat16/float16 tensor, got {x.dtype}: "
+                        "dequantize() an FP8 tensor first")
+    name = fp8_format_name(fp8_format)
+    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
+    return name, FP8_DTYPES[name], fp8_max(name), _as_scale(scale, x.device), source
+
+
+def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float8Tensor:
     """Cast ``x`` to FP8 with a per-tensor scale: ``data = fp8(saturate(float32(x) * scale))``.
 
     Args:
@@ -256,63 +257,40 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True, quantize
     Returns: ``Float8Tensor`` with ``data`` of x's shape and ``scale_inv = 1 / scale`` (fp32, shape ()).
     NaN in x stays NaN in ``data`` (both formats have a NaN). Rounding is round-to-nearest-even.
     Gradient: ``quantize(x).dequantize()`` is straight-through (identity backward), see ``Float8Tensor``.
-    quantize_fn: a learner's ``quantize(x, scale, fp8_max) -> fp8 tensor`` (lesson 07's signature; saturating)
-      in place of the cast below; what it returns is checked (``mpcourse.core.seams.check_fp8``).
     Raises TypeError for non-float inputs, ValueError for a bad format or scale.
     """
-    if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
-        raise TypeError(f"quantize takes a float32/bfloat16/float16 tensor, got {x.dtype}: "
-                        "dequantize() an FP8 tensor first")
-    name = fp8_format_name(fp8_format)
-    dtype, top = FP8_DTYPES[name], fp8_max(name)
-    scale = _as_scale(scale, x.device)
-    source = x if (x.requires_grad and torch.is_grad_enabled()) else None
-    if quantize_fn is not None:
-        if not saturate:
-            raise ValueError("quantize_fn is the saturating cast: use it with saturate=True")
-        data = check_fp8("quantize", x, quantize_fn(x.detach().float(), scale.detach(), top), dtype)
-        return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
-    if saturate and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
-            and fused.active() and x.is_contiguous():
-        # the two lines below in one compiled pass (the same bits: tests/test_quant_fused.py)
-        x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
-        data, _ = fused.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
-        return Float8Tensor(data.reshape(x.shape), scale.reciprocal(), x.dtype, source)
+    name, dtype, top, scale, source = cast_arguments(x, fp8_format, scale)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    if saturate:   # clamped in place (torch.clamp lets NaN through), then cast: ``fastpath.saturating_cast``
-        return Float8Tensor(saturating_cast(y, dtype, top), scale.reciprocal(), x.dtype, source)
-    y_clamped = y.clamp(-top, top)
+    if saturate:   # clamped (torch.clamp lets NaN through), then cast: the cast only rounds
+        return Float8Tensor(y.clamp(-top, top).to(dtype), scale.reciprocal(), x.dtype, source)
     midpoint, tie_rounds_up = _overflow_threshold(name)
     overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
     if name == "e4m3":  # no inf in E4M3: overflow is NaN
         special = torch.full_like(y, float("nan"))
     else:
         special = torch.copysign(torch.full_like(y, float("inf")), y)
-    y_clamped = torch.where(overflow, special, y_clamped)
     # Every value is now in range (or NaN / an E5M2 inf, which are representable): the cast below only
     # rounds, so its overflow behaviour, which differs between torch versions, never matters.
-    data = y_clamped.to(dtype)  # no autograd through FP8: see Float8Tensor (straight-through)
+    data = torch.where(overflow, special, y.clamp(-top, top)).to(dtype)  # no autograd through FP8 (straight-through)
     return Float8Tensor(data, scale.reciprocal(), x.dtype, source)
 
 
+def apply_amax_epsilon(amax: torch.Tensor, amax_epsilon: float) -> torch.Tensor:
+    """``max(amax, amax_epsilon)`` where amax_epsilon > 0 (TE's ``amax_epsilon``; a NaN amax stays NaN)."""
+    if amax_epsilon > 0:
+        amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)  # NaN compares False
+    return amax
+
+
 def quantize_current(x: torch.Tensor, fp8_format, margin: int = 0, power_2_scale: bool = False,
-                     amax_epsilon: float = 0.0, compute_scale_fn=None, quantize_fn=None) -> Float8Tensor:
+                     amax_epsilon: float = 0.0) -> Float8Tensor:
     """Current ("just-in-time") scaling: scale from this tensor's own amax, then ``quantize``.
 
     ``scale = fp8_max / max(amax, amax_epsilon) / 2**margin``; amax 0, inf or NaN gives scale 1.0, so an
     all-zero tensor gives zeros (TE ``Float8CurrentScaling``, ``recipe_common.cuh``; torchao tensorwise
     scaling instead clamps amax to >= 1e-12 first, ``torchao/float8/float8_utils.py``).
-    Args as in ``quantize`` and ``compute_scale``; compute_scale_fn: a learner's ``compute_scale(amax, fp8_max,
-    margin)`` (lesson 07) in place of the library's (power_2_scale then rounds its result down), checked by
-    ``mpcourse.core.seams.check_scale``. Returns a ``Float8Tensor``.
+    Args as in ``quantize`` and ``compute_scale``. Returns a ``Float8Tensor``.
     """
-    amax = compute_amax(x)
-    if amax_epsilon > 0:
-        amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)  # NaN compares False
-    if compute_scale_fn is None:
-        scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
-    else:
-        scale = check_scale("compute_scale", amax, compute_scale_fn(amax, fp8_max(fp8_format), margin))
-        if power_2_scale:
-            scale = round_down_to_power_of_2(scale)
-    return quantize(x, fp8_format, scale, quantize_fn=quantize_fn)
+    amax = apply_amax_epsilon(compute_amax(x), amax_epsilon)
+    scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
+    return quantize(x, fp8_format, scale)

@@ -70,6 +70,16 @@ def _guarded(name: str, fn: Callable) -> Callable:
     return call
 
 
+def learner_functions(recipe_cls: type["TrainingRecipe"], namespace: Mapping[str, object]) -> dict[str, Callable]:
+    """The learner's functions in ``namespace`` (a notebook's globals, or the functions loaded from one) that
+    ``recipe_cls`` can use: those named in its ``OVERRIDABLE`` (the exercise's function names), in that order. The
+    library's own functions (imported into a notebook from ``mpcourse``) are not the learner's: left out. The one
+    filter, used by ``train_yours`` and ``mpcourse compare --with``."""
+    found = {name: namespace.get(name) for name in recipe_cls.OVERRIDABLE}
+    return {name: fn for name, fn in found.items()
+            if callable(fn) and not str(getattr(fn, "__module__", "") or "").startswith("mpcourse.")}
+
+
 def check_overrides(recipe_cls: type["TrainingRecipe"], overrides: Mapping[str, Callable] | None) -> dict:
     """Validate a recipe's ``overrides`` (a learner's functions put in place of the library's).
 

@@ -55,7 +55,6 @@ Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra 
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch.nn as nn
 
@@ -73,17 +72,18 @@ def keep_linear_in_fp8(module: nn.Module, fqn: str) -> bool:
     return fqn not in HIGH_PRECISION_MODULES
 
 
-class _FP8Recipe(TrainingRecipe):
-    """FP32 model whose linear layers (not the head) are ``Float8Linear``; forward inside TE's FP8 ``autocast``."""
+class QuantizedRecipe(TrainingRecipe):
+    """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
+    NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
+    (``mpcourse.core.quant.learner_functions``), handed to the engine by name."""
 
-    fp8_recipe: DelayedScaling | CurrentScaling
+    fp8_recipe: quant.Recipe
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        if self.overrides:  # a learner's functions: the recipe object's field NAME_fn for each name in OVERRIDABLE
-            self.fp8_recipe = dataclasses.replace(self.fp8_recipe, **{f"{n}_fn": f for n, f in self.overrides.items()})
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
         # steps them and the head stays tied to tok_emb.
-        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe)
+        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe,
+                                          functions=self.overrides)
 
     def forward_context(self):
         return quant.autocast(enabled=True, recipe=self.fp8_recipe)   # TE's FP8 region (older name: fp8_autocast)
@@ -95,21 +95,21 @@ class _FP8Recipe(TrainingRecipe):
     def memory_tensors(self):
         """FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; none for current scaling,
         whose scales live only during one cast."""
-        return {"extra": [t for layer in self.fp8_layers().values() for state in layer.fp8_state.values()
+        return {"extra": [t for layer in self.fp8_layers().values() for state in layer.scaling_state.values()
                           for t in (state.scale, state.amax_history)]}
 
 
 @register
-class FP8Current(_FP8Recipe):
+class FP8Current(QuantizedRecipe):
     name = "fp8-current"
     description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
     fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
-    OVERRIDABLE = ("compute_scale", "quantize")        # lesson 07
+    OVERRIDABLE = quant.learner_functions(fp8_recipe)  # lesson 07: compute_scale, quantize
 
 
 @register
-class FP8Delayed(_FP8Recipe):
+class FP8Delayed(QuantizedRecipe):
     name = "fp8-delayed"
     description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
     fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
-    OVERRIDABLE = ("quantize", "update")               # lessons 07 and 08
+    OVERRIDABLE = quant.learner_functions(fp8_recipe)  # lessons 07 and 08: quantize, update

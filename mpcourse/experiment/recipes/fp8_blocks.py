@@ -24,44 +24,45 @@ draws from torch's global generator, which the trainer's checkpoint saves).
 """
 from __future__ import annotations
 
-from mpcourse.core.quant import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from mpcourse.core.quant import (Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+                                 learner_functions)
 from .base import register
-from .fp8 import _FP8Recipe
+from .fp8 import QuantizedRecipe
 
 
 @register
-class FP8Rowwise(_FP8Recipe):
+class FP8Rowwise(QuantizedRecipe):
     name = "fp8-rowwise"
     description = "FP8 linear layers, torchao rowwise (E4M3, power-of-two scale per row/column), rest FP32"
     fp8_recipe = Float8RowwiseScaling()
 
 
 @register
-class FP8Block(_FP8Recipe):
+class FP8Block(QuantizedRecipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
-    OVERRIDABLE = ("block_quantize",)                  # lesson 10
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: block_quantize
 
 
 @register
-class MXFP8(_FP8Recipe):
+class MXFP8(QuantizedRecipe):
     name = "mxfp8"
     description = "MXFP8 linear layers (E4M3, 32-element blocks sharing an E8M0 scale), rest FP32"
     fp8_recipe = MXFP8BlockScaling()
 
 
 @register
-class MXFP8Floor(_FP8Recipe):
+class MXFP8Floor(QuantizedRecipe):
     name = "mxfp8-floor"
     description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
     fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
-    OVERRIDABLE = ("mx_shared_exponent",)              # lesson 10
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: mx_shared_exponent
 
 
 @register
-class NVFP4(_FP8Recipe):
+class NVFP4(QuantizedRecipe):
     name = "nvfp4"
     description = "NVFP4 linear layers (E2M1, E4M3 scale per 16 + FP32 per tensor, RHT, SR grads); emb/head FP32"
     fp8_recipe = NVFP4BlockScaling()
-    OVERRIDABLE = ("nvfp4_scales",)                    # lesson 10
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: nvfp4_scales

@@ -47,12 +47,12 @@ from dataclasses import dataclass
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from .compare import train_with_learner, yours
-from .data import Corpus, load_corpus
-from .model import GPTConfig
-from .recipes import get_recipe
-from .recipes.base import OptimConfig
-from .train import RunResult, TrainConfig, train
+from mpcourse.experiment.compare import train_with_learner, yours
+from mpcourse.experiment.data import Corpus, load_corpus
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.recipes import get_recipe
+from mpcourse.experiment.recipes.base import OptimConfig, learner_functions
+from mpcourse.experiment.train import RunResult, TrainConfig, train
 
 #: The run every exercise's last cell trains: the course's GPT at 2 layers x width 64 (about 108k
 #: parameters), 20 AdamW steps of 8 sequences x 32 characters, warm-up 5 steps, validation at steps 10
@@ -150,21 +150,12 @@ def first_difference(library: RunResult, mine: RunResult) -> str | None:
     return None
 
 
-def functions_for(namespace: Mapping[str, object], recipe: str) -> dict[str, Callable]:
-    """The callables in ``namespace`` that recipe ``recipe`` accepts as overrides (its ``OVERRIDABLE``), in that
-    order. The library's own functions (imported into a notebook from ``mpcourse``) are not the learner's: left out."""
-    cls = get_recipe(recipe)
-    found = {name: namespace.get(name) for name in cls.OVERRIDABLE}
-    return {name: fn for name, fn in found.items()
-            if callable(fn) and not str(getattr(fn, "__module__", "") or "").startswith("mpcourse.")}
-
-
 def statistics_for(namespace: Mapping[str, object], recipe: str) -> dict[str, Callable]:
     """The library's own rules for the opt-in statistics (the recipe's ``STATISTICS``, e.g. ``is_update_lost``)
     whose learner's version is in ``namespace``: the library's row is trained with them, so both rows report
     the same statistic, each through its own rule. Empty (nothing extra computed) otherwise."""
     rules = getattr(get_recipe(recipe), "STATISTICS", {})
-    return {name: rules[name] for name in functions_for(namespace, recipe) if name in rules}
+    return {name: rules[name] for name in learner_functions(get_recipe(recipe), namespace) if name in rules}
 
 
 #: opt-in per-step statistics shown as a column (history key -> header), only when a row reports them;
@@ -279,7 +270,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
 
 def _compare_one(name: str, library: RunResult, namespace: Mapping[str, object], cfg: TrainConfig,
                  corpus: Corpus) -> Comparison:
-    functions = functions_for(namespace, name)
+    functions = learner_functions(get_recipe(name), namespace)
     used = tuple(functions)
     if not functions:
         accepted = get_recipe(name).OVERRIDABLE
@@ -304,10 +295,10 @@ def _compare_distributed(namespace, recipes, cfg: TrainConfig, corpus: Corpus, n
     import textwrap
     from pathlib import Path
 
-    from .distributed import Job, RankFailed, run_distributed_compare
-    from .parallel import overridable
+    from mpcourse.experiment.distributed import Job, RankFailed, run_distributed_compare
+    from mpcourse.experiment.parallel import overridable
 
-    used = {r: tuple(n for n in functions_for(namespace, r) if n in overridable(get_recipe(r), parallel))
+    used = {r: tuple(n for n in learner_functions(get_recipe(r), namespace) if n in overridable(get_recipe(r), parallel))
             for r in recipes}
     sources = {}
     for name in dict.fromkeys(n for names in used.values() for n in names):

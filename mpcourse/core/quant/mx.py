@@ -1,0 +1,72 @@
+"""The MX rule (OCP MX v1.0 section 6.3; lesson 10's ``mx_shared_exponent``): a block of 32 elements shares one
+E8M0 scale 2^k, and each element is ``saturate(x / 2^k)`` in the element format.
+
+The kernel of ``quantize_mx`` is ``fastpath.quantize_mx`` (its RCEIL scale from ``fastpath.rceil_scale_inv``, numba's
+one pass in ``fused`` where it applies), equal bit for bit (``tests/test_quant_fused.py``, ``test_quant_fastpath.py``);
+``engine`` chooses between them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import FORMATS
+from .scaled import ELEMENT_FORMATS, ScaledTensor, block_amax, block_view, cast_elements, expand, resolve_block
+
+MX_SCALE_RULES = ("floor", "rceil")
+
+
+def mx_element_format(elem: str):
+    """``FORMATS[elem]`` for an MX element format; ValueError naming the ones there are otherwise."""
+    if elem not in ELEMENT_FORMATS:
+        raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
+    return FORMATS[elem]
+
+
+def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> torch.Tensor:
+    """Unbiased shared exponent k of each block (the scale is 2^k), int64, clamped to E8M0's [-127, 127].
+
+    floor (OCP MX v1.0 section 6.3): k = floor(log2(amax)) - emax_elem, emax_elem = floor(log2(elem max))
+      (8 for E4M3, 15 for E5M2, 2 for E2M1/E2M3, 4 for E3M2). The block max can then land above the element
+      max (up to 2x) and saturate: [448]*31 + [1000] in E4M3 gives 2^(9-8) = 2, 1000/2 = 500 -> 448.
+    rceil (torchao ``ScaleCalculationMode.RCEIL``, cuBLAS' block quantization): k = ceil(log2(amax / elem max)),
+      the smallest power of two with amax / 2^k <= elem max: nothing saturates.
+    floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
+    path reads the zero exponent field the same way); NaN amax is handled by the caller.
+    """
+    fmt = mx_element_format(elem)
+    a = amax.float()
+    if rule == "floor":
+        e32 = (a.view(torch.int32) >> 23) & 0xFF               # FP32 exponent field (int32; the sign dropped)
+        k = e32 - (127 + fmt.emax)
+    elif rule == "rceil":
+        descale = a / fmt.max                                  # fp32 division, as torchao's fallback
+        # ceil(log2(d)) exactly from the bits: exponent, +1 if any mantissa bit is set (normals)
+        bits = descale.view(torch.int32)
+        e32, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).int(), torch.full_like(e32, -127))
+        k = torch.where(descale > 0, k, torch.full_like(k, -127))
+    else:
+        raise ValueError(f"E8M0 scale rule must be one of {MX_SCALE_RULES}, got {rule!r}")
+    return k.clamp(-127, 127).long()
+
+
+def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor") -> ScaledTensor:
+    """MX quantization: each block of 32 shares the E8M0 scale 2^k (``mx_shared_exponent``); elements are
+    ``saturate(x / 2^k)`` cast to ``elem`` (round to nearest even). x: (M, K); block (1, 32) or (32, 1).
+    A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao."""
+    mx_element_format(elem)
+    b = resolve_block(x.shape, block)
+    amax = block_amax(x, b)                                    # (M/r, K/c) fp32
+    return encode_mx(x, b, elem, amax, mx_shared_exponent(amax, elem, rule))
+
+
+def encode_mx(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Tensor, k: torch.Tensor) -> ScaledTensor:
+    """The ScaledTensor of x (M, K) in ``elem`` with the shared exponents k (M/r, K/c) of a resolved ``block``."""
+    scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
+    scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
+    # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
+    # divide, as the OCP spec writes it. (torchao divides by max(2^k, 2^-126), a workaround for compilers
+    # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
+    y = block_view(x.float(), block) / expand(scale_inv, block)
+    data = cast_elements(y, elem).reshape(x.shape)
+    return ScaledTensor(data, scale_inv.to(torch.float8_e8m0fnu), block, elem, None, x.dtype)
