@@ -387,6 +387,26 @@ def test_optimizer_with_step_supports_amp_scaling(name):
     assert kw.seen == [(type(s).__name__, 1.0, 2.0)] and s.get_scale() == 1.0
 
 
+@both
+def test_keyword_contract_warns_as_torch(name):
+    """torch.amp.GradScaler.step warns FutureWarning (at the caller's line) when it passes itself as
+    grad_scaler=; the library's scalers warn the same way, and not for the attribute contract."""
+    def warns(scaler, opt_cls):
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = opt_cls([w])
+        w.grad = scaler.scale(torch.tensor([1.0, 2.0]))
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        scaler.update()
+        return [(r.category, r.filename) for r in rec if issubclass(r.category, FutureWarning)]
+
+    ref = warns(torch.amp.GradScaler("cpu", init_scale=4.0), KeywordProtocol)
+    assert ref == [(FutureWarning, __file__)]                      # the oracle: torch warns at the caller
+    assert warns(make(name, init_scale=4.0), KeywordProtocol) == ref
+    assert warns(make(name, init_scale=4.0), AttributeProtocol) == []
+
+
 # -- policies shared with torch and policy differences ---------------------------------------------------------
 @both
 def test_grads_broken_between_unscale_and_step_are_not_checked_again(name):

@@ -38,6 +38,7 @@ STATE = {
     "bf16-master": (2, 2 + 4, 4, 8),
     "bf16-pure": (2, 4, 0, 4), "bf16-pure-sr": (2, 4, 0, 4), "bf16-pure-kahan": (2, 4, 0, 4),  # fp32 grad buffers
     "bf16-master-bf16-moments": (2, 2 + 4, 4, 4),         # DeepSeek-V3: moments in bf16
+    "bf16-master-bf16-moments-sr": (2, 2 + 4, 4, 4),      # the same, rounded stochastically
     "fp8-current": (4, 4, 0, 8), "fp8-delayed": (4, 4, 0, 8),
 }
 FP8_WEIGHTS = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]   # per block: qkv, proj, fc, mlp.proj (N, K)

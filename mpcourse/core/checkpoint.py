@@ -34,8 +34,10 @@ class CheckpointError(ValueError):
 def check_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict, who: str = "optimizer") -> None:
     """Raise CheckpointError unless ``state_dict`` fits ``optimizer``: same groups and parameter counts, state only
     for known parameters, and every elementwise state tensor (``ELEMENTWISE_STATE``; any other entry the
-    optimizer already holds) of its parameter's shape. Reads only; nothing is loaded."""
-    if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+    optimizer already holds) of its parameter's shape. Keys an optimizer class adds to its state_dict are named
+    in its ``EXTRA_STATE_KEYS`` (e.g. ``LowPrecisionState``'s generator). Reads only; nothing is loaded."""
+    extra = set(getattr(optimizer, "EXTRA_STATE_KEYS", ()))
+    if not isinstance(state_dict, dict) or set(state_dict) - extra != {"state", "param_groups"}:
         raise CheckpointError(f"{who}: not an optimizer state_dict (expected the keys 'state' and 'param_groups', "
                               f"got {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)})")
     groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]

@@ -10,13 +10,15 @@ sync whether 1/S can exceed 1, the only case where unscaling itself can overflow
 
 Optimizers that declare `_step_supports_amp_scaling = True` (torch's fused Adam/AdamW/SGD, or a custom one) unscale
 and skip inside their own step: as torch, `step` sets `optimizer.grad_scale` and `optimizer.found_inf` for the call
-(or passes `grad_scaler=self` to a step() that takes that keyword). Where S may be below 1 the gradients are
+(or passes `grad_scaler=self` to a step() that takes that keyword, with torch's FutureWarning: a deprecated
+contract). Where S may be below 1 the gradients are
 unscaled here first (with the overflow check) and the optimizer gets `grad_scale=None`.
 """
 from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 from collections import defaultdict
 
 import torch
@@ -221,6 +223,9 @@ class LossScalerBase:
     def _step_self_scaling(self, optimizer, state, scale, args, kwargs):
         """An optimizer that unscales and skips by itself (torch's contract for `_step_supports_amp_scaling`)."""
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:  # the older contract: pass the scaler
+            warnings.warn("the loss scaler passes itself to optimizer.step(grad_scaler=...), a contract torch.amp."
+                          "GradScaler deprecates: let the optimizer read its `grad_scale` and `found_inf` "
+                          "attributes instead (torch's fused optimizers do)", FutureWarning, stacklevel=3)
             retval = optimizer.step(*args, **kwargs, grad_scaler=self)
             found = state["found_inf_per_device"]
             skipped = bool(found) and self._sync(sum(f.to(scale.device) for f in found.values()), scale)

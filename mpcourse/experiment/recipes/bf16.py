@@ -12,7 +12,11 @@
   2020, "Revisiting BFloat16 Training", Algorithm 2 for Kahan). The three differ only in that write-back,
   so the rows isolate its effect. Gradients are accumulated in FP32 (``accumulate_grads``) and clipped there.
 * ``bf16-master-bf16-moments``: ``bf16-master`` with AdamW's moments stored in BF16 between steps
-  (``mpcourse.core.optim_state.LowPrecisionState``; DeepSeek-V3, arXiv 2412.19437 section 3.3.3).
+  (``mpcourse.core.optim_state.LowPrecisionState``; DeepSeek-V3, arXiv 2412.19437 section 3.3.3), rounded to
+  nearest: a moment whose per-step change is under half a BF16 step stalls (the second moment stops decaying
+  when the gradients go quiet: ``v * 0.999`` rounds back to ``v``).
+* ``bf16-master-bf16-moments-sr``: the same with the moments rounded stochastically into BF16 (unbiased, so
+  they decay as FP32's on average); not in the default run (name it with ``--recipes``).
 
 Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
 
@@ -22,6 +26,7 @@ Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
     bf16-pure(-sr)    bf16 2    fp32 4         -        bf16 4        -                10
     bf16-pure-kahan   bf16 2    fp32 4         -        bf16 4        compensation 2   12
     bf16-master-bf16-moments  bf16 2  bf16 2+fp32 4  fp32 4  bf16 4  -                16
+    (bf16-master-bf16-moments-sr: the same bytes)
 """
 from __future__ import annotations
 
@@ -111,7 +116,19 @@ class BF16MasterBF16Moments(BF16Master):
     bytes of optimizer state per parameter; master weights and their gradients stay FP32."""
 
     name = "bf16-master-bf16-moments"
-    description = "BF16 model, FP32 master weights, AdamW moments stored in BF16 (DeepSeek-V3)"
+    description = ("BF16 model, FP32 master weights, AdamW moments stored in BF16 rounded to nearest (DeepSeek-V3; "
+                   "small decays of the moments are lost)")
     OVERRIDABLE = ()                                   # no learner seams: lessons 00 and 02 grade bf16-master's
     #: MasterWeightsRecipe.make_optimizer builds the master with it (and FSDP2's sharded master steps with it too)
     master_optimizer = LowPrecisionState(torch.optim.AdamW, torch.bfloat16)
+
+
+@register
+class BF16MasterBF16MomentsSR(BF16MasterBF16Moments):
+    """``bf16-master-bf16-moments`` with the moments rounded into BF16 stochastically (``LowPrecisionState(...,
+    rounding="stochastic")``, seeded with ``SR_SEED``, its generator in the optimizer's state_dict)."""
+
+    name = "bf16-master-bf16-moments-sr"
+    description = ("BF16 model, FP32 master weights, AdamW moments stored in BF16 with stochastic rounding "
+                   "(unbiased: the moments decay as FP32's on average)")
+    master_optimizer = LowPrecisionState(torch.optim.AdamW, torch.bfloat16, rounding="stochastic", seed=SR_SEED)
