@@ -84,15 +84,59 @@ def test_readme_section_is_promoted_and_stops_at_the_next_section():
     assert site.readme_section(readme, "missing") is None
 
 
-# --- the built site, in a browser --------------------------------------------------------------------------
+def _notebook(title: str, *extra_cells: dict) -> str:
+    cells = [{"cell_type": "markdown", "id": "t", "metadata": {}, "source": f"# {title}\n\nIntro."}, *extra_cells]
+    return json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    for module in ("mkdocs", "material", "mkdocs_jupyter"):
+
+def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_path):
+    for module in ("mkdocs_jupyter",):
         try:
             __import__(module)
         except ImportError:
             _missing(f'{module} is not installed (pip install -e ".[site]")')
+    root = tmp_path / "course"
+    for folder in ("notebooks", "exercises", "docs"):
+        (root / folder).mkdir(parents=True)
+    code = {"cell_type": "markdown", "id": "h", "metadata": {}, "source": "## 2. Nesting and `enabled=False`"}
+    (root / "notebooks" / "00_a.ipynb").write_text(_notebook("00 — Lesson A", code))
+    (root / "notebooks" / "01_b.ipynb").write_text(_notebook("01 — Lesson B"))
+    (root / "exercises" / "00_a.ipynb").write_text(_notebook("Exercise 00"))
+    (root / "docs" / "speed.md").write_text("# Speed\n\nSee [lesson A](../notebooks/00_a.ipynb), "
+                                            "[the script](../benchmarks/run.py).\n")
+    (root / "README.md").write_text("# C\n## Results\nold\n## The library\n| module |\n|---|\n| `x` |\n")
+    docs = tmp_path / "src"
+    docs.mkdir()
+    nav = site.stage(root, docs)
+    assert nav == [{"Home": "index.md"},
+                   {"Lessons": [{"00 — Lesson A": "notebooks/00_a.ipynb"}, {"01 — Lesson B": "notebooks/01_b.ipynb"}]},
+                   {"Exercises": [{"Exercise 00": "exercises/00_a.ipynb"}]},
+                   {"Results": [{"Speed": "docs/speed.md"}]},
+                   {"The library map": "library.md"}]
+    assert not (docs / "results.md").exists()                     # docs/ replaces the README's results
+    assert (docs / "docs" / "speed.md").read_text() == "# Speed\n\nSee [lesson A](../notebooks/00_a.ipynb), the script.\n"
+    lesson = json.loads((docs / "notebooks" / "00_a.ipynb").read_text())
+    head = lesson["cells"][0]["source"]
+    assert head.startswith("# 00 — Lesson A\n\n> **Exercise:** [Exercise 00](../exercises/00_a.html)")
+    assert "mpcourse lab" in head
+    # the contents link to the heading with code in it lands (mkdocs-jupyter slugs it without the code)
+    assert lesson["cells"][1]["source"].startswith('<a id="2-nesting-and"></a>')
+    assert "Exercise" not in json.loads((docs / "notebooks" / "01_b.ipynb").read_text())["cells"][0]["source"]
+    exercise = json.loads((docs / "exercises" / "00_a.ipynb").read_text())["cells"][0]["source"]
+    assert "[00 — Lesson A](../notebooks/00_a.html)" in exercise and "mpcourse grade exercises/00_a.ipynb" in exercise
+
+
+# --- the built site, in a browser --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    for module in ("mkdocs", "material", "mkdocs_jupyter", "playwright"):
+        try:
+            __import__(module)
+        except ImportError:
+            _missing(f'{module} is not installed (pip install -e ".[site]")')
+    if not Path(CHROMIUM).exists():
+        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
     out = tmp_path_factory.mktemp("site") / "site"
     assert site.main(["--out", str(out)]) == 0
     return out
@@ -117,12 +161,8 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def browser_page(base_url):
     """A Chromium page whose requests outside the site are refused and recorded."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing('playwright is not installed (pip install -e ".[site]")')
-    if not Path(CHROMIUM).exists():
-        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright   # (``built`` checked that it and Chromium are here)
+
     outside: list[str] = []
 
     def route(r):

@@ -162,9 +162,15 @@ def toc_anchors(path: Path) -> None:
 
 
 def _insert_after_title(nb: dict, text: str) -> None:
+    """Put ``text`` (as a quote) right under the notebook's title line, else in a first cell of its own."""
     cells = nb.setdefault("cells", [])
-    at = 1 if cells and cells[0].get("cell_type") == "markdown" else 0
-    cells.insert(at, _md_cell(text))
+    quote = "\n>\n".join("> " + para for para in text.split("\n\n"))
+    if cells and cells[0].get("cell_type") == "markdown":
+        lines = "".join(cells[0].get("source", "")).split("\n")
+        if lines[0].startswith("# "):
+            cells[0]["source"] = "\n".join([lines[0], "", quote, "", *lines[1:]])
+            return
+    cells.insert(0, _md_cell(quote))
 
 
 def unlink_outside(text: str, page: Path, docs_dir: Path) -> str:
@@ -231,9 +237,6 @@ def stage(root: Path, docs: Path) -> list:
     for ex in exercises.values():
         stage_exercise(ex, docs / "exercises" / ex.name, by_name.get(ex.name))
         exercise_nav.append({notebook_title(ex): f"exercises/{ex.name}"})
-    data = root / "notebooks" / "data"
-    if data.is_dir():
-        shutil.copytree(data, docs / "notebooks" / "data")
 
     readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
     # docs/ keeps its layout (so the README's links into it and its pages' links to each other hold)
