@@ -1,11 +1,12 @@
 """The ``mpcourse`` command: the experiment's commands (``compare``, ``recipes``) and the course's
-(``lab``, ``grade``). It sits above both layers so that neither imports the other."""
+(``lab``, ``grade``, ``site``). It sits above both layers so that neither imports the other."""
 from __future__ import annotations
 
 import sys
 
 COURSE_COMMANDS = {"lab": "open the course in JupyterLab (lessons, exercises and solutions)",
-                   "grade": "grade exercise notebooks (run fresh, one line per check cell)"}
+                   "grade": "grade exercise notebooks (run fresh, one line per check cell)",
+                   "site": "build the course as a static website, offline (needs the site extra)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 ``lab`` starts JupyterLab rooted at the course folder (the one holding ``notebooks/``,
 ``exercises/`` and ``solutions/``), so a lesson's link to its exercise can be opened from the same
-file browser; ``grade`` is :mod:`mpcourse.course.grade`.
+file browser; ``grade`` is :mod:`mpcourse.course.grade` (and ``site``, the course as a website,
+:mod:`mpcourse.course.site`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "grade":
         from .grade import main as grade_main
         return grade_main(argv[1:])
+    if argv and argv[0] == "site":
+        from .site import main as site_main
+        return site_main(argv[1:])
     p = argparse.ArgumentParser(prog="mpcourse lab", description="Open the course in JupyterLab, rooted at the "
                                 "repository so notebooks/, exercises/ and solutions/ are all reachable. "
                                 "Other arguments go to jupyter lab (e.g. --no-browser, --port 8899, "
