@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8Linear, convert_to_float8_training,
-                                 fp8_autocast, quantize, quantize_current)
+                                 fp8_autocast, quantize_current, to_float8)
 
 try:
     with warnings.catch_warnings():
@@ -66,12 +66,12 @@ def test_quantize_dequantize_backward_is_straight_through(dtype):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(64, generator=g) * 300).to(dtype)  # many values saturate E4M3 at scale 1
     gy = torch.randn(64, generator=g).to(dtype)  # gradients that FP8 cannot represent
-    for make in (lambda t: quantize(t, "e4m3", 1.0), lambda t: quantize_current(t, "e5m2")):
+    for make in (lambda t: to_float8(t, "e4m3", 1.0), lambda t: quantize_current(t, "e5m2")):
         xr = x.clone().requires_grad_(True)
         make(xr).dequantize().backward(gy)
         assert torch.equal(xr.grad, gy)  # identity: neither rounded to FP8 nor zeroed where x saturated
     xr = x.clone().requires_grad_(True)
-    q = quantize(xr.reshape(8, 8), "e4m3", 2.0)
+    q = to_float8(xr.reshape(8, 8), "e4m3", 2.0)
     q.t().dequantize(torch.float32).backward(gy.reshape(8, 8).t().float())
     assert torch.equal(xr.grad, gy)  # the transposed view keeps the path to its source
     if ao_float8 is not None:
@@ -83,9 +83,9 @@ def test_quantize_dequantize_backward_is_straight_through(dtype):
 def test_quantize_without_grad_keeps_no_reference():
     x = torch.randn(4, requires_grad=True)
     with torch.no_grad():
-        assert quantize(x, "e4m3", 1.0).source is None
-    assert quantize(x.detach(), "e4m3", 1.0).source is None
-    assert not quantize(x, "e4m3", 1.0).data.requires_grad
+        assert to_float8(x, "e4m3", 1.0).source is None
+    assert to_float8(x.detach(), "e4m3", 1.0).source is None
+    assert not to_float8(x, "e4m3", 1.0).data.requires_grad
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8Linear, Float8Tensor, Format,
-                          convert_to_float8_training, fp8_autocast, fp8_gemm, fp8_gemm_support_error, quantize)
+                          convert_to_float8_training, fp8_autocast, fp8_gemm, fp8_gemm_support_error, to_float8)
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -270,7 +270,7 @@ def test_convert_swaps_linears_with_filter_and_keeps_parameters():
 
 def _fp8(shape, fmt="e4m3", seed=0):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return quantize(x, fmt, 16.0)
+    return to_float8(x, fmt, 16.0)
 
 
 def test_gemm_layout_and_format_rules():
@@ -299,7 +299,7 @@ def test_padding_to_16_is_exact(shape):
     g = torch.Generator().manual_seed(6)
     x, w = torch.randint(-8, 9, (M, K), generator=g).float(), torch.randint(-8, 9, (N, K), generator=g).float()
     gy = torch.randint(-4, 5, (M, N), generator=g).float()
-    a, b = quantize(x, "e4m3", 1.0), quantize(w, "e4m3", 1.0)
+    a, b = to_float8(x, "e4m3", 1.0), to_float8(w, "e4m3", 1.0)
     padded = fp8_gemm(a, b.t(), torch.float32, pad_inner_dim=True)
     assert padded.shape == (M, N) and torch.equal(padded, x @ w.t())
     recipe = CurrentScaling(use_power_2_scales=True)

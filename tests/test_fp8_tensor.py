@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mpcourse.core.quant import (FP32_MAX, Float8Tensor, Format, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
-                          fp8_max, quantize, quantize_current, round_down_to_power_of_2)
+                          fp8_max, quantize_current, round_down_to_power_of_2, to_float8)
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 NAN = float("nan")
@@ -52,7 +52,7 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("saturate", [True, False])
 def test_cast_matches_ml_dtypes_on_every_value_and_tie(fmt, saturate):
     x = probe_values(fmt)
-    got = quantize(torch.from_numpy(x), fmt, 1.0, saturate=saturate).data.float().numpy()
+    got = to_float8(torch.from_numpy(x), fmt, 1.0, saturate=saturate).data.float().numpy()
     assert same(got, oracle_quantize(x, fmt, 1.0, saturate))
 
 
@@ -61,14 +61,14 @@ def test_cast_matches_ml_dtypes_on_every_value_and_tie(fmt, saturate):
 def test_scaled_cast_matches_ml_dtypes_random(fmt, scale):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(4000) * np.exp(rng.uniform(-12, 12, 4000))).astype(np.float32)
-    got = quantize(torch.from_numpy(x), fmt, scale).data.float().numpy()
+    got = to_float8(torch.from_numpy(x), fmt, scale).data.float().numpy()
     assert same(got, oracle_quantize(x, fmt, scale, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_are_upcast_exactly(dtype):
     x = (torch.randn(500) * 30).to(dtype)
-    got = quantize(x, "e4m3", 2.0)
+    got = to_float8(x, "e4m3", 2.0)
     want = oracle_quantize(x.float().numpy(), "e4m3", 2.0, True)
     assert same(got.data.float().numpy(), want) and got.orig_dtype == dtype
 
@@ -92,8 +92,8 @@ def test_e4m3_overflow_saturating_and_not():
     # 448 is the largest E4M3; 464 is the tie between 448 and the missing 480 and rounds to even (448);
     # 465 rounds past the range: NaN without saturation (E4M3 has no inf), 448 with it. NaN stays NaN.
     x = torch.tensor([448.0, 464.0, 465.0, 1000.0, -1000.0, NAN])
-    sat = quantize(x, "e4m3", 1.0, saturate=True).dequantize()
-    raw = quantize(x, "e4m3", 1.0, saturate=False).dequantize()
+    sat = to_float8(x, "e4m3", 1.0, saturate=True).dequantize()
+    raw = to_float8(x, "e4m3", 1.0, saturate=False).dequantize()
     assert sat[:5].tolist() == [448.0, 448.0, 448.0, 448.0, -448.0] and math.isnan(sat[5])
     assert raw[:2].tolist() == [448.0, 448.0] and bool(torch.isnan(raw[2:]).all())
     # the same answers from the independent oracle
@@ -104,8 +104,8 @@ def test_e4m3_overflow_saturating_and_not():
 def test_e5m2_overflow_saturating_and_not():
     # 61440 is the tie between 57344 (odd mantissa) and 65536: round-to-even goes up and overflows.
     x = torch.tensor([57344.0, 58000.0, 61439.0, 61440.0])
-    raw = quantize(x, "e5m2", 1.0, saturate=False).dequantize().tolist()
-    sat = quantize(x, "e5m2", 1.0, saturate=True).dequantize().tolist()
+    raw = to_float8(x, "e5m2", 1.0, saturate=False).dequantize().tolist()
+    sat = to_float8(x, "e5m2", 1.0, saturate=True).dequantize().tolist()
     assert raw == [57344.0, 57344.0, 57344.0, INF]
     assert sat == [57344.0] * 4
     assert same(np.array(raw, np.float32), oracle_quantize(x.numpy(), "e5m2", 1.0, False))
@@ -113,10 +113,10 @@ def test_e5m2_overflow_saturating_and_not():
 
 def test_infinities_saturate_or_overflow():
     x = torch.tensor([INF, -INF])
-    assert quantize(x, "e4m3", 1.0).dequantize().tolist() == [448.0, -448.0]
-    assert quantize(x, "e5m2", 1.0).dequantize().tolist() == [57344.0, -57344.0]
-    assert quantize(x, "e5m2", 1.0, saturate=False).dequantize().tolist() == [INF, -INF]
-    assert bool(torch.isnan(quantize(x, "e4m3", 1.0, saturate=False).dequantize()).all())
+    assert to_float8(x, "e4m3", 1.0).dequantize().tolist() == [448.0, -448.0]
+    assert to_float8(x, "e5m2", 1.0).dequantize().tolist() == [57344.0, -57344.0]
+    assert to_float8(x, "e5m2", 1.0, saturate=False).dequantize().tolist() == [INF, -INF]
+    assert bool(torch.isnan(to_float8(x, "e4m3", 1.0, saturate=False).dequantize()).all())
 
 
 def test_scale_for_amax_one_is_the_format_max():
@@ -196,7 +196,7 @@ def test_amax_epsilon_floors_the_amax():
 
 def test_dequantize_inverts_power_of_two_scales_exactly():
     x = torch.tensor([[1.5, -3.0], [0.25, 6.0]])
-    x8 = quantize(x, "e4m3", 16.0)
+    x8 = to_float8(x, "e4m3", 16.0)
     assert x8.data.dtype == torch.float8_e4m3fn and x8.scale_inv.shape == () and x8.scale_inv.dtype == torch.float32
     assert torch.equal(x8.dequantize(), x) and torch.equal(x8.t().dequantize(), x.t())
     assert x8.dequantize(torch.bfloat16).dtype == torch.bfloat16 and x8.fp8_format == "e4m3"
@@ -212,14 +212,14 @@ def test_nan_propagates_into_data_and_amax():
 
 def test_bad_inputs_raise_with_the_fix():
     with pytest.raises(TypeError, match="dequantize"):
-        quantize(torch.zeros(2, dtype=torch.float8_e4m3fn), "e4m3", 1.0)
+        to_float8(torch.zeros(2, dtype=torch.float8_e4m3fn), "e4m3", 1.0)
     with pytest.raises(TypeError):
-        quantize(torch.zeros(2, dtype=torch.int32), "e4m3", 1.0)
+        to_float8(torch.zeros(2, dtype=torch.int32), "e4m3", 1.0)
     for bad in (0.0, -1.0, INF, NAN):
         with pytest.raises(ValueError, match="compute_scale"):
-            quantize(torch.ones(2), "e4m3", bad)
+            to_float8(torch.ones(2), "e4m3", bad)
     with pytest.raises(ValueError, match="one scale"):
-        quantize(torch.ones(2), "e4m3", torch.ones(2))
+        to_float8(torch.ones(2), "e4m3", torch.ones(2))
     with pytest.raises(TypeError, match="float8"):
         Float8Tensor(torch.ones(2), torch.tensor(1.0))
     with pytest.raises(TypeError, match="scale_inv"):

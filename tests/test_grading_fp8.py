@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mpcourse.core.quant import amax_and_scale_update, compute_scale, quantize
+from mpcourse.core.quant import amax_and_scale_update, compute_scale, quantize, to_float8
 from mpcourse.course.grading import GradingError
 from mpcourse.course.grading import fp8 as grading
 
@@ -90,8 +90,8 @@ def quantize_ref(x, scale, fp8_max):
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(DTYPE[fp8_max])
 
 
-@pytest.mark.parametrize("fn", [quantize_ref, lambda x, s, m: quantize(x, DTYPE[m], s).data],
-                         ids=["learner", "library"])
+@pytest.mark.parametrize("fn", [quantize_ref, quantize, lambda x, s, m: to_float8(x, DTYPE[m], s).data],
+                         ids=["learner", "library", "library_to_float8"])
 def test_quantize_passes(fn, capsys):
     grading.check_quantize(fn)
     assert capsys.readouterr().out.startswith("PASS quantize:")

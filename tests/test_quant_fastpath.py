@@ -313,8 +313,8 @@ def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
         monkeypatch.setattr(fastpath, "E4M3_CAST_SATURATES", flag and saturates)
         q = [fastpath.quantize_fp32_scaled(x, (1, 128)), fastpath.quantize_mx(x, (1, 32), "e4m3", "floor"),
              fastpath.quantize_mx(x, (32, 1), "e4m3", "rceil"), fastpath.quantize_fp32_scaled(x, (-1, -1)),
-             fastpath.quantize(x, "e4m3", 2.0 ** 20), fastpath.quantize(x, "e4m3", 0.37),
-             tensor.quantize(x, "e4m3", 0.37)]
+             fastpath.to_float8(x, "e4m3", 2.0 ** 20), fastpath.to_float8(x, "e4m3", 0.37),
+             tensor.to_float8(x, "e4m3", 0.37)]
         outs.append([t.data.view(torch.uint8) for t in q])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 

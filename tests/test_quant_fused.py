@@ -22,7 +22,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
 5. A transposed (non-contiguous) float32 input takes the path scaled's own predicate names (block_amax: the
    kernel), bfloat16 input the rule (no kernel called), and each gives the bits of its reference; keep_fp32=False,
    E5M2 and the MX FP4 format give the forced rule's bits too.
-6. The per-tensor paths: ``tensor.quantize`` (E4M3 and E5M2, any shape, saturating) and ``fastpath.fp8_to_float32``
+6. The per-tensor paths: ``tensor.to_float8`` (E4M3 and E5M2, any shape, saturating) and ``fastpath.fp8_to_float32``
    (with and without a scale, row-major and transposed codes) through the kernels against the forced torch rule.
 7. ``dequantize_fp8`` on every code against torch's upcast times
    the multiplier, and ``quantize_e2m1`` (NVFP4, nearest and stochastic) against the forced rule.
@@ -539,10 +539,10 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("scale", [1.0, 0.3712, 2.0 ** -20, 7.77e20])
 def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
-    """``tensor.quantize`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
+    """``fastpath.to_float8`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
     forced torch rule (clamp, then torch's cast), for a 3-D and a 2-D float32 tensor with every special value,
     and scales that push values past the format's max (and FP32's: to inf) or into its subnormals."""
-    from mpcourse.core.quant.fastpath import quantize
+    from mpcourse.core.quant.fastpath import to_float8
     real, count = fused.quantize_fp8, [0]
 
     def spy(*args, **kwargs):
@@ -553,8 +553,8 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, "quantize_fp8", spy)
         for x in (x2.reshape(4, 32, 256), x2):
-            got = quantize(x, fmt, scale)
-            want = torch_rule(tensor.quantize, x, fmt, scale)            # the rule
+            got = to_float8(x, fmt, scale)
+            want = torch_rule(tensor.to_float8, x, fmt, scale)           # the rule
             g, w = got.data.view(torch.uint8), want.data.view(torch.uint8)
             nan = torch.isnan(want.data.float())
             assert torch.isnan(got.data.float()[nan]).all()                       # NaN: a NaN code

@@ -9,7 +9,7 @@ import torch
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling,
                                  NVFP4BlockScaling)
 from mpcourse.core.quant.engine import learner_cast, quantizers
-from mpcourse.core.quant.tensor import quantize, quantize_current
+from mpcourse.core.quant.tensor import quantize_current, to_float8
 from mpcourse.core.seams import SeamError
 from mpcourse.experiment.learner import load_functions
 
@@ -61,7 +61,7 @@ def test_lesson_07_compute_scale_and_quantize_give_the_librarys_cast(fns, fmt):
     zero = _quantizer(recipe, role, {"compute_scale": fns["compute_scale"]})(torch.zeros(4, 4), True)
     assert float(zero.scale_inv) == 1.0                                   # amax 0: scale 1, as the library
     s = torch.tensor(3.0)
-    assert torch.equal(quantize(x, fmt, s).data.view(torch.uint8),
+    assert torch.equal(to_float8(x, fmt, s).data.view(torch.uint8),
                        learner_cast(fns["quantize"])(x, fmt, s).data.view(torch.uint8))
 
 

@@ -103,7 +103,7 @@ def _bytes():
 
 
 def _allgather():
-    from mpcourse.core.quant import compute_scale, quantize
+    from mpcourse.core.quant import compute_scale, to_float8
 
     g = torch.Generator().manual_seed(7)
     full = torch.randn(256, 256, generator=g) * 0.02           # (256, 256) fp32, the whole weight
@@ -113,12 +113,12 @@ def _allgather():
     amax = shard.abs().max().reshape(1)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)                # one scale for the whole weight
     scale = compute_scale(amax[0], "e4m3")
-    q = quantize(shard, "e4m3", scale)
+    q = to_float8(shard, "e4m3", scale)
     payload = q.data.view(torch.uint8)                         # (128, 256) e4m3 bits
     gathered8 = [torch.empty_like(payload) for _ in range(WORLD)]
     dist.all_gather(gathered8, payload)                        # moves 1 B per element (+ the scale)
     w8 = torch.cat(gathered8).view(q.data.dtype)               # (256, 256) e4m3
-    w8_after = quantize(torch.cat(gathered32), "e4m3", scale).data   # gather FP32, then quantize
+    w8_after = to_float8(torch.cat(gathered32), "e4m3", scale).data   # gather FP32, then quantize
     return {"fp32_bytes": sum(t.nbytes for t in gathered32), "fp8_bytes": sum(t.nbytes for t in gathered8) + 4,
             "same_operand": bool(torch.equal(w8.view(torch.uint8), w8_after.view(torch.uint8)))}
 

@@ -1,8 +1,8 @@
 """Quantized training as Transformer Engine and torchao define it, small enough to read (lessons 07, 08 and 10).
 
 The rules, one plain function each (no kernel, no fast path, no learner's hook):
-* ``tensor``: per-tensor scaled casts (``compute_amax``, ``compute_scale``, ``quantize``, ``quantize_current``,
-  ``Float8Tensor``).
+* ``tensor``: per-tensor scaled casts (``compute_amax``, ``compute_scale``, lesson 07's ``quantize``, ``to_float8``
+  (the same cast as a ``Float8Tensor``), ``quantize_current``, ``Float8Tensor``).
 * ``delayed``: the delayed-scaling update (``amax_and_scale_update``, ``DelayedScalingState``).
 * ``scaled``: ``ScaledTensor``, scales of any granularity; ``blockwise``: ``quantize_fp32_scaled``,
   ``block_quantize`` (tensorwise, rowwise, 1x128, 128x128); ``mx``: ``mx_shared_exponent``, ``quantize_mx``;
@@ -44,11 +44,11 @@ from .mx import mx_shared_exponent, quantize_mx
 from .nvfp4 import nvfp4_scales, quantize_nvfp4
 from .engine import learner_functions, quantizers
 from .tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
-                     fp8_max, quantize, quantize_current, round_down_to_power_of_2)
+                     fp8_max, quantize, quantize_current, round_down_to_power_of_2, to_float8)
 
 __all__ = [
     "FP8_DTYPES", "FP32_MAX", "Float8Tensor", "compute_amax", "compute_scale", "fp8_dtype", "fp8_format_name",
-    "fp8_max", "quantize", "quantize_current", "round_down_to_power_of_2",
+    "fp8_max", "quantize", "quantize_current", "to_float8", "round_down_to_power_of_2",
     "Recipe", "BlockRecipe", "quantizers", "learner_functions", "block_quantize", "nvfp4_scales",
     "Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "DelayedScalingState",
     "amax_and_scale_update", "fp8_format_for", "ROLES",

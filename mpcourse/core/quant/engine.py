@@ -93,7 +93,7 @@ def quantizers(recipe: Recipe, layer_key: str = "", device=None,
 
 # ------------------------------------------------------------------------------------------------ per tensor
 def learner_cast(fn: Callable) -> Callable:
-    """``tensor.quantize``'s signature around a learner's lesson 07 ``quantize(x, scale, fp8_max)`` (saturating)."""
+    """``tensor.to_float8``'s signature around a learner's lesson 07 ``quantize(x, scale, fp8_max)`` (saturating)."""
     def cast(x: torch.Tensor, fp8_format, scale) -> Float8Tensor:
         name, dtype, top, s, source = tensor.cast_arguments(x, fp8_format, scale)
         data = check_fp8("quantize", x, fn(x.detach().float(), s.detach(), top), dtype)
@@ -104,7 +104,7 @@ def learner_cast(fn: Callable) -> Callable:
 def bind_cast(functions: dict) -> Callable:
     if "quantize" in functions:
         return learner_cast(functions["quantize"])
-    return fastpath.quantize if kernels_on() else tensor.quantize
+    return fastpath.to_float8 if kernels_on() else tensor.to_float8
 
 
 def bind_amax() -> Callable:

@@ -280,12 +280,12 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(lo.neg(), hi).abs().float()
 
 
-def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> "tensor.Float8Tensor":
-    """``tensor.quantize(x, fp8_format, scale, saturate)`` bit for bit: the saturating cast of a contiguous float32
+def to_float8(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> "tensor.Float8Tensor":
+    """``tensor.to_float8(x, fp8_format, scale, saturate)`` bit for bit (lesson 07's ``quantize`` inside it): the saturating cast of a contiguous float32
     CPU tensor in ``fused``'s one compiled pass, other saturating casts through ``saturating_cast``; the
     non-saturating conversion is the rule's."""
     if not saturate:
-        return tensor.quantize(x, fp8_format, scale, saturate)
+        return tensor.to_float8(x, fp8_format, scale, saturate)
     name, dtype, top, scale, source = tensor.cast_arguments(x, fp8_format, scale)
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
             and fused.active() and x.is_contiguous():

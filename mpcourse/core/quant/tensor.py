@@ -21,7 +21,7 @@ The rules for degenerate amaxes are Transformer Engine's (``transformer_engine/p
 
 Saturation is explicit here and never left to the torch version: torch 2.13's CPU cast saturates
 E4M3 (even inf -> 448) but not E5M2 (61440 -> inf), and older versions saturated neither.
-``quantize(..., saturate=True)`` (the default, TE's and torchao's behaviour) clamps to
+``to_float8(..., saturate=True)`` (the default, TE's and torchao's behaviour; lesson 07's ``quantize``) clamps to
 [-fp8_max, fp8_max] first, so +-inf becomes +-fp8_max. ``saturate=False`` gives the OCP
 non-saturating conversion (what ``ml_dtypes`` does): a value that rounds past fp8_max becomes NaN
 in E4M3 (it has no inf) and +-inf in E5M2. NaN stays NaN in both modes, so a NaN in a tensor
@@ -245,8 +245,19 @@ def cast_arguments(x: torch.Tensor, fp8_format, scale) -> tuple:
     return name, FP8_DTYPES[name], fp8_max(name), _as_scale(scale, x.device), source
 
 
-def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float8Tensor:
-    """Cast ``x`` to FP8 with a per-tensor scale: ``data = fp8(saturate(float32(x) * scale))``.
+def quantize(x: torch.Tensor, scale, fp8_max: float) -> torch.Tensor:
+    """Lesson 07's cast: ``fp8(saturate(float32(x) * scale))``, the float8 tensor of x's shape (E4M3 for fp8_max
+    448, E5M2 for 57344), rounded to nearest even; NaN stays NaN, +-inf becomes +-fp8_max. ``scale``: a float
+    or a float32 tensor that broadcasts. ``to_float8`` is the same cast with its checks, as a ``Float8Tensor``."""
+    dtypes = {FORMATS[name].max: dtype for name, dtype in FP8_DTYPES.items()}
+    if float(fp8_max) not in dtypes:
+        raise ValueError(f"fp8_max must be 448.0 (E4M3) or 57344.0 (E5M2), got {fp8_max!r}")
+    y = x.detach().float() * torch.as_tensor(scale, dtype=torch.float32, device=x.device)   # one fp32 rounding
+    return y.clamp(-fp8_max, fp8_max).to(dtypes[float(fp8_max)])   # clamped (NaN passes), then the cast only rounds
+
+
+def to_float8(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float8Tensor:
+    """Cast ``x`` to FP8 with a per-tensor scale: ``data = fp8(saturate(float32(x) * scale))`` (``quantize``).
 
     Args:
       x:          (...) float32, bfloat16 or float16 (float64 is accepted and first rounded to fp32).
@@ -256,13 +267,13 @@ def quantize(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> Float
                   +-fp8_max. False: OCP non-saturating conversion, overflow -> NaN (E4M3) / +-inf (E5M2).
     Returns: ``Float8Tensor`` with ``data`` of x's shape and ``scale_inv = 1 / scale`` (fp32, shape ()).
     NaN in x stays NaN in ``data`` (both formats have a NaN). Rounding is round-to-nearest-even.
-    Gradient: ``quantize(x).dequantize()`` is straight-through (identity backward), see ``Float8Tensor``.
+    Gradient: ``to_float8(x).dequantize()`` is straight-through (identity backward), see ``Float8Tensor``.
     Raises TypeError for non-float inputs, ValueError for a bad format or scale.
     """
     name, dtype, top, scale, source = cast_arguments(x, fp8_format, scale)
+    if saturate:
+        return Float8Tensor(quantize(x, scale.detach(), top), scale.reciprocal(), x.dtype, source)
     y = x.detach().float() * scale.detach()  # (...) fp32; rounded once, in fp32, as TE's cast kernels do
-    if saturate:   # clamped (torch.clamp lets NaN through), then cast: the cast only rounds
-        return Float8Tensor(y.clamp(-top, top).to(dtype), scale.reciprocal(), x.dtype, source)
     midpoint, tie_rounds_up = _overflow_threshold(name)
     overflow = (y.abs() >= midpoint) if tie_rounds_up else (y.abs() > midpoint)  # +-inf included
     if name == "e4m3":  # no inf in E4M3: overflow is NaN
@@ -284,13 +295,13 @@ def apply_amax_epsilon(amax: torch.Tensor, amax_epsilon: float) -> torch.Tensor:
 
 def quantize_current(x: torch.Tensor, fp8_format, margin: int = 0, power_2_scale: bool = False,
                      amax_epsilon: float = 0.0) -> Float8Tensor:
-    """Current ("just-in-time") scaling: scale from this tensor's own amax, then ``quantize``.
+    """Current ("just-in-time") scaling: scale from this tensor's own amax, then ``to_float8``.
 
     ``scale = fp8_max / max(amax, amax_epsilon) / 2**margin``; amax 0, inf or NaN gives scale 1.0, so an
     all-zero tensor gives zeros (TE ``Float8CurrentScaling``, ``recipe_common.cuh``; torchao tensorwise
     scaling instead clamps amax to >= 1e-12 first, ``torchao/float8/float8_utils.py``).
-    Args as in ``quantize`` and ``compute_scale``. Returns a ``Float8Tensor``.
+    Args as in ``to_float8`` and ``compute_scale``. Returns a ``Float8Tensor``.
     """
     amax = apply_amax_epsilon(compute_amax(x), amax_epsilon)
     scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
-    return quantize(x, fp8_format, scale)
+    return to_float8(x, fp8_format, scale)
