@@ -210,3 +210,19 @@ def test_save_checkpoint_is_atomic_and_plain_objects_round_trip(tmp_path):
     with pytest.raises(CheckpointError, match="not a Trainer checkpoint"):
         Trainer("fp32", load_corpus(), cfg(1)).load_state_dict({"recipe_name": "fp32"})
     assert get_recipe("fp32")  # the registry is untouched by failed loads
+
+
+def test_a_checkpoint_of_another_corpus_is_refused_naming_data(corpus, tmp_path):
+    """The same text with its characters kept (same vocabulary, same shapes) but reordered: the weights would
+    load and the run would go on silently on other data. The corpus's SHA-256 in the checkpoint refuses it."""
+    path = tmp_path / "run.ckpt"
+    Trainer("fp32", corpus, cfg()).run(1).save(path)
+    other_file = tmp_path / "other.txt"
+    other_file.write_text(corpus.text[len(corpus.text) // 2:] + corpus.text[:len(corpus.text) // 2])
+    other = load_corpus(other_file)
+    assert other.chars == corpus.chars                       # the model's shapes alone cannot tell
+    with pytest.raises(CheckpointError, match=r"corpus mismatch: .* resume with the same --data"):
+        Trainer("fp32", other, cfg()).load(path)
+    Trainer("fp32", load_corpus(), cfg()).load(path)         # the same corpus loads
+    old = {k: v for k, v in load_checkpoint(path).items() if k != "corpus"}   # a checkpoint from before the field
+    Trainer("fp32", other, cfg()).load_state_dict(old)

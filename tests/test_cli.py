@@ -102,3 +102,49 @@ def test_what_a_person_sees(args, msg):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and msg in proc.stderr
     assert "Traceback" not in proc.stderr and "_positive" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", [b"print('not a notebook')\n", b"{\"a\": 1}", b"\x89PNG\r\n\x1a\n\x00\x00"])
+def test_a_file_that_is_not_a_notebook_is_one_line_exit_2(tmp_path, content, capsys):
+    """``--with`` and ``mpcourse grade`` given a file that is not a Jupyter notebook: one line naming the fix,
+    exit code 2, no traceback (nbformat's own errors used to escape as tracebacks)."""
+    from mpcourse.course.grade import main as grade_main
+
+    f = tmp_path / "mine.py"
+    f.write_bytes(content)
+    assert main(["compare", "--recipes", "fp32", "--with", str(f), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mpcourse compare: error: --with") and "not a Jupyter notebook" in err
+    assert "exercises/04_dynamic_loss_scaling.ipynb" in err and len(err.splitlines()) == 1
+    assert grade_main([str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mpcourse grade: error:") and "not a Jupyter notebook" in err and len(err.splitlines()) == 1
+
+
+def test_grade_of_a_non_notebook_as_a_person_sees_it(tmp_path):
+    f = tmp_path / "README.md"
+    f.write_text("# not a notebook\n")
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "grade", str(f)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "not a Jupyter notebook" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_preset_large_on_the_cpu_warns_with_the_expected_time(monkeypatch, tmp_path, capsys):
+    """The large preset is for a GPU: on the CPU the run goes on, with a warning giving a lower bound of its
+    time from the model FLOPs (6 N per token, as speed.flops_per_token) at the measured peak."""
+    from mpcourse.experiment import cli
+    from mpcourse.experiment.speed import flops_per_token
+
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "_peak_flops", lambda device, threads=None: 1e11)
+    assert main(["compare", "--preset", "large", "--recipes", "fp32", "--steps", "10", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    p = cli.PRESETS["large"]
+    from mpcourse.experiment.data import load_corpus
+    flops = flops_per_token(p["n_layer"], p["n_embd"], p["block_size"], load_corpus().vocab_size) \
+        * p["block_size"] * cli.PRESET_BATCH["large"]
+    minutes = flops * 10 / 1e11 / 60
+    assert "warning: --preset large on the CPU will take at least" in err and "--device cuda" in err
+    assert f"{minutes:.0f} min" in err or f"{minutes / 60:.1f} h" in err
+    assert main(["compare", "--recipes", "fp32", "--steps", "10", "--out", str(tmp_path)]) == 0
+    assert "warning" not in capsys.readouterr().err                    # the small preset says nothing

@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None, prog: str = "mpcourse grade") -> int:
     if missing:
         print(f"{prog}: error: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
+    from mpcourse.experiment.learner import LearnerLoadError, read_notebook
+    for path in args.notebooks:                  # every file checked before any is run
+        try:
+            read_notebook(path)
+        except LearnerLoadError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
     ok = True
     for path in args.notebooks:
         report = grade(path, timeout=args.timeout)

@@ -103,6 +103,21 @@ def _peak_flops(device: str, threads: int | None = None) -> float | None:
     return measure_cpu_peak(threads=threads)
 
 
+def large_on_cpu_warning(cfg: TrainConfig, vocab_size: int, n_runs: int, peak_flops: float) -> str:
+    """The warning for ``--preset large`` on a CPU: a lower bound of the run's time from the model FLOPs
+    (``speed.flops_per_token``) at the measured FP32 GEMM peak (the emulated recipes take longer)."""
+    from .speed import flops_per_token
+
+    m = cfg.model
+    flops = flops_per_token(m.n_layer, m.n_embd, m.block_size, vocab_size) * m.block_size * cfg.batch_size
+    seconds = flops * cfg.steps * n_runs / peak_flops
+    when = f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+    return (f"mpcourse compare: warning: --preset large on the CPU will take at least {when} ({n_runs} runs x "
+            f"{cfg.steps} steps x {flops / 1e12:.3g} TFLOP at this CPU's measured {peak_flops / 1e9:.3g} GFLOP/s; "
+            "the emulated low-precision recipes take longer): the preset is meant for --device cuda; drop "
+            "--preset large for the few-minute CPU run")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "recipes":
@@ -172,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
     print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
           else "peak FLOP/s: unknown GPU, %peak not shown")
+    if args.preset == "large" and args.device != "cuda" and peak:
+        print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peak), file=sys.stderr)
     t0 = time.time()
     from .pool import WorkerError
     try:

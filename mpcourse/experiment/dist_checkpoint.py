@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.checkpoint import CheckpointError
 from .recipes import MasterWeightsRecipe
+from .train import check_same_corpus, corpus_id
 
 META_FILE = "mpcourse.json"
 FORMAT = 1
@@ -106,7 +107,8 @@ def _state(trainer) -> tuple[dict, nn.Module, torch.optim.Optimizer, bool]:
 def _meta(trainer) -> dict:
     rd = trainer.reduce_dtype
     return {"format": FORMAT, "recipe": trainer.name, "parallel": trainer.parallel, "world_size": trainer.world,
-            "reduce_dtype": None if rd is None else str(rd).removeprefix("torch."), "step": trainer.step}
+            "reduce_dtype": None if rd is None else str(rd).removeprefix("torch."), "step": trainer.step,
+            "corpus": corpus_id(trainer.corpus)}
 
 
 def save(trainer, path) -> Path:
@@ -138,6 +140,7 @@ def check_compatible(saved: dict, trainer) -> None:
         if saved[key] != here[key]:
             raise CheckpointError(f"{key} mismatch: the checkpoint was saved with {flag} {saved[key]}, this job "
                                   f"uses {here[key]}: resume with {flag} {saved[key]}")
+    check_same_corpus(saved.get("corpus"), trainer.corpus)
 
 
 def read_meta(path) -> dict:

@@ -32,19 +32,33 @@ def _keep(node: ast.stmt) -> bool:
     return False
 
 
-def load_functions(path: str | Path) -> dict[str, Callable]:
-    """The functions (and classes) a notebook defines at top level, by name; see the module docstring.
-
-    Raises ``LearnerLoadError`` naming the notebook and the cell when the file is missing, a cell does
-    not parse, or running the definitions fails (e.g. an import of a module that is not installed).
-    """
+def read_notebook(path: str | Path):
+    """The notebook at ``path`` (nbformat v4), or ``LearnerLoadError`` with one line naming the fix when the
+    file is missing or is not a Jupyter notebook (a .py file, a README, a notebook's folder, binary data)."""
     import nbformat
 
     path = Path(path)
+    example = "give the path of an exercise notebook, e.g. exercises/04_dynamic_loss_scaling.ipynb"
     if not path.is_file():
-        raise LearnerLoadError(f"{path}: no such notebook (give the path of an exercise, e.g. "
-                               "exercises/04_dynamic_loss_scaling.ipynb)")
-    nb = nbformat.read(path, as_version=4)
+        raise LearnerLoadError(f"{path}: no such notebook ({example})")
+    try:
+        nb = nbformat.read(path, as_version=4)
+        if not isinstance(getattr(nb, "cells", None), list):
+            raise ValueError("no list of cells")
+    except Exception as e:                                       # nbformat raises many kinds for a non-notebook
+        why = str(e).strip().splitlines()[0][:80] if str(e).strip() else type(e).__name__
+        raise LearnerLoadError(f"{path}: not a Jupyter notebook ({why}); {example}") from None
+    return nb
+
+
+def load_functions(path: str | Path) -> dict[str, Callable]:
+    """The functions (and classes) a notebook defines at top level, by name; see the module docstring.
+
+    Raises ``LearnerLoadError`` naming the notebook and the cell when the file is missing or not a
+    notebook, a cell does not parse, or running the definitions fails (e.g. an import of a module that is not installed).
+    """
+    nb = read_notebook(path)
+    path = Path(path)
     body: list[ast.stmt] = []
     sources: dict[str, str] = {}           # def name -> its source text (for processes spawned by train_yours)
     for i, cell in enumerate(nb.cells):

@@ -329,21 +329,23 @@ class Trainer:
             history=list(self.history))
 
     def state_dict(self) -> dict:
-        """A checkpoint: recipe state, RNG states, step, history (``torch.save`` it)."""
+        """A checkpoint: recipe state, RNG states, step, history, the corpus it trains on (``corpus_id``)."""
         return {"recipe_name": self.name, "recipe": self.recipe.state_dict(), "step": self.step,
                 "history": list(self.history), "skipped": self.skipped, "diverged_at": self.diverged_at,
-                "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state()}
+                "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state(),
+                "corpus": corpus_id(self.corpus)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``. Raises ValueError (``CheckpointError``) if it was saved under another
         recipe or does not have a Trainer checkpoint's keys; the recipe checks its own state before loading."""
         keys = {"recipe_name", "recipe", "step", "history", "skipped", "diverged_at", "batch_rng", "torch_rng"}
-        if not isinstance(state, dict) or set(state) != keys:
+        if not isinstance(state, dict) or set(state) - {"corpus"} != keys:   # "corpus": absent in older ones
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"not a Trainer checkpoint: expected the keys {sorted(keys)}, got {got}")
         if state["recipe_name"] != self.name:
             raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
+        check_same_corpus(state.get("corpus"), self.corpus)
         self.recipe.load_state_dict(state["recipe"])
         self.step, self.history = state["step"], list(state["history"])
         self._last_eval = None
@@ -361,6 +363,26 @@ class Trainer:
         state."""
         self.load_state_dict(load_checkpoint(path))
         return self
+
+
+def corpus_id(corpus: Corpus) -> dict:
+    """What a checkpoint records of its corpus: name, length, vocabulary size and the SHA-256 of the text."""
+    import hashlib
+
+    return {"name": corpus.name, "chars": len(corpus.text), "vocab_size": corpus.vocab_size,
+            "sha256": hashlib.sha256(corpus.text.encode("utf-8")).hexdigest()}
+
+
+def check_same_corpus(saved: dict | None, corpus: Corpus) -> None:
+    """CheckpointError naming ``--data`` unless ``saved`` (a checkpoint's ``corpus_id``; None: an older checkpoint
+    that did not record it) is ``corpus``'s: resumed on another text the run would go on silently on other data."""
+    here = corpus_id(corpus)
+    if saved is not None and saved.get("sha256") != here["sha256"]:
+        raise CheckpointError(
+            f"corpus mismatch: the checkpoint was trained on {saved['name']} ({saved['chars']:,} chars, vocab "
+            f"{saved['vocab_size']}, sha256 {saved['sha256'][:12]}), this run reads {here['name']} "
+            f"({here['chars']:,} chars, vocab {here['vocab_size']}, sha256 {here['sha256'][:12]}): resume with "
+            "the same --data (no --data: the embedded corpus)")
 
 
 def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
