@@ -138,7 +138,15 @@ def built(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
     out = tmp_path_factory.mktemp("site") / "site"
-    assert site.main(["--out", str(out)]) == 0
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    here = Path.cwd()
+    os.chdir(elsewhere)                    # the course is found from the package; nothing lands in the cwd
+    try:
+        assert site.main(["--out", str(out)]) == 0
+    finally:
+        os.chdir(here)
+    assert list(elsewhere.iterdir()) == [], "the build wrote into the current folder"
+    assert (out / site.MARKER).exists()
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
 import sys
@@ -291,7 +292,7 @@ def mkdocs_config(docs: Path, out: Path, nav: list) -> dict:
         "nav": nav,
         "theme": {"name": "material", "font": False,
                   "features": ["navigation.footer", "navigation.indexes", "search.highlight"]},
-        "plugins": ["search", {"mkdocs-jupyter": {"execute": False, "include_source": True,
+        "plugins": ["search", {"mkdocs-jupyter": {"execute": False, "include_source": True, "cache": False,
                                                   "include_requirejs": False, "ignore_h1_titles": True}}],
         "markdown_extensions": ["tables", "toc", "admonition", "attr_list",
                                 {"pymdownx.superfences": {}}, {"pymdownx.highlight": {}}],
@@ -336,6 +337,12 @@ def main(argv: list[str] | None = None, prog: str = "mpcourse site") -> int:
                                 "(search needs the server).")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT}/)")
     args = p.parse_args(argv)
+    log = logging.getLogger("mkdocs")           # MkDocs' own warnings (a link it cannot resolve), one line each
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{prog}: %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
     try:
         out = build_site(args.out, course_root())
     except SiteError as e:
