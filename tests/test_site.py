@@ -23,7 +23,7 @@ from urllib.parse import urldefrag
 import pytest
 
 from mpcourse.course import site
-from mpcourse.course.learner import course_root
+from mpcourse.course.root import course_root
 
 ROOT = course_root(Path(__file__).parent)
 LESSONS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))

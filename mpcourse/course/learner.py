@@ -12,20 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .exercises import ROOT
-
-
-def course_root(start: Path | None = None) -> Path:
-    """The folder holding ``notebooks/`` and ``exercises/``: the current folder or one above it,
-    else the source checkout this package was installed from."""
-    here = (start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / "notebooks").is_dir() and (d / "exercises").is_dir():
-            return d
-    if (ROOT / "notebooks").is_dir():
-        return ROOT
-    raise SystemExit("mpcourse lab: error: no course folder (one with notebooks/ and exercises/) here or above; "
-                     "run it from your clone of the repository")
+from .root import course_root
 
 
 def lab_command(root: Path, extra: list[str]) -> list[str]:

@@ -329,7 +329,7 @@ def build_site(out: Path, root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str = "mpcourse site") -> int:
-    from .learner import course_root
+    from .root import course_root
 
     p = argparse.ArgumentParser(prog=prog, description="Build the course as a static website (lessons with their "
                                 "stored outputs, exercises, results, the library map; navigation and search), "
