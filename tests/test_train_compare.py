@@ -207,3 +207,24 @@ def test_runs_without_low_precision_matmuls_drop_the_emulation_after_one_step_sa
     assert (r_fast.final_train_loss, r_fast.final_val_loss) == (r_slow.final_train_loss, r_slow.final_val_loss)
     slow._last_eval = None
     assert slow.result().final_val_loss == r_slow.final_val_loss
+
+
+def test_one_training_step_the_memory_measurement_wraps_it(corpus, monkeypatch):
+    """The first step's memory is measured around the trainer's own step function, not a copy of it: every step,
+    measured or timed, is one call of ``step.training_step`` (the measured one through ``memory.measure_step``)."""
+    from mpcourse.experiment import memory, step, train as train_mod
+    from mpcourse.experiment.train import Trainer
+
+    assert memory.training_step is step.training_step and train_mod.training_step is step.training_step
+    calls = []
+
+    def spy(where):
+        def wrapped(*args, **kwargs):
+            calls.append((where, kwargs.get("forward_region") is not None))
+            return step.training_step(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(memory, "training_step", spy("memory"))
+    monkeypatch.setattr(train_mod, "training_step", spy("train"))
+    trainer = Trainer("fp16-dynamic", corpus, small(steps=3)).run()
+    assert calls == [("memory", True), ("train", False), ("train", False)]
+    assert trainer.step_memory.activations > 0 and trainer.timed_steps == 2
