@@ -390,13 +390,10 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     fmt = mx.mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
-    k = None                                                   # (held until the cast is done, as the rule holds it)
     if rule == "rceil":
-        scale_inv = rceil_scale_inv(amax, fmt.max)
-    else:
-        k = mx.mx_shared_exponent(amax, elem, rule)
-        scale_inv = torch.exp2(k.double()).float()
-    return encode_mx(x, b, elem, amax, scale_inv, keep_fp32)
+        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32)
+    k = mx.mx_shared_exponent(amax, elem, rule)      # held until the cast is done, as the rule holds it
+    return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32)
 
 
 def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor, scale_inv: torch.Tensor,
