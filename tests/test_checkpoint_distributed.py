@@ -12,7 +12,6 @@ bug (the FP8 state reset after the load) shows the comparison can fail.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.distributed import free_port
+from mpcourse.experiment.distributed import init_ranks, ranks, rendezvous
 from mpcourse.core.checkpoint import CheckpointError
 from mpcourse.core.quant import Float8Linear
 from mpcourse.experiment.data import load_corpus
@@ -53,30 +52,20 @@ def _record(t):
             "step": t.step}
 
 
-def _init(rank, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-
-
-def _uninterrupted(rank, port, d):
+def _uninterrupted(rank, init_method, d):
     """Job 1: K steps, save, then on to STEPS (the run that was never interrupted)."""
-    _init(rank, port)
-    try:
+    with ranks(rank, 2, init_method, threads=1):
         corpus, res = load_corpus(None), {}
         for parallel, name in CASES:
             t = DataParallelTrainer(name, corpus, CFG, parallel).run(steps=K)
             t.save(os.path.join(d, f"{parallel}-{name}"))
             res[(parallel, name)] = _record(t.run())
         torch.save(res, os.path.join(d, f"full{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
-def _resumed(rank, port, d):
+def _resumed(rank, init_method, d):
     """Job 2, fresh processes: load each checkpoint and train to STEPS; plus the planted bug."""
-    _init(rank, port)
-    try:
+    with ranks(rank, 2, init_method, threads=1):
         corpus, res = load_corpus(None), {}
         for parallel, name in CASES:
             t = DataParallelTrainer(name, corpus, CFG, parallel).load(os.path.join(d, f"{parallel}-{name}"))
@@ -88,15 +77,13 @@ def _resumed(rank, port, d):
                 m._reset_scaling_state()                       # planted: scales 1, amax histories 0
         res["planted"] = _record(t.run())
         torch.save(res, os.path.join(d, f"resumed{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as d:
-        spawn(_uninterrupted, 2, (free_port(), d))
-        spawn(_resumed, 2, (free_port(), d))
+        spawn(_uninterrupted, 2, (rendezvous(d), d))
+        spawn(_resumed, 2, (rendezvous(d), d))
         load = lambda f: torch.load(os.path.join(d, f), weights_only=False)  # noqa: E731
         yield {"full": [load(f"full{r}.pt") for r in range(2)],
                "resumed": [load(f"resumed{r}.pt") for r in range(2)], "dir": d}
@@ -139,9 +126,8 @@ def test_the_fp8_state_is_in_the_checkpoint_and_losing_it_shows(runs):
     assert planted["losses"][K:] != full["losses"][K:]
 
 
-def _one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
+def _one_rank_group(directory):
+    init_ranks(0, 1, rendezvous(directory), timeout_s=30)
 
 
 @pytest.mark.parametrize("parallel,name,match", [
@@ -155,7 +141,7 @@ def test_a_mismatched_job_is_refused_by_name(runs, parallel, name, match):
     from mpcourse.experiment import dist_checkpoint
 
     path = os.path.join(runs["dir"], "ddp-fp16-dynamic")
-    _one_rank_group()
+    _one_rank_group(runs["dir"])
     try:
         t = DataParallelTrainer(name, load_corpus(None), CFG, parallel)
         meta = dist_checkpoint.read_meta(path)

@@ -14,7 +14,6 @@ to about 1e-4. The asserted tolerances (``RTOL``) leave a margin of about 10x ov
 """
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 import tempfile
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.distributed import free_port
+from mpcourse.experiment.distributed import ranks as gloo_ranks, rendezvous
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.distributed import DataParallelTrainer, Job, RankFailed, run_distributed_compare, spawn
 from mpcourse.experiment.model import GPTConfig
@@ -201,11 +200,8 @@ def _bf16_sharded_case(variant, seed=5):
             "generator": opt.generator.get_state()}
 
 
-def _worker(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+def _worker(rank, init_method, out_dir):
+    with gloo_ranks(rank, 2, init_method, threads=1):
         corpus = load_corpus(None)
         res = {}
         for parallel, name in CASES:
@@ -238,16 +234,15 @@ def _worker(rank, port, out_dir):
         res[("plain", "yours-max")] = _plain_shard_case(None, _max_all_reduce)
         res[("plain", "yours-local")] = _plain_shard_case(None, _no_all_reduce)
         res[("plain", "yours-sum")] = _plain_shard_case(None, _sum_all_reduce, inf_ranks=(0, 1))
+        del solo
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks():
     """What each of the two ranks saw: [rank 0's dict, rank 1's dict]."""
     with tempfile.TemporaryDirectory() as d:
-        spawn(_worker, 2, (free_port(), d))
+        spawn(_worker, 2, (rendezvous(d), d))
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
 
 
@@ -426,7 +421,9 @@ def test_a_raising_rank_stops_the_job_with_its_message():
     stopped = time.time()
     raised_at = float(info.value.message.rsplit("at time ", 1)[1])
     assert info.value.rank == 1
-    assert stopped - raised_at < 10, stopped - raised_at   # rank 0 waits in a collective: terminated, not timed out
+    # rank 0 waits in a collective: terminated, not timed out (300 s). The bound is a fifth of the timeout, not a
+    # few seconds: on a loaded machine (a test suite beside other jobs) the exit and the poll took 11 s once
+    assert stopped - raised_at < job.timeout_s / 5, stopped - raised_at
 
 
 def test_cli_flags_and_their_errors(capsys):

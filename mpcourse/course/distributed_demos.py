@@ -17,9 +17,7 @@ worker function, so the workers live here, not in the notebook).
 """
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import tempfile
 
 import torch
@@ -123,24 +121,21 @@ def _allgather():
             "same_operand": bool(torch.equal(w8.view(torch.uint8), w8_after.view(torch.uint8)))}
 
 
-def _rank(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    solo = [dist.new_group([r]) for r in range(WORLD)][rank]   # every rank creates every group
-    res = {"overflow": {"alone": _overflow(solo), "all-reduce": _overflow(None)}, "amax": _amax(),
-           "reduce": _reduce(), "bytes": _bytes(), "allgather": _allgather()}
-    torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+def _rank(rank, init_method, out_dir):
+    from mpcourse.experiment.distributed import ranks
+
+    with ranks(rank, WORLD, init_method, threads=1):
+        solo = [dist.new_group([r]) for r in range(WORLD)][rank]   # every rank creates every group
+        res = {"overflow": {"alone": _overflow(solo), "all-reduce": _overflow(None)}, "amax": _amax(),
+               "reduce": _reduce(), "bytes": _bytes(), "allgather": _allgather()}
+        del solo
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
 def run_demos() -> list[dict]:
     """Run every experiment on two gloo ranks; returns [rank 0's results, rank 1's results]."""
-    from mpcourse.experiment.distributed import spawn
+    from mpcourse.experiment.distributed import rendezvous, spawn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
-        spawn(_rank, WORLD, (port, d))
+        spawn(_rank, WORLD, (rendezvous(d), d))
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]

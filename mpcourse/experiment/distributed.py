@@ -7,8 +7,8 @@ single-process table (up to the order of the additions: see ``tests/test_distrib
 tolerance). The reported loss of a step is the mean over the ranks of their slice means, the whole batch's.
 Evaluation runs on every rank on the full evaluation batches (the same as single-process).
 
-Launch: ``run_distributed_compare`` spawns N gloo processes on this machine (``init_method`` TCP on
-127.0.0.1 and a free port), or, under ``torchrun --nproc-per-node N -m mpcourse compare ...``, runs as the
+Launch: ``run_distributed_compare`` spawns N gloo processes on this machine (rendezvous through a file in a
+fresh temporary directory, ``rendezvous``), or, under ``torchrun --nproc-per-node N -m mpcourse compare ...``, runs as the
 rank torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment). Rank 0
 prints the table and writes the files. Failure: a rank that raises ends; the launcher (this module's
 ``spawn`` or torchrun's agent) sees it exit and terminates the others at once, and the error names that
@@ -17,13 +17,16 @@ for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcou
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import os
 import socket
 import sys
 import tempfile
 import time
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,26 +200,78 @@ def run_rank(job: Job) -> list | None:
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free now (for a gloo rendezvous on one machine)."""
+    """A TCP port on the loopback interface that is free now, and may be taken by another process before anyone
+    binds it (the port is released on return): do not use it for a rendezvous, use ``rendezvous`` instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The process groups' timeout for ranks spawned on one machine by the course, its tests and its demos: a
+#: loaded machine (a test suite beside other jobs) can start the ranks' Python tens of seconds apart.
+RANK_TIMEOUT_S = 300.0
+
+
+def rendezvous(directory: str) -> str:
+    """The ``init_method`` for ranks spawned on this machine: ``file://`` + a new file in ``directory`` (a
+    fresh temporary directory the caller removes after the ranks end).
+
+    Why not TCP on a free port: a port found free (``free_port``) is released before rank 0's store binds it,
+    and another process (a parallel test run, another job) can take it in between; its ranks then fail to
+    bind, or connect to the other job's store. A file that no other job knows cannot be taken
+    (torch.distributed's ``FileStore``: the ranks meet through the file, no port and no server)."""
+    return "file://" + os.path.join(os.path.abspath(directory), f"rendezvous-{uuid.uuid4().hex}")
+
+
+def init_ranks(rank: int, world_size: int, init_method: str, timeout_s: float = RANK_TIMEOUT_S,
+               threads: int | None = None) -> None:
+    """``dist.init_process_group("gloo", ...)`` for a rank started by ``spawn`` (``init_method`` from
+    ``rendezvous``); ``threads``: torch's intra-op threads of this rank (None: leave them)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def close_ranks() -> None:
+    """End a rank's process group cleanly, on the path where the rank succeeded: wait for every rank (a
+    barrier, so no rank tears its connections down while another still talks to it), drop the references
+    to the group that cycles may keep (a DDP/FSDP module, a loss scaler), then ``destroy_process_group``.
+
+    Not on the error path: a rank that raised must exit at once (``spawn`` then ends the others); a barrier
+    there would wait for ranks that are waiting in another collective. A rank that ends without it leaves
+    gloo's threads to the interpreter's shutdown, which can abort the process ("terminate called without an
+    active exception", SIGABRT)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def ranks(rank: int, world_size: int, init_method: str, timeout_s: float = RANK_TIMEOUT_S,
+          threads: int | None = None):
+    """``with ranks(rank, world, init_method): ...``: ``init_ranks`` on entry; ``close_ranks`` when the body
+    ends normally, nothing when it raises (the error propagates and the rank exits)."""
+    init_ranks(rank, world_size, init_method, timeout_s, threads)
+    yield
+    close_ranks()
 
 
 def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def _spawned_rank(rank: int, nproc: int, port: int, job: Job, result_dir: str) -> None:
-    torch.set_num_threads(_threads_per_rank(nproc))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
-                            timeout=datetime.timedelta(seconds=job.timeout_s))
-    results = run_rank(job)   # on an exception: no destroy_process_group, which would wait for the other ranks
+def _spawned_rank(rank: int, nproc: int, init_method: str, job: Job, result_dir: str) -> None:
+    init_ranks(rank, nproc, init_method, job.timeout_s, threads=_threads_per_rank(nproc))
+    results = run_rank(job)   # on an exception: no close_ranks, which would wait for the other ranks
     if results is not None:
         torch.save([r.to_dict() for r in results], os.path.join(result_dir, "results.pt"))
         with open(os.path.join(result_dir, "messages.json"), "w") as f:
             json.dump(job.messages, f)
-    dist.destroy_process_group()
+    close_ranks()
 
 
 def spawn(fn, nproc: int, args: tuple = (), *, poll_s: float = 0.2) -> None:
@@ -270,7 +325,7 @@ def run_distributed_compare(job: Job, nproc: int) -> list | None:
         finally:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as d:
-        spawn(_spawned_rank, nproc, (nproc, free_port(), job, d))
+        spawn(_spawned_rank, nproc, (nproc, rendezvous(d), job, d))
         path, messages = os.path.join(d, "results.pt"), os.path.join(d, "messages.json")
         if os.path.exists(messages):
             with open(messages) as f:
@@ -284,7 +339,8 @@ def is_rank_zero() -> bool:
 
 
 __all__ = ["DataParallelTrainer", "Job", "RankFailed", "run_distributed_compare", "run_rank", "spawn",
-           "is_rank_zero", "launched_by_torchrun", "DEFAULT_TIMEOUT_S"]
+           "is_rank_zero", "launched_by_torchrun", "DEFAULT_TIMEOUT_S", "RANK_TIMEOUT_S", "rendezvous",
+           "init_ranks", "close_ranks", "ranks"]
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("use: python -m mpcourse compare --nproc N --parallel ddp|fsdp")

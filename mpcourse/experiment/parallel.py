@@ -156,15 +156,24 @@ class ShardedMasterRecipe(TrainingRecipe):
 
     def make_optimizer(self, params):
         """The base recipe's master optimizer (``master_optimizer``: AdamW, or AdamW with BF16 moments for
-        ``bf16-master-bf16-moments``) over the FP32 parameters, which are the master."""
+        ``bf16-master-bf16-moments``) over the FP32 parameters, which are the master. Raises ValueError for a
+        parameter that is not FP32 (the master copy is FP32 by definition; its optimizer state follows it)."""
+        low = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+        if low:
+            raise ValueError(f"recipe {self.name!r} under FSDP2: the master copy must be FP32, got parameters in "
+                             f"{', '.join(low)}; build the recipe over an FP32 model (model.float()): the policy "
+                             "casts the working copy")
         o = self.optim
         return self.base.master_optimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     def prepare_model(self, model):
+        # A model given already in BF16/FP16 is upcast (exact): its parameters become the FP32 master, as
+        # MasterWeights makes an FP32 master from the model's parameters whatever their dtype; never a BF16 "master".
+        model = model.float()
         with torch.no_grad():                  # the master starts from the cast model's values, as MasterWeights
             for p in model.parameters():
                 p.copy_(p.to(self.model_dtype).float())
-        return model                           # (still FP32; sharded by prepare() next)
+        return model                           # FP32; sharded by prepare() next
 
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()

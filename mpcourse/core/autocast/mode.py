@@ -34,7 +34,10 @@ Refused: the RNN family (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells) ra
 NotImplementedError inside an enabled region (``policy.UNSUPPORTED`` says why): torch.autocast casts
 inside their C++ code, out of a Python mode's reach, and FP32 would differ silently.
 
-Limits: ``torch.is_autocast_enabled`` stays False inside this autocast (ask
+Custom operators (``torch.ops.<namespace>.<op>`` outside torch's namespaces) run inside ``torch.autocast`` with the
+region's dtype, so a rule registered with ``torch.library.register_autocast`` applies exactly as under
+``torch.autocast``, and an op without one has its body autocast by torch's policy (a Python mode cannot see into
+the body: ``_custom_op``). Limits: ``torch.is_autocast_enabled`` stays False inside this autocast (ask
 ``autocast_dtype_in_effect``); ``torch.utils.checkpoint`` is taught to replay this state
 (``checkpoint.py``); ``torch.compile`` is untested with it: use torch.autocast there. Example::
 
@@ -232,6 +235,8 @@ class AutocastMode(TorchFunctionMode):
         enabled = STATE.enabled
         if not (enabled["cpu"] or enabled["cuda"]) or type(func) is _GETTER:
             return func(*args, **kwargs)              # nothing to do, or a property getter (x.shape)
+        if isinstance(func, _CUSTOM_OP_TYPES) and _namespace(func) not in _TORCH_NAMESPACES:
+            return _custom_op(func, args, kwargs, enabled)
         rule = _RULES.get(func, False)
         if rule is False:
             rule = _rule(func)
@@ -246,6 +251,30 @@ class AutocastMode(TorchFunctionMode):
         if policy is None:
             return func(*args, **kwargs)
         return _apply(policy, func, args, kwargs, device_type)
+
+
+# Custom operators (``torch.library.custom_op`` / ``Library.define``, any namespace but torch's own): their
+# autocast rule lives in the dispatcher (``torch.library.register_autocast`` registers an Autocast kernel that
+# casts the inputs to its dtype and runs the op with autocast off; without one the op's body is autocast op by op).
+# A Python mode cannot read that rule, and the op's body runs below the mode (its aten calls are not seen), so the
+# call is made inside ``torch.autocast`` with this region's dtype: torch's dispatcher applies the op's own rule,
+# or, without one, torch's policy (the tables this package mirrors) to the op's body.
+_CUSTOM_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "_dtensor", "inductor"})
+
+
+def _namespace(op) -> str:
+    name = op.name() if isinstance(op, torch._ops.OpOverload) else op._qualified_op_name
+    return name.split("::", 1)[0]
+
+
+def _custom_op(op, args, kwargs, enabled):
+    t = _first_tensor(args, kwargs)
+    device_type = None if t is None else _device_type(t)
+    if device_type is None or not enabled.get(device_type):
+        return op(*args, **kwargs)
+    with torch.autocast(device_type, dtype=STATE.dtype[device_type], cache_enabled=False):
+        return op(*args, **kwargs)
 
 
 @contextlib.contextmanager

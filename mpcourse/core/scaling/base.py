@@ -13,6 +13,10 @@ and skip inside their own step: as torch, `step` sets `optimizer.grad_scale` and
 (or passes `grad_scaler=self` to a step() that takes that keyword, with torch's FutureWarning: a deprecated
 contract). Where S may be below 1 the gradients are
 unscaled here first (with the overflow check) and the optimizer gets `grad_scale=None`.
+
+With more than one rank the scalers must agree: the all-reduce of the inf/NaN flag carries the scale and the
+trackers too, so every step checks, at no extra collective, that every rank holds the same state (a resume that
+restored one rank's scaler, a scale set by hand on one rank), and raises RuntimeError otherwise.
 """
 from __future__ import annotations
 
@@ -140,12 +144,33 @@ class LossScalerBase:
                 for f in found.values():
                     flag = torch.maximum(flag, f.to(scale.device))
                 if self.all_reduce_found_inf_ is None:
-                    flag = all_reduce_max_(flag, self.process_group)
+                    flag = self._reduce_flag_and_check_ranks_agree(flag)
                 else:                                # a learner's all-reduce, checked (seams.check_found_inf)
+                    self._reduce_flag_and_check_ranks_agree(torch.zeros_like(flag))
                     flag = check_found_inf("all_reduce_found_inf_", self.all_reduce_found_inf_(flag, self.process_group))
                 found = {scale.device: flag}
         self._state(optimizer)["found_inf_per_device"] = found
         return found
+
+    def _reduce_flag_and_check_ranks_agree(self, flag):
+        """The MAX of ``flag`` (fp32 ()) over the ranks of ``process_group``, and a check, in the same all-reduce,
+        that every rank holds the same scaler state (the scale and the trackers): (flag, state, -state) in FP64,
+        reduced with MAX, gives each entry's maximum and minimum over the ranks. Ranks whose scales differ
+        unscale by different factors, and the averaged gradient, hence every rank's weights, is silently wrong:
+        RuntimeError on every rank (all see the same reduced values), naming the fix."""
+        names = list(self._tensor_state_names())
+        vals = torch.stack([getattr(self, n).double() for n in names])
+        packed = all_reduce_max_(torch.cat([flag.double().reshape(1), vals, -vals]), self.process_group)
+        hi, lo = packed[1:1 + len(names)], -packed[1 + len(names):]
+        if not torch.equal(hi, lo):
+            spread = ", ".join(f"{n.lstrip('_')} from {a:g} to {b:g}" for n, a, b in zip(names, lo.tolist(), hi.tolist())
+                               if a != b)
+            raise RuntimeError(
+                f"the ranks' loss scalers disagree ({spread} over the {world_size(self.process_group)} ranks): "
+                "their gradients would be unscaled by different factors and the weights silently diverge. Give "
+                "every rank the same scaler state: load the same scaler state_dict on every rank (a checkpoint "
+                "saved from one rank, loaded on all), and set a scale by hand on every rank or on none.")
+        return packed[0].float()
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record whether any g / S is inf/NaN.

@@ -14,10 +14,8 @@ cannot be imported by a spawned process), so it must be self-contained (``torch`
 """
 from __future__ import annotations
 
-import datetime
 import inspect
 import os
-import socket
 import tempfile
 import textwrap
 
@@ -29,9 +27,10 @@ from . import GradingError, call, verdict
 PATTERNS = [(0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0)]
 
 
-def _rank(rank, port, source, name, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+def _rank(rank, init_method, source, name, out_dir):
+    from mpcourse.experiment.distributed import close_ranks, init_ranks
+
+    init_ranks(rank, 2, init_method, timeout_s=60, threads=1)   # a learner's unmatched collective fails in 60 s
     out = []
     ns = {"torch": torch, "dist": dist}
     try:
@@ -44,7 +43,7 @@ def _rank(rank, port, source, name, out_dir):
     except Exception as e:  # the learner's error, reported by the grader (not a crash of the job)
         out = f"{type(e).__name__}: {e}"
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    close_ranks()
 
 
 def check_all_reduce_found_inf(fn) -> None:
@@ -61,14 +60,11 @@ def check_all_reduce_found_inf(fn) -> None:
     if float(t) != 1.0 or r is None or float(r) != 1.0:
         raise GradingError(f"FAIL {name}: in a single process the flag must stay 1.0 and be returned; got "
                            f"{float(t)} in place and {r!r} returned")
-    from mpcourse.experiment.distributed import spawn
+    from mpcourse.experiment.distributed import rendezvous, spawn
 
     source = textwrap.dedent(inspect.getsource(fn))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
-        spawn(_rank, 2, (port, source, fn.__name__, d))
+        spawn(_rank, 2, (rendezvous(d), source, fn.__name__, d))
         got = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
     for rank, g in enumerate(got):
         if isinstance(g, str):
