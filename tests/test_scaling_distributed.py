@@ -80,6 +80,7 @@ def test_single_process_helpers_are_no_ops():
     assert distributed.all_reduce_max_(t) is t and t.tolist() == [1.0, -3.0]
 
 
+@pytest.mark.slow
 def test_one_rank_overflows_both_skip_with_the_same_scale():
     with tempfile.TemporaryDirectory() as d:  # one spawn for all cases: starting ranks is the slow part
         mp.spawn(_worker, args=(2, free_port(), d), nprocs=2, join=True)
