@@ -22,8 +22,17 @@ import pytest
 # Modules whose tests share nothing costly and each take long (a fresh kernel, spawned ranks): spread them.
 SPREAD = {"tests/test_course.py"}
 
-# Groups measured to take longest, longest first (a notebook, a module; a prefix of a test's node id).
+# Groups measured to take longest, longest first (a prefix of a test's node id: a module, a folder of
+# notebooks, one test); measured with one worker per core on a 2-core CPU (see README, For contributors).
 COSTLY = [
+    "tests/test_checkpoint_distributed.py",       # spawned gloo ranks: one job for every resume case
+    "tests/test_distributed.py",                  # spawned gloo ranks: one job for every DDP/FSDP case
+    "tests/test_course.py::test_shipped_exercise_fails_every_check[11",   # a kernel that spawns ranks
+    "tests/test_train_yours.py",                  # the library's runs, made once, against every learner
+    "tests/test_compare_jobs.py",                 # worker processes
+    "solutions/",                                 # a kernel each, training the last cell's rows
+    "notebooks/",                                 # a kernel each
+    "tests/test_course.py::test_shipped_exercise_fails_every_check",      # a kernel each
 ]
 
 

@@ -234,6 +234,7 @@ def _params(with_bugs: bool = False):
     for stem in SOLUTIONS:
         e = EXERCISES.get(stem, Yours())
         marks = [pytest.mark.xfail(reason=e.missing, strict=False)] if e.missing or not e.recipes else []
+        marks += [pytest.mark.slow] if e.nproc > 1 else []         # spawned gloo ranks: not in the fast lane
         if with_bugs:
             out += [pytest.param(stem, fn, id=f"{stem}-{fn}", marks=marks) for fn in (e.bugs or {"-": None})]
         else:
