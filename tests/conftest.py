@@ -4,7 +4,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most 2 threads; under pytest-xdist (`-n N`) the cores are shared among the N workers (each worker
+# running 2 threads on a 2-core machine would only make them wait for each other).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)

@@ -106,6 +106,7 @@ def _assert_equal_bits(a, b, where=""):
         assert a == b, (where, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,name", CASES)
 def test_resume_in_fresh_processes_is_bit_for_bit(runs, parallel, name):
     for rank in range(2):
@@ -116,6 +117,7 @@ def test_resume_in_fresh_processes_is_bit_for_bit(runs, parallel, name):
         _assert_equal_bits(full["state"], resumed["state"], f"rank {rank} {parallel} {name}")
 
 
+@pytest.mark.slow
 def test_the_fp8_state_is_in_the_checkpoint_and_losing_it_shows(runs):
     """The FP8 scales moved off 1 during the K saved steps; a resume that drops them trains differently."""
     full = runs["full"][0][("fsdp", "fp8-delayed")]
@@ -130,6 +132,7 @@ def _one_rank_group(directory):
     init_ranks(0, 1, rendezvous(directory), timeout_s=30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,name,match", [
     ("ddp", "fp16-dynamic", r"world size mismatch: the checkpoint was saved by 2 ranks, this job has 1: resume "
                             r"with --nproc 2"),

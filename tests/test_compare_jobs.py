@@ -24,6 +24,7 @@ def test_every_main_recipe_is_in_the_default_run():
     assert {"fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"} <= set(default_recipes())
 
 
+@pytest.mark.slow
 def test_pool_rows_equal_in_process_rows_and_a_failing_worker_names_its_run():
     corpus = load_corpus()
     cfg = TrainConfig(steps=3, batch_size=2, eval_interval=2, eval_batches=1, model=SMALL)

@@ -127,6 +127,7 @@ def test_every_exercise_has_checks_and_solution_blocks(solution, exercise):
         "every check cell of a solution stores its PASS verdict"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solution,exercise", _pairs())
 def test_shipped_exercise_fails_every_check(solution, exercise):
     """Run the shipped exercise: every check cell must fail (the graders can fail)."""

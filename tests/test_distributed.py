@@ -257,6 +257,7 @@ def single():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp32", "fp16-master"])
 def test_ddp_equals_one_process_up_to_reduction_order(ranks, single, name):
     ddp = ranks[0][("ddp", name)]["losses"]
@@ -265,6 +266,7 @@ def test_ddp_equals_one_process_up_to_reduction_order(ranks, single, name):
     assert ddp != single[name]["losses"] or name == "fp16-master"  # not bitwise: the tolerance is needed
 
 
+@pytest.mark.slow
 def test_ddp_bf16_pure_replicas_stay_identical(ranks, single):
     """``bf16-pure`` under plain DDP. An optimizer that changed the parameters' dtype around its step (as
     ``BF16Optimizer`` once did) would unhook DDP's reducer after the first step: each rank would then step on its
@@ -277,6 +279,7 @@ def test_ddp_bf16_pure_replicas_stay_identical(ranks, single):
                                rtol=1e-3, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(BF16_VARIANTS))
 def test_fsdp2_bf16_optimizer_step_gives_the_one_process_bits(ranks, variant):
     """The sharded step of ``BF16Optimizer`` (DTensor shards of uneven rows, AdamW + clipping, 4 steps) against
@@ -301,6 +304,7 @@ def test_fsdp2_bf16_optimizer_step_gives_the_one_process_bits(ranks, variant):
         assert not all(torch.equal(a, b) for a, b in zip(other, ranks[0][("sharded-step", variant)]["params"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BF16_VARIANTS))
 def test_fsdp2_runs_the_pure_bf16_recipes(ranks, single, name):
     """The three pure-BF16 recipes under ``--parallel fsdp``: both ranks report the same losses and hold the same
@@ -318,6 +322,7 @@ def test_fsdp2_runs_the_pure_bf16_recipes(ranks, single, name):
         assert (one[kind] == 0) == (kind == "extra" and name != "bf16-pure-kahan")
 
 
+@pytest.mark.slow
 def test_fsdp2_keeps_the_bf16_moments_of_bf16_master_bf16_moments(ranks, single):
     """Under FSDP2 the sharded FP32 parameters are the master and the recipe's own master optimizer steps them:
     AdamW with BF16 moments (2 + 2 bytes per parameter, sharded: about 2 per rank), not plain FP32 AdamW."""
@@ -332,6 +337,7 @@ def test_fsdp2_keeps_the_bf16_moments_of_bf16_master_bf16_moments(ranks, single)
     torch.testing.assert_close(torch.tensor(a), torch.tensor(one["losses"]), rtol=1e-3, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp32", "fp16-master"])
 def test_fsdp_fp32_reduce_matches_ddp(ranks, name):
     fsdp = ranks[0][("fsdp", name)]["losses"]
@@ -340,6 +346,7 @@ def test_fsdp_fp32_reduce_matches_ddp(ranks, name):
                                rtol=RTOL[name], atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (CI installs it)")
 def test_fsdp2_fp8_all_gather_moves_a_quarter_of_fp32_and_trains_the_same(ranks):
     """torchao's FSDP2 float8 all-gather runs on gloo CPU ranks (torch 2.13, torchao 0.18; see
@@ -362,6 +369,7 @@ def test_fsdp2_fp8_all_gather_moves_a_quarter_of_fp32_and_trains_the_same(ranks)
     assert ranks[0]["fp8-all-gather"] == ranks[1]["fp8-all-gather"]
 
 
+@pytest.mark.slow
 def test_one_rank_overflow_all_ranks_skip_with_the_same_scale(ranks):
     """FSDP2: only rank 1's gradient shard holds an inf; both ranks skip, back off once, keep their weights.
     (The gradients are DTensors, and torch's DTensor dispatch of the fused inf check already reduces the
@@ -373,6 +381,7 @@ def test_one_rank_overflow_all_ranks_skip_with_the_same_scale(ranks):
         assert all(s["weights_unchanged"] for s in seen), name
 
 
+@pytest.mark.slow
 def test_plain_shards_need_the_all_reduce(ranks):
     """Gradient shards as plain tensors: with the all-reduce both ranks skip; each rank alone (the control),
     only rank 1 skips and the scales drift apart."""
@@ -381,6 +390,7 @@ def test_plain_shards_need_the_all_reduce(ranks):
                                                       {"skipped": True, "scale_after": 2.0**15}]
 
 
+@pytest.mark.slow
 def test_a_learners_found_inf_all_reduce_runs_in_the_scaler(ranks):
     """Lesson 11's ``all_reduce_found_inf_`` in ``DynamicLossScaler``: the solution behaves as the library's MAX;
     a rank keeping its own flag drifts as the one-rank control does; a SUM stops with one line naming it."""
@@ -390,6 +400,7 @@ def test_a_learners_found_inf_all_reduce_runs_in_the_scaler(ranks):
         assert r[("plain", "yours-sum")]["error"].startswith("all_reduce_found_inf_ returned 2.0: ")
 
 
+@pytest.mark.slow
 def test_bytes_per_param_per_rank(ranks, single):
     """DDP: each rank holds the single-process bytes. FSDP2: the shards of the two ranks add up to the
     single-process bytes of the sharded kinds (each rank about half), plus the all-gathered working copy."""
@@ -413,6 +424,7 @@ def test_bytes_per_param_per_rank(ranks, single):
     assert 0 < mem[0]["weights"] < 2 * n
 
 
+@pytest.mark.slow
 def test_a_raising_rank_stops_the_job_with_its_message():
     job = Job(recipes=["fp32"], corpus=load_corpus(None), cfg=CFG, out=None, parallel="ddp",
               timeout_s=300, fail_rank=1)

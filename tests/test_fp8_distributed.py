@@ -35,6 +35,7 @@ def _worker(rank, world_size, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_amax_all_reduce_over_two_ranks():
     with tempfile.TemporaryDirectory() as d:  # one spawn for both settings: starting ranks is the slow part
         mp.spawn(_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)

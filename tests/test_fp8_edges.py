@@ -252,6 +252,7 @@ def _mismatch_worker(rank, world_size, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_amax_all_reduce_refuses_ranks_that_ran_different_layers():
     with tempfile.TemporaryDirectory() as d:

@@ -24,6 +24,7 @@ def suite_module():
     return module
 
 
+@pytest.mark.slow                                           # runs every section on the CPU, torch.compile included
 def test_dry_run_writes_every_section(suite_module, tmp_path):
     tests = tmp_path / "test_tiny_gpu.py"
     tests.write_text(textwrap.dedent("""

@@ -86,6 +86,7 @@ def test_missing_notebook_exits_2(tmp_path, capsys):
     assert "no such notebook" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_real_solution_saved_with_stale_outputs_passes_outside_the_repo(tmp_path):
     """The course's own exercise 04, completed (its solution), saved with stale and missing outputs."""
     src = ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb"

@@ -41,6 +41,7 @@ def test_library_helper_agrees_with_the_grader_rule():
     assert all_reduce_max_(t) is t and float(t) == 1.0          # one process: no-op
 
 
+@pytest.mark.slow                                  # spawns two gloo ranks; test_reference_passes stays in the fast lane
 @pytest.mark.parametrize("bad, message", [(summed, "SUM"), (kept, "kept its own flag"),
                                           (unconditional, "single process")])
 def test_planted_bugs_fail(bad, message):
@@ -48,6 +49,7 @@ def test_planted_bugs_fail(bad, message):
         check_all_reduce_found_inf(bad)
 
 
+@pytest.mark.slow                                  # spawns two gloo ranks; test_reference_passes stays in the fast lane
 def test_stub_fails():
     def stub(found_inf, group=None):
         raise NotImplementedError

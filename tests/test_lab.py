@@ -51,6 +51,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_server_serves_lessons_exercises_and_solutions(tmp_path):
     pytest.importorskip("jupyterlab")
     port, token = free_port(), "mpcourse-test-token"

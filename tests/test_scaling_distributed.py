@@ -112,6 +112,7 @@ def ranks_results():
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_one_rank_overflows_both_skip_with_the_same_scale(ranks_results):
     res = ranks_results
     assert [r["world_size"] for r in res] == [2, 2]
@@ -129,6 +130,7 @@ def test_one_rank_overflows_both_skip_with_the_same_scale(ranks_results):
     assert res[0]["no_grad"] == res[1]["no_grad"] == (4.0, True)
 
 
+@pytest.mark.slow
 def test_ranks_whose_loss_scales_differ_are_refused(ranks_results):
     """A scaler state that differs between ranks (a scale set per rank, a resume that restored one rank's
     scaler) is refused on every rank at the first step, or the first one after the load; equal states step."""

@@ -85,6 +85,7 @@ def test_table_and_gap(corpus):
     assert "fp32" in text.splitlines()[2] and "nan@" in text.splitlines()[3]
 
 
+@pytest.mark.slow
 def test_cli_compare_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", "--recipes", "fp32,torch-amp-bf16",

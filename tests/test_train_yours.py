@@ -294,6 +294,7 @@ def tagged_solution_outputs(stem):
     return next(c for c in nb.cells if TAG in c.metadata.get("tags", [])).outputs
 
 
+@pytest.mark.slow                                  # trains the course's GPT: the library's rows and yours
 @pytest.mark.parametrize("stem", _params())
 def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     e = _entry(stem)
@@ -310,6 +311,7 @@ def test_the_solutions_functions_give_the_librarys_rows_bit_for_bit(stem):
     assert lines[0].count("identical to the library's") == e.verdicts
 
 
+@pytest.mark.slow                                  # trains the course's GPT: the library's rows and yours
 @pytest.mark.parametrize("stem,fn", _params(with_bugs=True))
 def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     e = _entry(stem)
@@ -327,6 +329,7 @@ def test_a_planted_bug_gives_a_different_row_or_a_line_naming_it(stem, fn):
     assert "Traceback" not in lines[0]
 
 
+@pytest.mark.slow                                  # trains the course's GPT: the library's rows and yours
 @pytest.mark.parametrize("stem", _params())
 def test_the_shipped_exercise_says_not_implemented_in_one_line_per_recipe(stem):
     e = _entry(stem)
