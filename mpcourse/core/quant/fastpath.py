@@ -33,10 +33,11 @@ kernels of ``fused`` (one pass, the same bits; ``tests/test_quant_fused.py``), a
 ``fused``'s quantize-and-copy pass instead of ``fp8_blocks_to_float32``; the torch bodies here run otherwise
 (``MPCOURSE_FUSED=0``) and stay tested against their rules.
 
-Fast paths that live next to their rule (same tests): ``tensor.compute_amax`` (one ``aminmax`` pass),
-``scaled.block_amax`` for 1x16 blocks (max pooling), ``quantize_nvfp4``'s tensor amax (the largest block amax),
-``NVFP4BlockScaling.rht`` (one batched matmul with a cached matrix), and ``gemm.fp8_linear_backward_gemms`` on
-a CPU (no layout copies of W and x; dy^T transposed as 1-byte codes, then upcast).
+The kernels of the quantization rules, each named after the rule it equals (``tests/test_quant_layout.py`` runs
+every recipe's quantizers both ways): ``compute_amax`` (one ``aminmax`` pass), ``to_float8``, ``block_amax`` (max
+pooling for 1x16 blocks), ``quantize_fp32_scaled``, ``quantize_mx``, ``quantize_nvfp4`` and their ``encode_*``
+steps (the FP32 copy kept with the quantization), ``dequantize`` and ``rht`` (one batched matmul with a cached
+matrix); ``engine`` binds them. ``gemm.fp8_linear_backward_gemms`` on a CPU takes no layout copies of W and x.
 """
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ FP4 and FP6 values are held one per byte in a ``torch.float8_e4m3fn`` container:
 value is exactly an E4M3 value (packing two FP4 values per byte is a storage detail this course leaves out;
 ``bits_per_element`` counts the real width). Padding rule: none. A dimension that a block does not divide
 raises ValueError naming the block; the course's GPT has widths and token counts that are multiples of 128.
+
+The rules here (``block_amax``, ``cast_elements``, ``ScaledTensor.dequantize``) are plain torch; their kernels are
+``fastpath.block_amax``, ``fastpath.cast_elements`` and ``fastpath.dequantize`` (numba's passes in ``fused``).
 """
 from __future__ import annotations
 

@@ -26,6 +26,10 @@ E4M3 (even inf -> 448) but not E5M2 (61440 -> inf), and older versions saturated
 non-saturating conversion (what ``ml_dtypes`` does): a value that rounds past fp8_max becomes NaN
 in E4M3 (it has no inf) and +-inf in E5M2. NaN stays NaN in both modes, so a NaN in a tensor
 shows up in the GEMM output instead of being hidden.
+
+The rules here (``compute_amax``, ``compute_scale``, lesson 07's ``quantize``, ``to_float8``, ``quantize_current``)
+are plain torch; their kernels are ``fastpath.compute_amax`` and ``fastpath.to_float8`` (numba's pass in ``fused``),
+equal bit for bit (``tests/test_quant_fused.py``), chosen by ``engine``.
 """
 from __future__ import annotations
 
