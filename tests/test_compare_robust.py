@@ -200,3 +200,43 @@ def test_solutions_train_yours_cells_assert_the_verdict_not_the_losses():
                 assert "nbval-ignore-output" in c.metadata["tags"], path.name
                 assert "assert not any(c.wrong for c in _)" in c.source, path.name
     assert cells >= 10
+
+
+def _check_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_readme_tables", ROOT / "benchmarks" / "check_readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault(spec.name, mod)        # its dataclass looks its module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tmp_path, capsys):
+    """A synthetic README holding the table a small run printed: the check agrees with that run's results.json,
+    and names the recipe and column of a number changed in the README (a tok/s change is not a difference)."""
+    check = _check_script()
+    lines: list[str] = []
+    run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    table = "\n".join(lines[0].splitlines()[:4])                   # header, dashes, two rows
+    readme = tmp_path / "README.md"
+    results = str(tmp_path / "run" / "results.json")
+
+    def check_with(text):
+        readme.write_text(f"# t\n\n```\n$ mpcourse compare --steps 3  # 1 s\n{text}\n```\n")
+        return check.main(["--readme", str(readme), "--table", "mpcourse compare --steps 3", "--results", results])
+
+    assert check_with(table) == 0
+    head, rows = check.parse_table(table.splitlines())
+    i_val, i_tok = head.index("val"), head.index("tok/s")
+    val = rows["bf16-pure"][i_val]
+    changed = [ln.replace(f" {val} ", f" {float(val) + 0.001:.3f} ") if ln.startswith("bf16-pure") else ln
+               for ln in table.splitlines()]
+    capsys.readouterr()
+    assert check_with("\n".join(changed)) == 1
+    assert f"bf16-pure val: README {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
+    tok = rows["fp32"][i_tok]
+    slower = [ln.replace(f" {tok} ", " " + "9" * len(tok) + " ", 1) if ln.startswith("fp32") else ln
+              for ln in table.splitlines()]
+    assert check_with("\n".join(slower)) == 0
+    assert check.main(["--readme", str(readme), "--table", "no such command", "--results", results]) == 2
