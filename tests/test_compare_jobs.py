@@ -13,7 +13,7 @@ from mpcourse.experiment.train import TrainConfig, Trainer
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 
 
-@pytest.mark.parametrize("runs, cores, want", [(19, 2, (2, 1)), (1, 2, (1, 2)), (3, 8, (3, 2)), (19, 1, (1, 1))])
+@pytest.mark.parametrize("runs, cores, want", [(19, 2, (2, 1)), (1, 2, (1, 1)), (3, 8, (3, 1)), (19, 1, (1, 1))])
 def test_default_jobs_one_worker_per_core_and_at_most_one_per_run(runs, cores, want):
     assert default_jobs(runs, cores) == want
 

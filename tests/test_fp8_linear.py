@@ -329,13 +329,17 @@ def test_bad_layer_inputs_raise():
 
 
 def test_cpu_scaled_mm_facts_the_library_relies_on():
-    # Measured on torch 2.13 (CPU): per-tensor fp32 scales, any shape and layout, e5m2 x e4m3, bf16/fp32 output,
-    # and the result is exactly (float32(A) * scale_a) @ (float32(B) * scale_b), rounded to out_dtype.
+    # Measured on torch 2.13 (CPU, AVX2 and AVX-512 BF16/FP16 alike): per-tensor fp32 scales, e5m2 x e4m3, bf16/fp32
+    # output, and the result is exactly (float32(A) * scale_a) @ (float32(B) * scale_b) with both FP32 operands
+    # row-major, rounded to out_dtype. Row-major matters: an FP32 GEMM on the transposed view of B sums in another
+    # order on AVX-512 (the bits differ in the last place). Not a fact on every CPU: e4m3 x e4m3 on an AVX-512 CPU
+    # with FP16 units runs oneDNN's own kernel (other sums), so the library computes its CPU FP8 GEMMs itself
+    # (fastpath.cpu_scaled_mm) and never relies on _scaled_mm's bits there.
     g = torch.Generator().manual_seed(7)
     a = (torch.randn(5, 7, generator=g) * 8).to(torch.float8_e5m2)
     b = (torch.randn(3, 7, generator=g) * 8).to(torch.float8_e4m3fn)
     sa, sb = torch.tensor(0.37), torch.tensor(1.3)
-    want = (a.float() * sa) @ (b.float() * sb).t()
+    want = (a.float() * sa) @ (b.float() * sb).t().contiguous()
     for out_dtype in (torch.float32, torch.bfloat16):
         got = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
         assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))

@@ -32,6 +32,21 @@ def _seed_list(text: str) -> list[int]:
 # ``--quick``: every recipe, on under a third of the default's tokens (a first contact, not a measurement:
 # 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
 QUICK = {"steps": 50, "batch_size": 8}
+DEFAULT_OUT, QUICK_OUT = Path("mpcourse-out"), Path("mpcourse-out-quick")
+
+
+def _previous_run(out: Path) -> str | None:
+    """One line when ``out`` already holds a run's results.json (what it was: rows, steps), else None."""
+    f = out / "results.json"
+    if not f.is_file():
+        return None
+    try:
+        import json
+        old = json.loads(f.read_text())
+        what = f"{len(old['results'])} rows, {old['config']['steps']} steps x {old['config']['batch_size']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "unreadable"
+    return f"note: {f} holds an earlier run ({what}); this run overwrites it (pass --out to keep it)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
-    c.add_argument("--out", type=Path, default=Path("mpcourse-out"), help="output folder (default %(default)s)")
+    c.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default {DEFAULT_OUT}; {QUICK_OUT} with --quick, so a first run never replaces "
+                        "the main one); a folder that already holds results.json is overwritten, and the run says so")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     c.add_argument("--jobs", type=positive_int, default=None,
-                   help="train this many recipes at once in worker processes, each on cores/jobs threads (default: "
-                        "one per core, at most one per run; 1: all in this process with torch's threads). "
-                        "results.json records jobs and threads: the same pair gives the same bits")
+                   help="train this many recipes at once in worker processes (default: one per core, at most one "
+                        "per run; 1: all in this process). Every run uses one intra-op thread wherever it trains, so "
+                        "a row's bits do not depend on --jobs")
     c.add_argument("--with", dest="with_notebooks", action="append", default=[], metavar="NOTEBOOK",
                    help="an exercise notebook whose functions (e.g. update_scale) train a second row per recipe, "
                         "'NAME [yours]'; repeat for several notebooks")
@@ -133,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
     args.steps = args.steps if args.steps is not None else preset["steps"]
     args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
@@ -159,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(f"tensor cores: {emulation.status()}")
+    from . import machine
+    print(f"cpu: {machine.summary()}")
+    previous = _previous_run(args.out)
+    if previous:
+        print(previous)
     learner = {}
     if args.with_notebooks:
         from .learner import LearnerLoadError, load_functions
@@ -170,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     n_runs = len(recipes) * len(args.seeds or [args.seed])
+    from .threads import TRAINING_THREADS
     if args.jobs is not None:
-        from .pool import usable_cores
-        jobs, threads = args.jobs, max(1, usable_cores() // args.jobs)
+        jobs, threads = args.jobs, TRAINING_THREADS
     elif args.device == "cuda":
-        jobs, threads = 1, None                  # one GPU: one process
+        jobs, threads = 1, TRAINING_THREADS      # one GPU: one process
     else:
         from .pool import default_jobs
         jobs, threads = default_jobs(n_runs)
@@ -182,20 +206,27 @@ def main(argv: list[str] | None = None) -> int:
         print("mpcourse compare: error: --jobs > 1 trains on the CPU; drop --jobs with --device cuda", file=sys.stderr)
         return 2
     if jobs > 1:
-        print(f"jobs: {jobs} worker processes x {threads} threads")
-    peak = _peak_flops(args.device, threads if jobs > 1 else None)
+        print(f"jobs: {jobs} worker processes x {threads} thread(s)")
+    peak = _peak_flops(args.device, threads)
     where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
     print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
           else "peak FLOP/s: unknown GPU, %peak not shown")
     if args.preset == "large" and args.device != "cuda" and peak:
         print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peak), file=sys.stderr)
     t0 = time.time()
+    from .compare import CompareFailed
     from .pool import WorkerError
     try:
         run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds,
-                    peak_flops=peak, inspect_every=args.inspect or 0, learner=learner, jobs=jobs, threads=threads)
+                    peak_flops=peak, inspect_every=args.inspect or 0, learner=learner, jobs=jobs)
     except WorkerError as e:
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
+        return 1
+    except CompareFailed as e:
+        for f in e.failed:
+            print(f"mpcourse compare: error: {f['recipe']} (seed {f['seed']}) failed: {f['error']}", file=sys.stderr)
+        print(f"mpcourse compare: {len(e.failed)} run(s) failed; the {len(e.results)} finished rows are in "
+              f"{args.out / 'results.json'} (its \"failed\" list names the others)", file=sys.stderr)
         return 1
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0

@@ -137,28 +137,58 @@ def _mean_std(xs: list[float], spec: str) -> str:
 def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None = None) -> str:
     """Mean +- std over seeds (one row per recipe) of the final losses, the gap to FP32 (per seed) and tok/s."""
     seeds = list(runs)
-    names = [r.recipe for r in runs[seeds[0]]]
+    names = list(dict.fromkeys(r.recipe for s in seeds for r in runs[s]))   # a run that failed has no row
     by = {s: {r.recipe: r for r in rs} for s, rs in runs.items()}
     head = ["recipe", "train", "val", "gap%", "spikes", "skipped", "tok/s", "%peak", "B/param w+g+m+o=total",
             "act MB", "peak MB"]
     spikes = {(s, r.recipe): rep for s in seeds for r, rep in zip(runs[s], spike_reports(runs[s]))}
     rows = []
     for n in names:
-        rs = [by[s][n] for s in seeds]
-        gaps = [gap_percent(by[s][n], by[s].get("fp32")) for s in seeds]
+        have = [s for s in seeds if n in by[s]]
+        rs = [by[s][n] for s in have]
+        gaps = [gap_percent(by[s][n], by[s].get("fp32")) for s in have]
         diverged = [r.diverged_at for r in rs if r.diverged_at is not None]
         val = _mean_std([r.final_val_loss for r in rs], ".3f")
         if diverged:
             val = f"nan@{min(diverged)} ({len(diverged)}/{len(rs)})"
         first = rs[0]
         rows.append([n, _mean_std([r.final_train_loss for r in rs], ".3f"), val, _mean_std(gaps, "+.1f"),
-                     "/".join(_spike_cell(spikes[s, n]) for s in seeds), "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
+                     "/".join(_spike_cell(spikes[s, n]) for s in have), "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
                      _peak_pct(dataclasses.replace(first, tokens_per_s=statistics.mean(r.tokens_per_s for r in rs)),
                                peak_flops),
                      _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
     legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run); "
               "spikes, skipped: per seed\n" + LEGEND)
     return _layout(head, rows, legend)
+
+
+def _stat(xs: list[float | None]) -> dict:
+    """Mean and sample std (n-1) of the values as ``format_seed_table`` prints them (None values left out; a
+    non-finite value makes both NaN; one value: std None)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"mean": None, "std": None, "n": 0}
+    if any(not math.isfinite(x) for x in xs):
+        return {"mean": math.nan, "std": math.nan, "n": len(xs)}
+    return {"mean": statistics.mean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs)}
+
+
+def seed_summary(runs: dict[int, list[RunResult]]) -> dict[str, dict]:
+    """Per recipe, over the seeds: mean and sample std of the final train and validation losses and of the gap to
+    FP32 in percent (per seed, against that seed's fp32 run), the mean tok/s, the seeds it ran and where it
+    diverged: the numbers the ``--seeds`` table prints, for ``results.json``'s ``seed_summary``."""
+    seeds = list(runs)
+    by = {s: {r.recipe: r for r in rs} for s, rs in runs.items()}
+    out = {}
+    for n in dict.fromkeys(r.recipe for s in seeds for r in runs[s]):
+        have = [s for s in seeds if n in by[s]]
+        rs = [by[s][n] for s in have]
+        out[n] = {"seeds": have,
+                  "train": _stat([r.final_train_loss for r in rs]), "val": _stat([r.final_val_loss for r in rs]),
+                  "gap_percent": _stat([gap_percent(by[s][n], by[s].get("fp32")) for s in have]),
+                  "tokens_per_s": statistics.mean(r.tokens_per_s for r in rs),
+                  "diverged_at": [r.diverged_at for r in rs]}
+    return out
 
 
 def plot_curves(results: list[RunResult], path: Path) -> None:
@@ -232,6 +262,34 @@ def plot_curves(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _num(x) -> str:
+    return "None" if x is None else format(x, ".8g")
+
+
+def first_difference(library: RunResult, mine: RunResult) -> str | None:
+    """The first place where ``mine`` differs from ``library`` (exact comparison), in words; None if nowhere.
+
+    Compared in order: each step's record (``loss``, ``skipped``, ``loss_scale``, ``val_loss`` and any other
+    key a recipe reports), the number of steps run, then the final train and validation losses.
+    """
+    for a, b in zip(library.history, mine.history):
+        for key in sorted(set(a) | set(b), key=lambda k: (k != "loss", k)):
+            if key != "step" and not _same(a.get(key), b.get(key)):
+                return f"first at step {a['step']}, {key} {_num(b.get(key))} (library {_num(a.get(key))})"
+    if len(library.history) != len(mine.history):
+        return f"ran {len(mine.history)} steps (library {len(library.history)})"
+    for key in ("final_train_loss", "final_val_loss"):
+        if not _same(getattr(library, key), getattr(mine, key)):
+            return f"{key.replace('_', ' ')} {_num(getattr(mine, key))} (library {_num(getattr(library, key))})"
+    return None
+
+
 def yours(name: str) -> str:
     """The row name of recipe ``name`` trained with a learner's functions."""
     return f"{name} [yours]"
@@ -279,18 +337,22 @@ def strict_json(obj):
 
 
 def environment(device: str = "cpu") -> dict:
-    """What produced the numbers: versions, device, tensor-core emulation per low-precision dtype."""
+    """What produced the numbers: versions, device, tensor-core emulation per low-precision dtype, and the CPU's
+    kind (``cpu``: instruction set, flags, BF16/FP16 GEMMs native or emulated; ``mpcourse.experiment.machine``)."""
     import platform
 
     import torch
 
     from mpcourse.core import emulation
+
+    from . import machine
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "device": device,
             "emulation": {str(dt).replace("torch.", ""): {"emulated": emulation.emulation_enabled(dt),
                                                          "cpu_has_native_units": emulation.cpu_has_native(dt)}
                           for dt in emulation.LOW_PRECISION},
-            "emulation_summary": emulation.status()}
+            "emulation_summary": emulation.status(),
+            "cpu": machine.describe()}
 
 
 def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, extra: dict | None = None,
@@ -316,6 +378,47 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
                "results": rows}
     return strict_json(payload)
 
+class CompareFailed(RuntimeError):
+    """Some runs of a compare job failed; the finished ones are in ``results.json`` (``failed`` names the others).
+
+    Attributes:
+        failed: ``[{"recipe", "seed", "error"}]``, one per failed run, in the order of the job.
+        results: the rows that finished.
+    """
+
+    def __init__(self, failed: list[dict], results: list[RunResult]):
+        self.failed, self.results = failed, results
+        super().__init__("; ".join(f"{f['recipe']} (seed {f['seed']}): {f['error']}" for f in failed))
+
+
+def _error_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def learner_verdicts(rows: dict[int, list[RunResult]], recipes: list[str], messages: dict[str, str]) -> list[str]:
+    """One line per recipe trained with a learner's functions, as a notebook's "train with your code" cell prints
+    it: identical to the library's row bit for bit (on every seed), where it first differs, or why there is no
+    ``[yours]`` row (``messages``: recipe -> the line ``train_with_learner`` gave)."""
+    out = []
+    for name in recipes:
+        pairs = [(seed, {r.recipe: r for r in rs}) for seed, rs in rows.items()]
+        pairs = [(seed, by[name], by[yours(name)]) for seed, by in pairs if name in by and yours(name) in by]
+        if name in messages:
+            out.append(messages[name] if messages[name].startswith(name) else f"{yours(name)}: {messages[name]}")
+        elif pairs:
+            diffs = [(seed, first_difference(lib, mine)) for seed, lib, mine in pairs]
+            bad = [(seed, d) for seed, d in diffs if d is not None]
+            seeds = f" on {len(pairs)} seeds" if len(pairs) > 1 else ""
+            if not bad:
+                out.append(f"{yours(name)}: identical to the library's bit for bit{seeds} "
+                           f"({len(pairs[0][1].history)} training losses, loss scales, final losses)")
+            else:
+                where = f" (seed {bad[0][0]})" if len(pairs) > 1 else ""
+                out.append(f"{yours(name)}: differs from the library's{where}: {bad[0][1]}")
+    return out
+
+
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
                 peak_flops: float | None = None, inspect_every: int = 0,
@@ -326,48 +429,84 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
     FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``).
     ``learner``: functions loaded from exercise notebooks (``mpcourse.experiment.learner``); each recipe
-    that accepts some of them gets a second row, ``"name [yours]"``, trained with them (every seed).
-    ``jobs`` > 1: the library's rows train in that many worker processes of ``threads`` threads each
-    (``mpcourse.experiment.pool``); the learner's rows train afterwards in this process.
-    """
-    import torch
+    that accepts some of them gets a second row, ``"name [yours]"``, trained with them (every seed), and one
+    verdict line under the table (``learner_verdicts``).
+    ``jobs`` > 1: the library's rows train in that many worker processes (``mpcourse.experiment.pool``); the
+    learner's rows train afterwards in this process. Every run, wherever it trains, uses ``TRAINING_THREADS``
+    intra-op threads (``mpcourse.experiment.threads``): a row's bits do not depend on ``jobs``, on the other
+    recipes of the job or on the process. ``threads`` is accepted for old callers and must be that count.
 
+    A run that fails does not stop the others: the table and ``results.json`` hold every finished row,
+    ``results.json``'s ``failed`` names each failed run and why, and ``CompareFailed`` is raised after the
+    files are written.
+    """
+    from .threads import TRAINING_THREADS, training_threads
+
+    if threads not in (None, TRAINING_THREADS):
+        raise ValueError(f"threads={threads}: every training run uses {TRAINING_THREADS} intra-op thread(s) "
+                         "(mpcourse.experiment.threads); drop the argument")
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(seeds) if seeds else [cfg.seed]
     pooled: dict[tuple[int, str], RunResult] = {}
+    failed: dict[tuple[int, str], str] = {}
     if jobs > 1:
         from .pool import Task, run_pool
-        threads = threads or 1
         tasks = [Task(name, dataclasses.replace(cfg, seed=seed), inspect_every if seed == seeds[0] else 0, out)
                  for seed in seeds for name in recipes]
-        for t, r in zip(tasks, run_pool(tasks, corpus, jobs, threads, progress=progress)):
-            pooled[t.cfg.seed, t.name] = r
-    else:
-        threads = torch.get_num_threads()
-    runs: dict[int, list[RunResult]] = {}
-    for seed in seeds:
-        scfg = dataclasses.replace(cfg, seed=seed)
-        rows = []
-        for name in recipes:
-            if (seed, name) in pooled:
-                rows.append(pooled[seed, name])
-            elif inspect_every and seed == seeds[0]:
-                rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
+        errors: dict[int, str] = {}
+        for i, (t, r) in enumerate(zip(tasks, run_pool(tasks, corpus, jobs, TRAINING_THREADS, progress=progress,
+                                                       failures=errors))):
+            if r is not None:
+                pooled[t.cfg.seed, t.name] = r
             else:
-                rows.append(train(name, corpus, scfg, progress=progress))
-            if learner:
-                mine = train_with_learner(name, corpus, scfg, learner, progress=progress, echo=echo)
-                if mine is not None:
-                    rows.append(mine)
-        runs[seed] = rows
+                failed[t.cfg.seed, t.name] = errors[i]
+    runs: dict[int, list[RunResult]] = {}
+    messages: dict[str, str] = {}
+    with training_threads():
+        for seed in seeds:
+            scfg = dataclasses.replace(cfg, seed=seed)
+            rows = []
+            for name in recipes:
+                if (seed, name) in failed:
+                    continue
+                try:
+                    if (seed, name) in pooled:
+                        rows.append(pooled[seed, name])
+                    elif inspect_every and seed == seeds[0]:
+                        rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
+                    else:
+                        rows.append(train(name, corpus, scfg, progress=progress))
+                except Exception as e:          # keep the other rows: this one is named in results.json
+                    failed[seed, name] = _error_line(e)
+                    continue
+                if learner:
+                    said: list[str] = []
+                    mine = train_with_learner(name, corpus, scfg, learner, progress=progress, echo=said.append)
+                    if mine is not None:
+                        rows.append(mine)
+                    elif said:
+                        messages.setdefault(name, said[0])
+            runs[seed] = rows
+    failures = [{"recipe": name, "seed": seed, "error": failed[seed, name]}
+                for seed in seeds for name in recipes if (seed, name) in failed]
     if len(seeds) == 1:
         echo(format_table(runs[seeds[0]], peak_flops=peak_flops))
     else:
         echo(format_seed_table(runs, peak_flops))
+    if learner:
+        for line in learner_verdicts(runs, recipes, messages):
+            echo(line)
+    for f in failures:
+        echo(f"FAILED {f['recipe']} (seed {f['seed']}): {f['error']}")
     flat = [(s, r) for s, rs in runs.items() for r in rs]
-    write_outputs([r for _, r in flat], corpus, cfg, out,
-                  extra={"seeds": seeds, "peak_flops": peak_flops, "jobs": jobs, "threads": threads},
+    extra = {"seeds": seeds, "peak_flops": peak_flops, "jobs": jobs, "threads": TRAINING_THREADS,
+             "failed": failures}
+    if len(seeds) > 1:
+        extra["seed_summary"] = seed_summary(runs)
+    write_outputs([r for _, r in flat], corpus, cfg, out, extra=extra,
                   seeds=[s for s, _ in flat], plot_results=runs[seeds[0]])
+    if failures:
+        raise CompareFailed(failures, [r for _, r in flat])
     return [r for _, r in flat]
 
 

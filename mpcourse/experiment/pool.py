@@ -1,14 +1,15 @@
-"""``mpcourse compare --jobs N``: train the recipes in N worker processes at once, each on its share of the cores.
+"""``mpcourse compare --jobs N``: train the recipes in N worker processes at once, one intra-op thread each.
 
 A small GPT's step does not keep two cores busy: on a 2-core CPU two 1-thread processes train about 1.45x as
 many steps per second as one 2-thread process (measured with ``benchmarks/bench_block_recipes.py``). So the
 job runs each (recipe, seed) in a pool of ``jobs`` processes (``concurrent.futures.ProcessPoolExecutor``,
-spawned, not forked: a forked child of a process that already ran OpenMP threads can hang), each worker
-calling ``torch.set_num_threads(threads)``, with ``jobs x threads`` the cores this process may use
-(``default_jobs``). What a run computes does not depend on which worker runs it or when: every run seeds its
-own model, batches and torch's global generator (``Trainer``). It can depend on the thread count (a GEMM may
-split its sums differently), so ``results.json`` records ``jobs`` and ``threads``: the same pair gives the
-same bits. tok/s is then one worker's speed on ``threads`` threads while the other workers run too.
+spawned, not forked: a forked child of a process that already ran OpenMP threads can hang), one per core
+(``default_jobs``), each worker on ``TRAINING_THREADS`` (one) intra-op thread. What a run computes does not
+depend on which worker runs it or when: every run seeds its own model, batches and torch's global generator
+(``Trainer``), and every run, in a worker or in the parent, trains on the same thread count
+(``mpcourse.experiment.threads``: the reduction order of a GEMM follows the thread count), so a row's bits do
+not depend on ``--jobs`` or on the other recipes of the job. tok/s is one worker's speed on one thread while
+the other workers run too.
 
 Order: the runs start longest first (``STEP_COST``, each recipe's step time over the FP32 step, measured with
 ``benchmarks/bench_block_recipes.py`` on a 2-core AVX2 CPU; a scheduling hint only, so a stale number costs
@@ -18,7 +19,8 @@ while the other workers sit idle. The results come back in the order of the task
 Progress: the workers report every step through a queue and the parent draws one bar over all steps
 (per-process bars would overwrite each other); a run that diverges stops early and its steps not run are
 counted as done, so a finished job's bar ends at 100%. A worker that raises ends the job with ``WorkerError``,
-naming the run and carrying the worker's message.
+naming the run and carrying the worker's message; with ``failures=`` the other runs go on and the failed one is
+named there (``mpcourse compare`` keeps every finished row).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from .data import Corpus
+from .threads import TRAINING_THREADS
 from .train import RunResult, TrainConfig
 
 
@@ -60,11 +63,12 @@ def usable_cores() -> int:
 
 
 def default_jobs(n_runs: int, cores: Optional[int] = None) -> tuple[int, int]:
-    """(jobs, threads per job) for ``n_runs`` runs: one single-threaded worker per core, at most one per run;
-    the threads of the cores left over go to the workers (e.g. 8 cores, 3 runs: 3 workers x 2 threads)."""
+    """(jobs, threads per job) for ``n_runs`` runs: one single-threaded worker per core, at most one per run
+    (e.g. 8 cores, 3 runs: 3 workers x 1 thread). The cores left over stay idle: a run's bits depend on its
+    thread count, so every run trains on ``TRAINING_THREADS`` (``mpcourse.experiment.threads``)."""
     cores = usable_cores() if cores is None else cores
     jobs = max(1, min(cores, n_runs))
-    return jobs, max(1, cores // jobs)
+    return jobs, TRAINING_THREADS
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,14 @@ def _run_task(task: Task, corpus: Corpus) -> RunResult:
     return Trainer(task.name, corpus, task.cfg).run(on_step=tick).result()
 
 
-def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, progress: bool = True) -> list[RunResult]:
-    """Run ``tasks`` in ``jobs`` spawned workers of ``threads`` threads each; results in the order of ``tasks``.
-    Raises ``WorkerError`` (the other runs are cancelled) when one fails."""
+def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINING_THREADS, *, progress: bool = True,
+             failures: Optional[dict[int, str]] = None) -> list[Optional[RunResult]]:
+    """Run ``tasks`` in ``jobs`` spawned workers of ``threads`` threads each (default ``TRAINING_THREADS``, the
+    count every training run uses: ``mpcourse.experiment.threads``); results in the order of ``tasks``.
+
+    A run that fails raises ``WorkerError`` (the other runs are cancelled); with ``failures`` (a dict) the
+    other runs go on instead, the failed task's index maps to ``"ExceptionType: message"`` there, and its
+    result is None."""
     ctx = mp.get_context("spawn")
     ticks = ctx.Queue()
     results: dict[int, RunResult] = {}
@@ -122,8 +131,12 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, prog
                     try:
                         results[i] = f.result()
                     except Exception as e:   # the worker's exception, re-raised here by the executor
-                        raise WorkerError(f"{tasks[i].name} (seed {tasks[i].cfg.seed}) failed in a worker: "
-                                          f"{type(e).__name__}: {e}") from e
+                        if failures is None:
+                            raise WorkerError(f"{tasks[i].name} (seed {tasks[i].cfg.seed}) failed in a worker: "
+                                              f"{type(e).__name__}: {e}") from e
+                        failures[i] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        bar.write(f"{tasks[i].name:>16} FAILED: {failures[i]}")
+                        continue
                     # a run that diverged stops early: its steps not run are counted as done, so the bar
                     # ends at 100% (the run is finished; the table says where it diverged)
                     bar.update(max(0, tasks[i].cfg.steps - results[i].steps_run))
@@ -137,7 +150,7 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int, *, prog
         finally:
             _drain(ticks, bar)
             bar.close()
-    return [results[i] for i in range(len(tasks))]
+    return [results.get(i) for i in range(len(tasks))]
 
 
 def _drain(ticks, bar) -> None:

@@ -1,0 +1,208 @@
+"""Check the README's ``mpcourse compare`` tables against a run: every number in a deterministic column must be the
+one the command beside it prints now.
+
+Each table in the README is a fenced block whose first line is the command (``$ mpcourse compare --quick  # 107 s
+...``) followed by the table ``mpcourse compare`` printed (a ``recipe ...`` header, a dashed line, one row per
+recipe). This script reads those blocks, gets a fresh table for one of them (``--run``: runs its command with
+``--out`` in a temporary folder; or ``--results``: a ``results.json`` that command wrote) and compares them
+column by column, by recipe name.
+
+Columns compared (``--columns``):
+  deterministic (default): every column but tok/s and %peak (wall clock). Exact only on the CPU kind the
+      README's table was measured on: FP32 GEMMs sum in another order on AVX2 and AVX-512, and BF16/FP16 GEMMs
+      run native or emulated (``results.json``'s ``environment.cpu`` says which).
+  memory: the byte columns (B/param, act MB, peak MB), counted from live tensors: the same on any CPU.
+  all: every column (a timing column will differ).
+
+The fresh table is formatted by the same functions ``mpcourse compare`` prints with
+(``mpcourse.experiment.compare.format_table``, ``format_seed_table``), so a difference is a difference in the
+numbers, never in the layout.
+
+    python benchmarks/check_readme_tables.py --list                          # the README's tables, numbered
+    python benchmarks/check_readme_tables.py --table "compare --quick" --run # rerun the quick table's command
+    python benchmarks/check_readme_tables.py --table "compare --quick" --results mpcourse-out-quick/results.json
+
+Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, README, fresh);
+2 bad input (no such table, an unreadable results.json), one line naming the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMING = ("tok/s", "%peak")
+MEMORY = ("B/param w+g+m+o=total", "act MB", "peak MB")
+
+
+@dataclasses.dataclass
+class Table:
+    """One README table: the command line (comment dropped), its header cells and its rows by recipe."""
+
+    command: str
+    header: list[str]
+    rows: dict[str, list[str]]
+    line: int                      # 1-based line of the command in the README
+
+
+def _cells(line: str, starts: list[int]) -> list[str]:
+    """Split a monospaced table line at the column starts found from its dashed line."""
+    bounds = starts[1:] + [len(line) + 1]
+    return [line[a:b].strip() for a, b in zip(starts, bounds)]
+
+
+def parse_table(lines: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Header cells and rows (recipe -> cells) of a printed table: ``recipe`` header, dashed line, rows until a
+    line that is not a row (blank, a legend, another command)."""
+    head_i = next(i for i, ln in enumerate(lines) if ln.startswith("recipe "))
+    dashes = lines[head_i + 1]
+    if not set(dashes) <= {"-", " "} or not dashes.strip():
+        raise ValueError("a table's header must be followed by its dashed line")
+    starts = [i for i, ch in enumerate(dashes) if ch == "-" and (i == 0 or dashes[i - 1] == " ")]
+    header = _cells(lines[head_i], starts)
+    rows = {}
+    for ln in lines[head_i + 2:]:
+        if not ln.strip() or ln.startswith(("$", "train/val:", "mean+-std")):
+            break
+        cells = _cells(ln, starts)
+        rows[cells[0]] = cells
+    return header, rows
+
+
+def readme_tables(text: str) -> list[Table]:
+    """Every fenced block of ``text`` whose first line is ``$ mpcourse compare ...`` and that holds a dashed table."""
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            j = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("```")), len(lines))
+            block = lines[i + 1:j]
+            for k, ln in enumerate(block):
+                if ln.startswith("$ mpcourse compare") and k + 2 < len(block) and block[k + 1].startswith("recipe ") \
+                        and block[k + 2].strip() and set(block[k + 2]) <= {"-", " "}:
+                    header, rows = parse_table(block[k + 1:])
+                    out.append(Table(ln[2:].split("#")[0].strip(), header, rows, i + 2 + k))
+            i = j + 1
+        else:
+            i += 1
+    return out
+
+
+def _restore(d: dict) -> dict:
+    """A ``results.json`` object with its non-finite numbers back (``strict_json`` wrote them as null)."""
+    return {**d, **{k: float(v) for k, v in d.get("nonfinite", {}).items()}}
+
+
+def fresh_table(payload: dict) -> tuple[list[str], dict[str, list[str]]]:
+    """The table ``mpcourse compare`` printed for a ``results.json`` payload (one seed or several)."""
+    from mpcourse.experiment.compare import format_seed_table, format_table
+    from mpcourse.experiment.train import RunResult
+
+    names = {f.name for f in dataclasses.fields(RunResult)}
+    by_seed: dict[int, list] = {}
+    for row in payload["results"]:
+        r = _restore(row)
+        r["history"] = [_restore(h) for h in r.get("history", [])]
+        by_seed.setdefault(row.get("seed", 0), []).append(RunResult(**{k: v for k, v in r.items() if k in names}))
+    peak = payload.get("peak_flops")
+    text = (format_table(next(iter(by_seed.values())), peak_flops=peak) if len(by_seed) == 1
+            else format_seed_table(by_seed, peak))
+    return parse_table(text.splitlines())
+
+
+def columns_to_check(header: list[str], which: str) -> list[str]:
+    if which == "all":
+        return header[1:]
+    if which == "memory":
+        return [c for c in header if c in MEMORY]
+    return [c for c in header[1:] if c not in TIMING]
+
+
+def differences(table: Table, header: list[str], rows: dict[str, list[str]], which: str = "deterministic") -> list[str]:
+    """One line per cell that differs (and per recipe in one table only), in README order."""
+    out = []
+    if header != table.header:
+        out.append(f"header: README {table.header} vs fresh {header}")
+        return out
+    cols = columns_to_check(header, which)
+    for name in list(table.rows) + [n for n in rows if n not in table.rows]:
+        if name not in rows or name not in table.rows:
+            out.append(f"{name}: only in the {'README' if name in table.rows else 'fresh run'}")
+            continue
+        for c in cols:
+            i = header.index(c)
+            if table.rows[name][i] != rows[name][i]:
+                out.append(f"{name} {c}: README {table.rows[name][i]}, fresh {rows[name][i]}")
+    return out
+
+
+def run_command(command: str, out: Path) -> dict:
+    """Run a README command (``mpcourse compare ...``) with ``--out out --no-progress``; its results.json."""
+    args = shlex.split(command)[1:]
+    subprocess.run([sys.executable, "-m", "mpcourse", *args, "--out", str(out), "--no-progress"], check=True)
+    return json.loads((out / "results.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--list", action="store_true", help="list the README's tables and exit")
+    p.add_argument("--table", default=None, help="the table whose command contains this text, e.g. 'compare --quick'")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--results", type=Path, default=None, help="a results.json written by the table's command")
+    src.add_argument("--run", action="store_true", help="run the table's command now (minutes) and use its results")
+    p.add_argument("--columns", choices=("deterministic", "memory", "all"), default="deterministic")
+    a = p.parse_args(argv)
+    try:
+        tables = readme_tables(a.readme.read_text())
+    except OSError as e:
+        print(f"check_readme_tables: error: --readme {a.readme}: {e.strerror}", file=sys.stderr)
+        return 2
+    if a.list or a.table is None:
+        for t in tables:
+            print(f"line {t.line}: {t.command} ({len(t.rows)} rows)")
+        if a.table is None and not a.list:
+            print("check_readme_tables: error: name a table with --table TEXT (one of the commands above)",
+                  file=sys.stderr)
+            return 2
+        return 0
+    chosen = [t for t in tables if t.command == a.table] or [t for t in tables if a.table in t.command]
+    if len(chosen) != 1:
+        print(f"check_readme_tables: error: --table {a.table!r} matches {len(chosen)} tables "
+              f"({'; '.join(t.command for t in chosen) or 'none'}); pass text that names one (--list)", file=sys.stderr)
+        return 2
+    table = chosen[0]
+    if a.results is None and not a.run:
+        print("check_readme_tables: error: pass --results RESULTS_JSON or --run", file=sys.stderr)
+        return 2
+    if a.run:
+        with tempfile.TemporaryDirectory() as d:
+            payload = run_command(table.command, Path(d))
+    else:
+        try:
+            payload = json.loads(a.results.read_text())
+        except (OSError, ValueError) as e:
+            print(f"check_readme_tables: error: --results {a.results}: not a readable results.json ({e})",
+                  file=sys.stderr)
+            return 2
+    header, rows = fresh_table(payload)
+    diffs = differences(table, header, rows, a.columns)
+    cpu = payload.get("environment", {}).get("cpu", {})
+    where = f" (fresh run on {cpu.get('capability')}, {cpu.get('gemm')})" if cpu else ""
+    if diffs:
+        print(f"README line {table.line} `{table.command}`: {len(diffs)} cell(s) differ{where}:")
+        for d in diffs:
+            print(f"  {d}")
+        return 1
+    print(f"README line {table.line} `{table.command}`: {len(table.rows)} rows agree in "
+          f"{', '.join(columns_to_check(header, a.columns))}{where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""``mpcourse compare`` gives the same answer wherever a row trains, and never fails silently.
+
+- A recipe's row for a seed is the same bits in this process or in a worker, alone or beside other recipes, and
+  the learner's ``[yours]`` row (trained in this process after the workers) equals the library's for the same
+  functions: every run trains on ``TRAINING_THREADS`` intra-op threads (``mpcourse.experiment.threads``). The
+  oracle is the run itself under another placement: equality, bit for bit.
+- ``--with`` prints one verdict line per recipe after the table (not between progress bars).
+- A run that fails keeps every finished row in ``results.json``, names the failed one (``failed``) and the CLI
+  exits 1; ``--seeds`` writes the table's mean and std (``seed_summary``, checked against ``statistics``);
+  ``results.json`` records the CPU's kind (checked against torch's own query and a synthetic ``/proc/cpuinfo``).
+- ``--quick`` writes to its own folder, and a run says when it overwrites another's results.
+- The notebooks' "train with your code" cells assert a verdict instead of storing machine-dependent losses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from mpcourse.experiment import machine
+from mpcourse.experiment.cli import QUICK_OUT, main
+from mpcourse.experiment.compare import CompareFailed, run_compare
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.learner import load_functions
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.threads import TRAINING_THREADS, training_threads
+from mpcourse.experiment.train import RunResult, TrainConfig
+from mpcourse.experiment.yours import Comparison
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+CFG = TrainConfig(steps=3, batch_size=4, eval_interval=3, eval_batches=1, model=SMALL)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def _rows(path: Path) -> dict[tuple[str, int], dict]:
+    payload = json.loads((path / "results.json").read_text())
+    return {(r["recipe"], r["seed"]): r for r in payload["results"]}
+
+
+def test_training_threads_sets_one_thread_and_restores_the_callers_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with training_threads() as n:
+            assert n == TRAINING_THREADS == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), training_threads():
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_rows_bits_do_not_depend_on_jobs_company_or_process(corpus, tmp_path):
+    """fp16-dynamic alone in this process (jobs=1) on a 2-thread torch, then beside fp32 in two workers, then as the
+    learner's row (the solution's update_scale) trained in this process after the workers: one history."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)                       # what a laptop's torch has: several threads
+    try:
+        alone = run_compare(["fp16-dynamic"], corpus, CFG, tmp_path / "alone", progress=False, echo=lambda *_: None)
+        lines: list[str] = []
+        mine = load_functions(ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb")
+        pooled = run_compare(["fp32", "fp16-dynamic"], corpus, CFG, tmp_path / "pooled", progress=False,
+                             echo=lines.append, jobs=2, learner=mine)
+    finally:
+        torch.set_num_threads(before)
+    by = {r.recipe: r for r in pooled}
+    a, b, y = alone[0], by["fp16-dynamic"], by["fp16-dynamic [yours]"]
+    assert a.history == b.history and (a.final_train_loss, a.final_val_loss) == (b.final_train_loss, b.final_val_loss)
+    assert y.history == b.history and y.final_val_loss == b.final_val_loss
+    assert json.loads((tmp_path / "pooled" / "results.json").read_text())["threads"] == TRAINING_THREADS
+    # one verdict per recipe, after the table: identical for fp16-dynamic, "cannot use" for fp32
+    verdicts = [ln for ln in lines if ln.startswith(("fp32", "fp16-dynamic [yours]:"))]
+    assert len(verdicts) == 2 and verdicts[0].startswith("fp32: cannot use any of ") and \
+        verdicts[0].endswith("(it accepts: none)"), lines
+    assert verdicts[1] == ("fp16-dynamic [yours]: identical to the library's bit for bit "
+                           "(3 training losses, loss scales, final losses)"), lines
+    table = next(i for i, ln in enumerate(lines) if ln.startswith("recipe"))
+    assert all(lines.index(v) > table for v in verdicts)
+
+
+def test_not_implemented_yet_comes_after_the_table_not_between_progress_bars(corpus, tmp_path):
+    lines: list[str] = []
+    stubs = load_functions(ROOT / "exercises" / "04_dynamic_loss_scaling.ipynb")
+    run_compare(["fp16-dynamic"], corpus, CFG, tmp_path, progress=False, echo=lines.append, learner=stubs)
+    table = next(i for i, ln in enumerate(lines) if ln.startswith("recipe"))
+    said = [i for i, ln in enumerate(lines) if "not implemented yet" in ln]
+    assert len(said) == 1 and said[0] > table, lines
+    assert lines[said[0]].startswith("fp16-dynamic [yours]: your update_scale is not implemented yet")
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_path, jobs):
+    # fp8-block's 1x128 tiles need token counts in multiples of 128: 4 x 16 = 64 tokens fail, fp32 finishes
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(SMALL, n_embd=128))
+    with pytest.raises(CompareFailed) as err:
+        run_compare(["fp32", "fp8-block"], corpus, cfg, tmp_path, progress=False, echo=lambda *_: None, jobs=jobs)
+    assert [r.recipe for r in err.value.results] == ["fp32"]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["recipe"] for r in payload["results"]] == ["fp32"]
+    assert [(f["recipe"], f["seed"]) for f in payload["failed"]] == [("fp8-block", 0)]
+    assert payload["failed"][0]["error"].startswith("ValueError: ") and "128" in payload["failed"][0]["error"]
+
+
+def test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest(tmp_path, capsys):
+    code = main(["compare", "--recipes", "fp32,fp8-block", "--steps", "2", "--batch-size", "1", "--jobs", "1",
+                 "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "fp8-block (seed 0) failed: ValueError" in err and "Traceback" not in err
+    assert [r["recipe"] for r in json.loads((tmp_path / "results.json").read_text())["results"]] == ["fp32"]
+
+
+def test_seeds_write_the_tables_mean_and_std(corpus, tmp_path):
+    lines: list[str] = []
+    runs = run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path, progress=False, echo=lines.append,
+                       seeds=[0, 1])
+    summary = json.loads((tmp_path / "results.json").read_text())["seed_summary"]
+    assert set(summary) == {"fp32", "bf16-pure"}
+    for name in summary:
+        vals = [r.final_val_loss for r in runs if r.recipe == name]
+        assert summary[name]["seeds"] == [0, 1]
+        assert summary[name]["val"]["mean"] == statistics.mean(vals)
+        assert summary[name]["val"]["std"] == statistics.stdev(vals)
+        ref = {s: r.final_val_loss for s, r in zip([0, 0, 1, 1], runs) if r.recipe == "fp32"}
+        gaps = [100 * (v - ref[s]) / ref[s] for s, v in zip([0, 1], vals)]
+        assert summary[name]["gap_percent"]["mean"] == pytest.approx(statistics.mean(gaps), abs=0, rel=1e-15)
+        row = next(ln for ln in "\n".join(lines).splitlines() if ln.startswith(name + " "))
+        assert f"{summary[name]['val']['mean']:.3f}+-{summary[name]['val']['std']:.3f}" in row
+
+
+CPUINFO = """processor\t: 0
+model name\t: Some CPU
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile amx_bf16
+"""
+
+
+def test_results_json_records_the_cpu_kind(corpus, tmp_path):
+    from mpcourse.core import emulation
+    assert machine.cpuinfo_flags(CPUINFO) >= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    info = machine.describe(CPUINFO)
+    assert info["flags"] == ["fma", "avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert info["model"] == "Some CPU" and machine.cpuinfo_flags("nothing here") == frozenset()
+    run_compare(["fp32"], corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+    cpu = json.loads((tmp_path / "results.json").read_text())["environment"]["cpu"]
+    assert cpu["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert cpu["gemm"] == {"bfloat16": "emulated" if emulation.emulation_enabled(torch.bfloat16) else "native",
+                           "float16": "emulated" if emulation.emulation_enabled(torch.float16) else "native"}
+    assert set(cpu["flags"]) <= set(machine.RELEVANT_FLAGS)
+
+
+def test_quick_has_its_own_folder_and_an_overwrite_is_said(monkeypatch, tmp_path, capsys):
+    seen = {}
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare",
+                        lambda recipes, corpus, cfg, out, **kw: seen.update(out=out))
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--quick"]) == 0 and seen["out"] == QUICK_OUT
+    assert "overwrites" not in capsys.readouterr().out
+    assert main(["compare", "--recipes", "fp32"]) == 0 and seen["out"] == Path("mpcourse-out")
+    (tmp_path / "mpcourse-out" / "results.json").write_text(json.dumps(
+        {"results": [{}] * 3, "config": {"steps": 80, "batch_size": 16}}))
+    assert main(["compare", "--recipes", "fp32"]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "overwrites" in ln]
+    assert len(said) == 1 and "3 rows, 80 steps" in said[0]
+
+
+def _run(history, final=3.0) -> RunResult:
+    return RunResult(recipe="r", description="", final_train_loss=final, final_val_loss=final, skipped_steps=0,
+                     final_loss_scale=None, tokens_per_s=1.0, bytes_per_param={}, activation_bytes=0, memory={},
+                     flops_per_token=0.0, steps_run=len(history), diverged_at=None, history=history)
+
+
+def test_comparison_wrong_is_a_verdict():
+    h = [{"step": 0, "loss": 4.0}, {"step": 1, "loss": 3.5}]
+    lib = _run(h)
+    assert not Comparison("r", ("f",), lib, _run(list(h))).wrong
+    assert Comparison("r", ("f",), lib, _run([h[0], {"step": 1, "loss": 3.25}])).wrong
+    assert Comparison("r", ("f",), lib, _run(list(h), final=2.0)).wrong
+    assert not Comparison("r", ("f",), lib, None, "r [yours]: f is not implemented yet (it raises ...)").wrong
+    assert not Comparison("r", (), lib, None, "r: this notebook defines none of the functions it can use (f)").wrong
+    assert Comparison("r", ("f",), lib, None, "r [yours]: training with your f failed: TypeError: x").wrong
+
+
+def test_solutions_train_yours_cells_assert_the_verdict_not_the_losses():
+    """The printed losses depend on the CPU's kernels: the cell's output is not compared, its assert is."""
+    cells = 0
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for c in nbformat.read(path, as_version=4).cells:
+            if "train-yours" in c.metadata.get("tags", []) and "train_yours(" in c.source:
+                cells += 1
+                assert "nbval-ignore-output" in c.metadata["tags"], path.name
+                assert "assert not any(c.wrong for c in _)" in c.source, path.name
+    assert cells >= 10
+
+
+def _check_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_readme_tables", ROOT / "benchmarks" / "check_readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault(spec.name, mod)        # its dataclass looks its module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tmp_path, capsys):
+    """A synthetic README holding the table a small run printed: the check agrees with that run's results.json,
+    and names the recipe and column of a number changed in the README (a tok/s change is not a difference)."""
+    check = _check_script()
+    lines: list[str] = []
+    run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    table = "\n".join(lines[0].splitlines()[:4])                   # header, dashes, two rows
+    readme = tmp_path / "README.md"
+    results = str(tmp_path / "run" / "results.json")
+
+    def check_with(text):
+        readme.write_text(f"# t\n\n```\n$ mpcourse compare --steps 3  # 1 s\n{text}\n```\n")
+        return check.main(["--readme", str(readme), "--table", "mpcourse compare --steps 3", "--results", results])
+
+    assert check_with(table) == 0
+    head, rows = check.parse_table(table.splitlines())
+    i_val, i_tok = head.index("val"), head.index("tok/s")
+    val = rows["bf16-pure"][i_val]
+    changed = [ln.replace(f" {val} ", f" {float(val) + 0.001:.3f} ") if ln.startswith("bf16-pure") else ln
+               for ln in table.splitlines()]
+    capsys.readouterr()
+    assert check_with("\n".join(changed)) == 1
+    assert f"bf16-pure val: README {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
+    tok = rows["fp32"][i_tok]
+    slower = [ln.replace(f" {tok} ", " " + "9" * len(tok) + " ", 1) if ln.startswith("fp32") else ln
+              for ln in table.splitlines()]
+    assert check_with("\n".join(slower)) == 0
+    assert check.main(["--readme", str(readme), "--table", "no such command", "--results", results]) == 2
