@@ -119,11 +119,29 @@ def test_environment_variable_and_python_switch(monkeypatch):
 
 
 def test_auto_follows_cpu_flags(monkeypatch):
+    for var in ("DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MPCOURSE_EMULATE"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(emulation.policy, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert not emulation_enabled(torch.bfloat16)              # native bf16 units: leave it to torch
     assert emulation_enabled(torch.float16)                   # no fp16 units: emulate
     monkeypatch.setattr(emulation.policy, "_cpu_flags", lambda: frozenset({"avx2"}))
     assert emulation_enabled(torch.bfloat16)
+
+
+@pytest.mark.parametrize("var, value", [("DNNL_MAX_CPU_ISA", "AVX2"), ("DNNL_MAX_CPU_ISA", "avx2_vnni"),
+                                        ("ATEN_CPU_CAPABILITY", "avx2"), ("ATEN_CPU_CAPABILITY", "default")])
+def test_the_forced_avx2_path_has_no_bf16_units(monkeypatch, var, value):
+    """Forcing the AVX2 path on a CPU with BF16/FP16 units reproduces an AVX2 CPU: both dtypes emulated."""
+    for v in ("DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MPCOURSE_EMULATE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(emulation.policy, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16",
+                                                                          "avx512_fp16", "amx_fp16"}))
+    assert not emulation_enabled(torch.bfloat16) and not emulation_enabled(torch.float16)
+    monkeypatch.setenv(var, value)
+    assert emulation_enabled(torch.bfloat16) and emulation_enabled(torch.float16)
+    monkeypatch.delenv(var)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE_AMX")    # a cap at AVX-512 or above leaves the units on
+    assert not emulation_enabled(torch.bfloat16)
 
 
 def test_region_switch_is_restored():

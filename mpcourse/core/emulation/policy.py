@@ -2,7 +2,10 @@
 
 ``set_emulation(True/False)`` (Python) wins; otherwise the environment variable ``MPCOURSE_EMULATE=1`` (on) or
 ``0`` (off); otherwise *auto*: on for a dtype when the CPU lacks native units for it (BF16: ``avx512_bf16`` or
-``amx_bf16``; FP16: ``avx512_fp16`` or ``amx_fp16``, read from ``/proc/cpuinfo``; off-Linux, assumed absent).
+``amx_bf16``; FP16: ``avx512_fp16`` or ``amx_fp16``, read from ``/proc/cpuinfo``; off-Linux, assumed absent). Units
+the process is told not to use count as absent: ``DNNL_MAX_CPU_ISA`` capped below AVX-512 (oneDNN's documented
+switch, which the low-precision matmuls go through) or ``ATEN_CPU_CAPABILITY`` set to ``avx2``/``default``, so
+that forcing the AVX2 path on an AVX-512 machine computes what an AVX2 machine computes.
 Configuration only: the rule (what an emulated GEMM computes) is in ``emulation/rule.py``, its kernel in
 ``emulation/kernel.py``, the choice between them in ``emulation/__init__.py`` (``tensor_cores``).
 """
@@ -36,11 +39,26 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU has native GEMM units for ``dtype`` (bf16 or fp16).
+#: oneDNN ISA caps (``DNNL_MAX_CPU_ISA``) and ATen dispatch levels (``ATEN_CPU_CAPABILITY``) below AVX-512
+_BELOW_AVX512_ISA = ("SSE41", "AVX", "AVX2", "AVX2_VNNI")
+_BELOW_AVX512_ATEN = ("default", "avx2")
 
-    Read from the x86 flags in ``/proc/cpuinfo``; ``False`` where they cannot be read.
+
+def forced_below_avx512() -> bool:
+    """Whether the environment caps this process below AVX-512 (the AVX2 path forced): then no BF16/FP16 units."""
+    isa = os.environ.get("DNNL_MAX_CPU_ISA", "").strip().upper()
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return isa in _BELOW_AVX512_ISA or aten in _BELOW_AVX512_ATEN
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU has native GEMM units for ``dtype`` (bf16 or fp16) that this process may use.
+
+    Read from the x86 flags in ``/proc/cpuinfo``; ``False`` where they cannot be read, and where the environment
+    forces a path below AVX-512 (``forced_below_avx512``).
     """
+    if forced_below_avx512():
+        return False
     return any(flag in _cpu_flags() for flag in _NATIVE_FLAGS.get(dtype, ()))
 
 
