@@ -30,7 +30,7 @@ from mpcourse.experiment.learner import load_functions
 from mpcourse.experiment.model import GPTConfig
 from mpcourse.experiment.threads import TRAINING_THREADS, training_threads
 from mpcourse.experiment.train import RunResult, TrainConfig
-from mpcourse.experiment.yours import Comparison
+from mpcourse.course.yours import Comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
