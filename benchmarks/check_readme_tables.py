@@ -1,5 +1,5 @@
-"""Check the README's ``mpcourse compare`` tables against a run: every number in a deterministic column must be the
-one the command beside it prints now.
+"""Check the published ``mpcourse compare`` tables (``docs/results.md``, linked from the README) against a run:
+every number in a deterministic column must be the one the command beside it prints now.
 
 Each table in the README is a fenced block whose first line is the command (``$ mpcourse compare --quick  # 107 s
 ...``) followed by the table ``mpcourse compare`` printed (a ``recipe ...`` header, a dashed line, one row per
@@ -150,7 +150,8 @@ def run_command(command: str, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--readme", type=Path, default=ROOT / "docs" / "results.md",
+                   help="the markdown file holding the tables (default docs/results.md)")
     p.add_argument("--list", action="store_true", help="list the README's tables and exit")
     p.add_argument("--table", default=None, help="the table whose command contains this text, e.g. 'compare --quick'")
     src = p.add_mutually_exclusive_group()
