@@ -163,3 +163,12 @@ def block_for(recipe: BlockRecipe, role: str, axis: int) -> tuple[int, int]:
     if isinstance(recipe, NVFP4BlockScaling):
         return (16, 16) if role == "weight" and not recipe.disable_2d_quantization else _along(axis, 16)
     raise TypeError(f"block_for takes a block recipe ({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")
+
+
+def token_multiple(recipe) -> int:
+    """The number the token count M of a linear layer's input (its rows, flattened) must be a multiple of for
+    ``recipe`` to train it: the weight-gradient GEMM scales x and dy in blocks along M (1: any count)."""
+    if not isinstance(recipe, BlockRecipe):
+        return 1
+    return max(max(block_for(recipe, role, 0)[0], 1) for role in ("input", "grad_output"))
+
