@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling,
+from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
                                  MXFP8BlockScaling, NVFP4BlockScaling, blockwise, engine, hadamard, mx, nvfp4, tensor)
 from mpcourse.core.quant.block_recipes import block_for
 from mpcourse.core.quant.linear import Float8Linear
@@ -175,3 +175,51 @@ def test_mx_scale_matches_torchao_to_mx_at_every_e8m0_boundary(elem, rule, mode)
     if rule == "rceil":          # the RCEIL promise: the block max never exceeds the element max (scale <= 2^127)
         ok = finite & (exact <= 127) & (d >= 2.0 ** -126)   # a subnormal d is itself rounded (as in torchao)
         assert (x[ok].abs() / q.scale_inv.float().flatten()[ok, None] <= top).all()
+
+
+# ------------------------------------------------------------------------------ settings that must not pass silently
+@pytest.mark.parametrize("make,words", [
+    (lambda: NVFP4BlockScaling(fp4_format="e3m2"), "fp4_format must be 'e2m1'"),
+    (lambda: NVFP4BlockScaling(fp8_format=Format.HYBRID), "fp8_format must be Format.E4M3"),
+    (lambda: MXFP8BlockScaling(block_len=16), "block_len must be 32"),
+    (lambda: MXFP8BlockScaling(block_len=0), "block_len must be 32"),
+    (lambda: MXFP8BlockScaling(block_len=-32), "block_len must be 32"),
+    (lambda: Float8BlockScaling(block_len=-128), "block_len must be a positive int"),
+    (lambda: Float8BlockScaling(block_len=0), "block_len must be a positive int"),
+])
+def test_recipe_fields_the_recipe_fixes_are_refused(make, words):
+    with pytest.raises(ValueError, match=words) as err:
+        make()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("block", [(1, 0), (0, 32), (-2, 32), (1, -16)])
+def test_non_positive_blocks_are_refused(block):
+    with pytest.raises(ValueError, match="positive ints or -1"):
+        blockwise.quantize_fp32_scaled(torch.ones(64, 64), block)
+
+
+@pytest.mark.parametrize("name", QUANTIZER_RECIPES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn])
+def test_quantizers_refuse_what_is_not_floating(name, dtype):
+    q = engine.quantizers(QUANTIZER_RECIPES[name])["input"]
+    x = torch.ones(128, 128).to(dtype)
+    with pytest.raises(TypeError, match="float32/bfloat16/float16") as err:
+        _quantize(q, x, 1)
+    assert "\n" not in str(err.value)
+    for rule in (lambda: blockwise.quantize_fp32_scaled(x, (1, 128)), lambda: mx.quantize_mx(x),
+                 lambda: nvfp4.quantize_nvfp4(x)):
+        with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+            rule()
+
+
+@pytest.mark.parametrize("spelling", ["fp8_autocast", "autocast"])
+def test_a_recipe_name_in_place_of_a_recipe_is_refused(spelling):
+    from mpcourse.core.quant import autocast, fp8_autocast
+    with pytest.raises(TypeError, match="recipe must be a recipe object, not the name 'mxfp8'") as err:
+        with (fp8_autocast(enabled=True, fp8_recipe="mxfp8") if spelling == "fp8_autocast"
+              else autocast(enabled=True, recipe="mxfp8")):
+            pass
+    assert "MXFP8BlockScaling" in str(err.value) and "BlockRecipe," not in str(err.value)
+    with pytest.raises(TypeError, match="not the name 'mxfp8'"):
+        engine.quantizers("mxfp8")

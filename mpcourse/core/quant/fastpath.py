@@ -304,6 +304,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``scaled.block_amax(x, block)`` bit for bit: ``fused``'s compiled pass, or for 1x16 blocks of a contiguous
     CPU tensor torch's 1-D max pooling with kernel = stride = 16 (torch's CPU reduction over a 16-wide innermost
     dimension is slow; a max is exact in any order, NaN propagates in both)."""
+    scaled.check_floating(x)
     if x.numel() == 0:
         return scaled.block_amax(x, block)
     if fused.usable(x):
@@ -406,7 +407,9 @@ def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor
     """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k (the divisor: ``mx.mx_divisor``'s,
     which differs from 2^k only where k = -127)."""
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
-    divisor = torch.where(scale_inv == 2.0 ** -127, mx.MX_MIN_SCALE_DIVISOR[rule], scale_inv)
+    low = scale_inv == 2.0 ** -127                  # blocks with k = -127 (amax 0 or tiny): rare, no copy otherwise
+    divisor = torch.where(low, mx.MX_MIN_SCALE_DIVISOR[rule], scale_inv) if bool(low.any()) else scale_inv
+    del low
     if keep_fp32 and elem == "e4m3" and _fused(x):
         # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
         e8m0 = scale_inv.to(torch.float8_e8m0fnu)

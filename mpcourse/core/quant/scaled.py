@@ -69,8 +69,16 @@ def block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return x.reshape(gm, r, gk, c)
 
 
+def check_floating(x: torch.Tensor) -> None:
+    """TypeError for what a quantizer cannot take: an integer, boolean or FP8 tensor (the per-tensor path's rule)."""
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
+        raise TypeError(f"quantize takes a float32/bfloat16/float16 tensor, got {x.dtype}: convert it with .float() "
+                        "(an FP8 tensor: dequantize() it first)")
+
+
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max |x| of each block: (M/r, K/c) float32 (NaN propagates; 0 for an empty block, as ``compute_amax``)."""
+    check_floating(x)
     if x.numel() == 0:
         return torch.zeros(grid(x.shape, block), dtype=torch.float32, device=x.device)
     return block_view(x.detach().float().abs(), block).amax(dim=(1, 3))
