@@ -47,8 +47,8 @@ def test_block_scaled_layer_without_gradients_takes_any_token_count(name):
     layer = Float8Linear.from_float(torch.nn.Linear(256, 128), recipe=recipe)
     x = torch.randn(15, 256)
     padded = torch.cat([x, torch.zeros(block - 15 % block, 256)])   # zeros: the tensor amax (NVFP4) stays
-    with torch.no_grad():
-        assert torch.equal(layer(x), layer(padded)[:15])
+    with torch.no_grad():   # the same quantized operands; the FP32 GEMM's order may follow M on some BLAS paths
+        torch.testing.assert_close(layer(x), layer(padded)[:15], rtol=1e-5, atol=1e-5)
 
 
 def test_compare_refuses_a_batch_size_the_blocks_do_not_divide(capsys, tmp_path):
