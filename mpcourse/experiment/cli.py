@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipes or default_recipes()
     if not args.recipes and NOT_IN_DEFAULT_RUN:
         print(f"not in the default run (name them with --recipes): {', '.join(NOT_IN_DEFAULT_RUN)}")
+    bad = _token_count_error(recipes, cfg, args.nproc)
+    if bad:
+        print(f"mpcourse compare: error: {bad}", file=sys.stderr)
+        return 2
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         return _main_distributed(args, corpus, cfg, recipes)
@@ -230,6 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     return 0
+
+
+def _token_count_error(recipes, cfg, nproc: int) -> str | None:
+    """Why a block-scaled recipe cannot train on ``cfg``'s tokens per step (per rank: batch / nproc x block_size),
+    naming --batch-size and the values it takes; None if every recipe can."""
+    import math
+    from mpcourse.core.quant import token_multiple
+    from .recipes import get_recipe
+    seqs, T = cfg.batch_size // max(nproc, 1), cfg.model.block_size
+    for name in recipes:
+        try:
+            m = token_multiple(getattr(get_recipe(name), "fp8_recipe", None))
+        except KeyError:
+            return None                                      # an unknown name is reported where it always was
+        if (seqs * T) % m:
+            step = m // math.gcd(m, T) * max(nproc, 1)
+            return (f"--batch-size {cfg.batch_size} gives {seqs} x {T} = {seqs * T} tokens per step"
+                    f"{' per rank' if nproc > 1 else ''}, but {name} scales them in blocks of {m}: use a --batch-size "
+                    f"that is a multiple of {step} (e.g. {step}, {2 * step}, {4 * step})")
+    return None
 
 
 def _main_distributed(args, corpus, cfg, recipes) -> int:

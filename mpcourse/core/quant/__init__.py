@@ -36,7 +36,7 @@ from .fp8_weights import Float8WeightLinear, convert_to_fp8_weights
 from .recipe import ROLES, CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, Recipe, fp8_format_for
 from .delayed import DelayedScalingState, amax_and_scale_update
 from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
-from .block_recipes import (BLOCK_RECIPES, BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+from .block_recipes import (BLOCK_RECIPES, token_multiple, BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling)
 from .scaled import ScaledTensor
 from .blockwise import block_quantize, quantize_fp32_scaled
@@ -57,5 +57,5 @@ __all__ = [
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_training", "Float8WeightLinear", "convert_to_fp8_weights",
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
-    "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES",
+    "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES", "token_multiple",
 ]

@@ -69,6 +69,22 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def check_backward_shapes(recipe, x_shape, n: int, needs: tuple) -> None:
+    """Refuse, in the forward, a shape the backward GEMMs could not quantize: the weight gradient scales dy and x
+    in blocks along the tokens M (the rows of the input flattened to (M, K)), the input gradient dy along the
+    N output features. ``needs``: (input needs a gradient, weight needs one), under the caller's grad mode."""
+    (M, K), name = x_shape, type(recipe).__name__
+    checks = ([("grad_output", 1, n, f"out_features = {n}")] if needs[0] else []) + \
+        [(role, 0, M, f"token count M = {M} (the input's rows, flattened to (-1, {K}))")
+         for role in ("input", "grad_output") if needs[1]]
+    for role, axis, size, what in checks:
+        r = block_for(recipe, role, axis)[axis]
+        if r > 0 and size % r:
+            raise ValueError(f"{name} cannot train on a {what}: its backward GEMMs scale {role} in blocks of {r} "
+                             f"along that dimension, so it must be a multiple of {r} (e.g. {r}, {2 * r}, {4 * r}); "
+                             "for a model, choose batch size x sequence length accordingly")
+
+
 def same_both_axes(recipe, role: str) -> bool:
     """Whether quantizing along axis 0 equals quantizing along axis 1 under ``recipe``: a square 2-D block (the
     same blocks whichever axis is contracted), rounded to nearest (weights are; stochastic rounding draws)."""

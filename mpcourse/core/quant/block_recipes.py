@@ -90,6 +90,8 @@ class Float8BlockScaling(BlockRecipe):
         if self.grad_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
             raise ValueError("2D by 2D block scaling GEMMs (grad x weight) are not supported: "
                              "use grad_block_scaling_dim=1")
+        if not isinstance(self.block_len, int) or isinstance(self.block_len, bool) or self.block_len < 1:
+            raise ValueError(f"block_len must be a positive int (128: DeepSeek-V3's and TE's tiles), got {self.block_len!r}")
         if self.fp8_dpa or self.fp8_mha:
             raise ValueError("FP8 attention is not supported with Float8BlockScaling (as in Transformer Engine): "
                              "keep fp8_dpa=False and fp8_mha=False")
@@ -120,6 +122,8 @@ class MXFP8BlockScaling(BlockRecipe):
             raise ValueError("Pure E5M2 training is not supported: use Format.E4M3 or Format.HYBRID")
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
+        if self.block_len != 32 or isinstance(self.block_len, bool):
+            raise ValueError(f"MX blocks are 32 elements by the OCP MX v1.0 spec: block_len must be 32, got {self.block_len!r}")
 
 @dataclass(frozen=True)
 class NVFP4BlockScaling(BlockRecipe):
@@ -145,6 +149,13 @@ class NVFP4BlockScaling(BlockRecipe):
     fp8_format: Format = Format.E4M3   # the block scales' format
     rht_seed: int = 0
 
+    def __post_init__(self):
+        if self.fp4_format != "e2m1":
+            raise ValueError(f"NVFP4's elements are E2M1 (TE fixes it): fp4_format must be 'e2m1', got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError("NVFP4's block scales are E4M3 (TE fixes it): fp8_format must be Format.E4M3, "
+                             f"got {self.fp8_format!r}")
+
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
@@ -163,3 +174,12 @@ def block_for(recipe: BlockRecipe, role: str, axis: int) -> tuple[int, int]:
     if isinstance(recipe, NVFP4BlockScaling):
         return (16, 16) if role == "weight" and not recipe.disable_2d_quantization else _along(axis, 16)
     raise TypeError(f"block_for takes a block recipe ({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")
+
+
+def token_multiple(recipe) -> int:
+    """The number the token count M of a linear layer's input (its rows, flattened) must be a multiple of for
+    ``recipe`` to train it: the weight-gradient GEMM scales x and dy in blocks along M (1: any count)."""
+    if not isinstance(recipe, BlockRecipe):
+        return 1
+    return max(max(block_for(recipe, role, 0)[0], 1) for role in ("input", "grad_output"))
+

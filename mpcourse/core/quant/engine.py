@@ -36,9 +36,9 @@ from . import blockwise, fastpath, hadamard, mx, nvfp4, tensor
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling, block_for)
 from .delayed import DelayedScalingState
-from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, fp8_format_for, recipe_names
+from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe, fp8_format_for, recipe_names
 from .region import schedule_update
-from .scaled import ScaledTensor, block_amax, resolve_block
+from .scaled import ScaledTensor, block_amax, check_floating, resolve_block
 from .tensor import Float8Tensor, fp8_max
 
 #: the learner's functions each recipe takes (the exercise's function names, lessons 07, 08 and 10)
@@ -81,8 +81,9 @@ def quantizers(recipe: Recipe, layer_key: str = "", device=None,
                functions: Optional[Mapping[str, Callable]] = None) -> dict:
     """{role: quantizer} for one layer under ``recipe``, with the learner's ``functions`` in place of the library's
     (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives)."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
+    if recipe is None:
+        raise TypeError(f"recipe must be one of {recipe_names()}, got None")
+    check_recipe(recipe, "recipe")
     functions = check_functions(recipe, functions)
     if isinstance(recipe, DelayedScaling):
         return {role: DelayedQuantizer(recipe, role, layer_key, device, functions) for role in ROLES}
@@ -131,6 +132,7 @@ class CurrentQuantizer:
             self.scale = scale
 
     def __call__(self, x: torch.Tensor, record: bool) -> Float8Tensor:
+        check_floating(x)
         amax = tensor.apply_amax_epsilon(self.amax(x), self.recipe.amax_epsilon)
         return self.cast(x, self.fmt, self.scale(amax, fp8_max(self.fmt)))
 
@@ -160,6 +162,7 @@ class DelayedQuantizer:
         self.key = f"{key}.{role}:{self.fmt}"
 
     def __call__(self, x: torch.Tensor, record: bool) -> Float8Tensor:
+        check_floating(x)
         x8 = self.cast(x, self.fmt, self.state.scale)  # earlier steps' scale
         if record:
             self.state.record(self.amax(x))
@@ -214,6 +217,7 @@ class BlockQuantizer:
                  keep_fp32: Optional[bool] = None) -> ScaledTensor:
         """x (M, K) quantized in blocks along ``axis`` (``wgrad``: for the weight-gradient GEMM); ``keep_fp32``:
         keep the float32 dequantization (None: on a CPU with kernels on; the rules never keep one)."""
+        check_floating(x)
         block = block_for(self.recipe, self.role, axis)
         if wgrad and getattr(self, "rht", None) is not None:
             x = self.rht(x, self.recipe.rht_seed)

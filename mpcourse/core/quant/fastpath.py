@@ -94,7 +94,7 @@ def _upcast_into(data: torch.Tensor, out: torch.Tensor, m: Optional[torch.Tensor
         out.copy_(codes.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))   # value * 2^-8
         factor = 256.0
         b = data.view(torch.uint8)                                          # NaN codes: 0x7F and 0xFF
-        if not nan_free and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
+        if not nan_free and b.numel() and (int(b.max()) == 0xFF or int(data.view(torch.int8).max()) == 0x7F):
             out[(b & 0x7F) == 0x7F] = float("nan")
     if m is None:
         if factor != 1.0:
@@ -124,7 +124,8 @@ def fp8_blocks_to_float32(data: torch.Tensor, block_mult: torch.Tensor, block: t
     r, c = block
     out = torch.empty(M, K, dtype=torch.float32, device=data.device) if out is None else out.view(M, K)
     m = block_mult.float()[:, None, :, None]                                # (M/r, 1, K/c, 1) fp32
-    blocks = (M // r, r, K // c, c)                                         # each block times its multiplier
+    (gm, gk) = scaled.grid((M, K), block)
+    blocks = (gm, r, gk, c)                                        # each block times its multiplier
     _upcast_into(data.view(blocks), out.view(blocks), m, nan_free)
     return out
 
@@ -156,14 +157,15 @@ def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
 def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     """2^k as float32 for k = ``scaled.mx_shared_exponent(amax, elem, "rceil")`` (the MX RCEIL rule), bit for bit,
     without the int64 exponent: from the bits of d = amax / elem_max (the same division), 2^ceil(log2 d) is
-    (bits + 0x7FFFFF) & 0x7F800000 for a normal d (a nonzero mantissa carries into the exponent), capped at
-    2^127 (d = inf, or a carry past it); d zero, subnormal or negative zero gives 2^-127 as the rule's k = -127.
+    (bits + 0x7FFFFF) & 0x7F800000 for a positive d (a nonzero mantissa carries into the exponent; a subnormal
+    d above 2^-127 carries into 2^-126), capped at 2^127 (d = inf, or a carry past it); d <= 2^-127, zero or
+    negative zero gives 2^-127 as the rule's k = -127.
     NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
     if fused.active() and amax.dtype == torch.float32 and amax.device.type == "cpu":
         return fused.rceil_scale_inv(amax, elem_max)                           # the same bits, one compiled pass
     bits = (amax.float() / elem_max).view(torch.int32)
     up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits
-    return torch.where(bits < 0x800000, 0x400000, up).view(torch.float32)
+    return torch.where(bits <= 0x400000, 0x400000, up).view(torch.float32)
 
 
 def _cast_saturates(dtype: torch.dtype, top: float) -> bool:
@@ -302,6 +304,9 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``scaled.block_amax(x, block)`` bit for bit: ``fused``'s compiled pass, or for 1x16 blocks of a contiguous
     CPU tensor torch's 1-D max pooling with kernel = stride = 16 (torch's CPU reduction over a 16-wide innermost
     dimension is slow; a max is exact in any order, NaN propagates in both)."""
+    scaled.check_floating(x)
+    if x.numel() == 0:
+        return scaled.block_amax(x, block)
     if fused.usable(x):
         return fused.block_amax(x, resolve_block(x.shape, block))
     a = x.detach().float().abs()
@@ -392,21 +397,25 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if rule == "rceil":
-        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32)
+        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32, rule)
     k = mx.mx_shared_exponent(amax, elem, rule)      # held until the cast is done, as the rule holds it
-    return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32)
+    return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32, rule)
 
 
 def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor, scale_inv: torch.Tensor,
-              keep_fp32: bool = False) -> ScaledTensor:
-    """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k."""
+              keep_fp32: bool = False, rule: str = "floor") -> ScaledTensor:
+    """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k (the divisor: ``mx.mx_divisor``'s,
+    which differs from 2^k only where k = -127)."""
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
+    low = scale_inv == 2.0 ** -127                  # blocks with k = -127 (amax 0 or tiny): rare, no copy otherwise
+    divisor = torch.where(low, mx.MX_MIN_SCALE_DIVISOR[rule], scale_inv) if bool(low.any()) else scale_inv
+    del low
     if keep_fp32 and elem == "e4m3" and _fused(x):
         # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
         e8m0 = scale_inv.to(torch.float8_e8m0fnu)
-        data, dq = fused.quantize_fp8(x, b, scale_inv, True, block_multiplier(e8m0))
+        data, dq = fused.quantize_fp8(x, b, divisor, True, block_multiplier(e8m0))
         return _kept(ScaledTensor(data, e8m0, b, elem, None, x.dtype), dq)
-    y = block_view(x.float(), b) / expand(scale_inv, b)
+    y = block_view(x.float(), b) / expand(divisor, b)
     data = cast_elements(y, elem).reshape(x.shape)
     return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32, amax)
 
@@ -417,7 +426,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``)."""
     b = resolve_block(x.shape, block)
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
-    amax_t = (amax_b.amax() if tensor_amax is None else tensor_amax.float()).reshape(())
+    amax_t = (tensor.compute_amax(amax_b) if tensor_amax is None else tensor_amax.float()).reshape(())
     t = nvfp4.nvfp4_tensor_scale_inv(amax_t)
     s = ((amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))).clamp(
         FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)

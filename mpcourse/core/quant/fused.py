@@ -67,8 +67,8 @@ def active() -> bool:
 
 
 def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernels take ``x``: ``active()``, and a 2-D tensor of ``dtype`` on the CPU."""
-    return active() and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype
+    """Whether the kernels take ``x``: ``active()``, and a non-empty 2-D tensor of ``dtype`` on the CPU."""
+    return active() and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype and x.numel() > 0
 
 
 _TYPESTR = {torch.float32: "<f4", torch.int32: "<i4", torch.uint8: "|u1", torch.int64: "<i8"}
@@ -258,7 +258,7 @@ if AVAILABLE:
         for i in range(amax.shape[0]):
             b = _f32_bits(amax[i] / elem_max)
             up = min(_I32(_I32(b + _I32(0x7FFFFF)) & _EXP), _TOP_POW2)   # 2^ceil(log2 d), int32 wrap as torch's
-            out[i] = _bits_f32(_I32(0x400000) if b < _I32(0x800000) else up)
+            out[i] = _bits_f32(_I32(0x400000) if b <= _I32(0x400000) else up)
 
     def _make_dequantize(name: str):
         """float32(code) * mult per block for FP8 format ``name``'s codes (E2M1 values in an E4M3 container too)."""

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from ..autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
 from .region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
-from .block_linear import BlockScaledLinearFunction
+from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from .engine import check_functions, quantizers
 from .recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from .tensor import Float8Tensor
@@ -192,7 +192,10 @@ class Float8Linear(nn.Linear):
         """The FP8 GEMM path for a (M, K) row-major input (``fp8_weights.Float8WeightLinear`` replaces it)."""
         if self.quantizers["input"].per_tensor:       # one FP8 copy per tensor, reused by the backward GEMMs
             return _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
-        # copies re-quantized along each GEMM's contraction dimension
+        # copies re-quantized along each GEMM's contraction dimension; a shape the backward cannot take is refused now
+        grad = torch.is_grad_enabled()
+        check_backward_shapes(self.quantizers["input"].recipe, x2d.shape, self.out_features,
+                              (grad and x2d.requires_grad, grad and self.weight.requires_grad))
         return BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype)
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------

@@ -13,6 +13,10 @@ from ..formats import FORMATS
 from .scaled import ELEMENT_FORMATS, ScaledTensor, block_amax, block_view, cast_elements, expand, resolve_block
 
 MX_SCALE_RULES = ("floor", "rceil")
+#: what a block whose scale is 2^-127 (k = -127: amax 0 or below about 2^-118) divides its elements by: torchao's
+#: ``to_mx`` divides by 2^-126 under FLOOR (the smallest normal FP32) and by 1 under RCEIL (TE's ``exp2f_rcp``
+#: returns 1 for the biased exponent 0), so such a block's elements flush to zero there; 2^k everywhere else.
+MX_MIN_SCALE_DIVISOR = {"floor": 2.0 ** -126, "rceil": 1.0}
 
 
 def mx_element_format(elem: str):
@@ -29,7 +33,8 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
       (8 for E4M3, 15 for E5M2, 2 for E2M1/E2M3, 4 for E3M2). The block max can then land above the element
       max (up to 2x) and saturate: [448]*31 + [1000] in E4M3 gives 2^(9-8) = 2, 1000/2 = 500 -> 448.
     rceil (torchao ``ScaleCalculationMode.RCEIL``, cuBLAS' block quantization): k = ceil(log2(amax / elem max)),
-      the smallest power of two with amax / 2^k <= elem max: nothing saturates.
+      the smallest power of two with amax / 2^k <= elem max: nothing saturates. A subnormal amax / elem max
+      above 2^-127 gives k = -126 (its exact ceil), at or below it -127.
     floor(log2(amax)) is read from the FP32 exponent field (exact). amax 0 gives k = -127 (torchao's floor
     path reads the zero exponent field the same way); NaN amax is handled by the caller.
     """
@@ -43,7 +48,7 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
         # ceil(log2(d)) exactly from the bits: exponent, +1 if any mantissa bit is set (normals)
         bits = descale.view(torch.int32)
         e32, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).int(), torch.full_like(e32, -127))
+        k = torch.where(e32 > 0, e32 - 127 + (mant > 0).int(), torch.where(bits > 0x400000, -126, -127))
         k = torch.where(descale > 0, k, torch.full_like(k, -127))
     else:
         raise ValueError(f"E8M0 scale rule must be one of {MX_SCALE_RULES}, got {rule!r}")
@@ -57,16 +62,16 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
-    return encode_mx(x, b, elem, amax, mx_shared_exponent(amax, elem, rule))
+    return encode_mx(x, b, elem, amax, mx_shared_exponent(amax, elem, rule), rule)
 
 
-def encode_mx(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Tensor, k: torch.Tensor) -> ScaledTensor:
+def encode_mx(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Tensor, k: torch.Tensor,
+              rule: str = "floor") -> ScaledTensor:
     """The ScaledTensor of x (M, K) in ``elem`` with the shared exponents k (M/r, K/c) of a resolved ``block``."""
     scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
-    # x / 2^k and x * 2^-k are the same exact operation (a power of two) unless the result is subnormal;
-    # divide, as the OCP spec writes it. (torchao divides by max(2^k, 2^-126), a workaround for compilers
-    # that flush subnormals; the two differ only for blocks with amax below about 2^-118.)
-    y = block_view(x.float(), block) / expand(scale_inv, block)
+    # x / 2^k as the OCP spec writes it, except where k = -127: there torchao's divisor (MX_MIN_SCALE_DIVISOR)
+    divisor = torch.where(k == -127, MX_MIN_SCALE_DIVISOR[rule], scale_inv)
+    y = block_view(x.float(), block) / expand(divisor, block)
     data = cast_elements(y, elem).reshape(x.shape)
     return ScaledTensor(data, scale_inv.to(torch.float8_e8m0fnu), block, elem, None, x.dtype)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..formats import FORMATS
+from .tensor import compute_amax
 from .scaled import ScaledTensor, block_amax, block_view, cast_elements, expand, resolve_block
 
 E4M3_MAX, E2M1_MAX = FORMATS["e4m3"].max, FORMATS["e2m1"].max
@@ -32,7 +33,7 @@ def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Ten
     """
     amax_b = block_amax(x, resolve_block(x.shape, block))     # (M/r, K/c) fp32
     # max |x| is the largest block max (exact, NaN propagates): no second pass over x
-    amax_t = (amax_b.amax() if tensor_amax is None else tensor_amax.float()).reshape(())
+    amax_t = (compute_amax(amax_b) if tensor_amax is None else tensor_amax.float()).reshape(())
     t = nvfp4_tensor_scale_inv(amax_t)
     safe_t = torch.where(t > 0, t, torch.ones_like(t))
     s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)

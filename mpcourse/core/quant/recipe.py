@@ -8,6 +8,7 @@ The finer-grained recipes (``BlockRecipe``) are in ``block_recipes``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
@@ -65,12 +66,21 @@ class Recipe:
     """Base of every quantization recipe (TE ``Recipe``): a frozen dataclass of fields, no behaviour."""
 
 
+def check_recipe(recipe, arg: str = "recipe") -> None:
+    """TypeError unless ``recipe`` is a recipe object (None passes); a name (``"mxfp8"``) is told to build one."""
+    if recipe is None or isinstance(recipe, Recipe):
+        return
+    hint = f"not the name {recipe!r}: " if isinstance(recipe, str) else f"got {recipe!r}: "
+    raise TypeError(f"{arg} must be a recipe object, {hint}pass an instance of one of {recipe_names()} "
+                    "(e.g. MXFP8BlockScaling())")
+
+
 def recipe_names() -> str:
-    """The recipes there are, for error messages: every subclass of ``Recipe`` defined so far."""
+    """The recipes there are, for error messages: every dataclass subclass of ``Recipe`` defined so far."""
     seen, todo = [], list(Recipe.__subclasses__())
     while todo:
         cls = todo.pop(0)
-        if not cls.__name__.startswith("_") and cls.__name__ not in seen:
+        if not cls.__name__.startswith("_") and cls.__name__ not in seen and dataclasses.is_dataclass(cls):
             seen.append(cls.__name__)
         todo.extend(cls.__subclasses__())
     return ", ".join(seen)

@@ -47,7 +47,7 @@ import torch
 
 from ..distributed import all_reduce_max_, world_size
 from .delayed import DelayedScalingState
-from .recipe import DelayedScaling, Recipe, recipe_names
+from .recipe import DelayedScaling, check_recipe
 
 
 @dataclass
@@ -89,8 +89,7 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
                default group).
     On exit of the outermost region, pending delayed-scaling states are all-reduced and updated.
     """
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
+    check_recipe(recipe, "recipe")
     saved = (_REGION.enabled, _REGION.recipe, _REGION.group)
     _REGION.enabled = bool(enabled)
     _REGION.recipe = recipe if recipe is not None else saved[1]
@@ -109,8 +108,7 @@ def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
 def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
     """TE 1.x's spelling of ``autocast``: ``fp8_autocast(enabled, fp8_recipe, fp8_group)`` is
     ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)``, same region, same updates."""
-    if fp8_recipe is not None and not isinstance(fp8_recipe, Recipe):
-        raise TypeError(f"fp8_recipe must be one of {recipe_names()}, got {fp8_recipe!r}")
+    check_recipe(fp8_recipe, "fp8_recipe")
     return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
 
 

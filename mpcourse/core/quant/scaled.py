@@ -41,25 +41,46 @@ SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
 
 
 def resolve_block(shape, block) -> tuple[int, int]:
-    """The block (rows, cols) for a 2-D ``shape``, -1 replaced by the dimension; ValueError if it does not divide."""
+    """The block (rows, cols) for a 2-D ``shape``, -1 replaced by the dimension; ValueError if it does not divide.
+
+    An empty dimension (size 0) is divided by any block; a -1 block along it resolves to 0 and still counts as
+    one block (``grid``), so an empty tensor gets the scales the per-tensor path gives it: one per whole-dimension
+    block (scale 1.0 from amax 0), none along an empty dimension cut into fixed-size blocks."""
     if len(shape) != 2:
         raise ValueError(f"block scaling takes 2-D (M, K) tensors, got shape {tuple(shape)}: reshape to (-1, K) first")
+    if any(not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1) for n in block):
+        raise ValueError(f"a block is (rows, cols) of positive ints or -1 (the whole dimension), got {tuple(block)}")
     rows, cols = (shape[0] if block[0] == -1 else block[0]), (shape[1] if block[1] == -1 else block[1])
-    if rows < 1 or cols < 1 or shape[0] % max(rows, 1) or shape[1] % max(cols, 1):
+    if shape[0] % max(rows, 1) or shape[1] % max(cols, 1):
         raise ValueError(f"a {block[0]}x{block[1]} block does not divide shape {tuple(shape)}: pad the dimension "
                          f"to a multiple of the block (no padding is done here) or use a coarser granularity "
                          "(rowwise and tensorwise take any shape)")
     return rows, cols
 
 
+def grid(shape, block: tuple[int, int]) -> tuple[int, int]:
+    """(M/r, K/c): the number of blocks along each dimension of a resolved ``block`` (a 0-row block: one)."""
+    return tuple(n // b if b else 1 for n, b in zip(shape, block))
+
+
 def block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """(M, K) -> (M/r, r, K/c, c) view (x must be contiguous or a transpose of a contiguous tensor)."""
-    (M, K), (r, c) = x.shape, block
-    return x.reshape(M // r, r, K // c, c)
+    (gm, gk), (r, c) = grid(x.shape, block), block
+    return x.reshape(gm, r, gk, c)
+
+
+def check_floating(x: torch.Tensor) -> None:
+    """TypeError for what a quantizer cannot take: an integer, boolean or FP8 tensor (the per-tensor path's rule)."""
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
+        raise TypeError(f"quantize takes a float32/bfloat16/float16 tensor, got {x.dtype}: convert it with .float() "
+                        "(an FP8 tensor: dequantize() it first)")
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """max |x| of each block: (M/r, K/c) float32 (NaN propagates)."""
+    """max |x| of each block: (M/r, K/c) float32 (NaN propagates; 0 for an empty block, as ``compute_amax``)."""
+    check_floating(x)
+    if x.numel() == 0:
+        return torch.zeros(grid(x.shape, block), dtype=torch.float32, device=x.device)
     return block_view(x.detach().float().abs(), block).amax(dim=(1, 3))
 
 
