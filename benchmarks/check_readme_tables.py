@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -75,6 +76,16 @@ def parse_table(lines: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     return header, rows
 
 
+def _command(line: str) -> str:
+    """``$ [VAR=value ...] mpcourse compare ...`` -> ``mpcourse compare ...`` (a shell prompt line; '' otherwise)."""
+    if not line.startswith("$ "):
+        return ""
+    words = line[2:].split()
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        words = words[1:]
+    return " ".join(words)
+
+
 def readme_tables(text: str) -> list[Table]:
     """Every fenced block of ``text`` whose first line is ``$ mpcourse compare ...`` and that holds a dashed table."""
     out, lines, i = [], text.splitlines(), 0
@@ -83,7 +94,7 @@ def readme_tables(text: str) -> list[Table]:
             j = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("```")), len(lines))
             block = lines[i + 1:j]
             for k, ln in enumerate(block):
-                if ln.startswith("$ mpcourse compare") and k + 2 < len(block) and block[k + 1].startswith("recipe ") \
+                if _command(ln).startswith("mpcourse compare") and k + 2 < len(block) and block[k + 1].startswith("recipe ") \
                         and block[k + 2].strip() and set(block[k + 2]) <= {"-", " "}:
                     header, rows = parse_table(block[k + 1:])
                     out.append(Table(ln[2:].split("#")[0].strip(), header, rows, i + 2 + k))
@@ -143,8 +154,13 @@ def differences(table: Table, header: list[str], rows: dict[str, list[str]], whi
 
 def run_command(command: str, out: Path) -> dict:
     """Run a README command (``mpcourse compare ...``) with ``--out out --no-progress``; its results.json."""
-    args = shlex.split(command)[1:]
-    subprocess.run([sys.executable, "-m", "mpcourse", *args, "--out", str(out), "--no-progress"], check=True)
+    words = shlex.split(command)
+    env = dict(os.environ)
+    while words and "=" in words[0] and not words[0].startswith("-"):    # VAR=value before the command
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    subprocess.run([sys.executable, "-m", "mpcourse", *words[1:], "--out", str(out), "--no-progress"], check=True,
+                   env=env)
     return json.loads((out / "results.json").read_text())
 
 

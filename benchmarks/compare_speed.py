@@ -3,7 +3,7 @@
 A refactor that changes no number must also cost no time. This script runs the same ``mpcourse compare``
 command (default: the default run at ``--steps 8``, the 19 recipes with their start-up, 2 jobs x 1 thread) from
 two checkouts, alternating them ``--rounds`` times so that a busy machine slows both alike, and prints each wall
-time, the medians and the ratio new / old. It also checks that both trees wrote the same loss histories (bit for
+and CPU time (the command and its workers), the medians and the ratios new / old. It also checks that both trees wrote the same loss histories (bit for
 bit), so the two runs timed are the same work.
 
     git worktree add /tmp/old <commit-before>
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -26,13 +27,19 @@ import time
 from pathlib import Path
 
 
-def run_once(tree: Path, args: list[str], out: Path) -> float:
-    """Seconds of one ``python -m mpcourse compare ARGS --out OUT --no-progress`` with ``tree`` first on the path."""
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_once(tree: Path, args: list[str], out: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python -m mpcourse compare ARGS --out OUT --no-progress`` with ``tree`` first on
+    the path; CPU counts the command and its worker processes (user + system), which a shared machine moves less."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu()
     subprocess.run([sys.executable, "-m", "mpcourse", "compare", *args, "--out", str(out), "--no-progress"],
                    cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _children_cpu() - c0
 
 
 def histories(out: Path) -> dict[str, list]:
@@ -53,16 +60,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = shlex.split(a.args)
     times: dict[str, list[float]] = {"old": [], "new": []}
+    cpu: dict[str, list[float]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for name, tree in (("old", a.old), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("old", a.old)):
                 out = Path(d) / f"{name}{r}"
-                times[name].append(run_once(tree.resolve(), args, out))
-                print(f"round {r + 1} {name}: {times[name][-1]:.1f} s", flush=True)
+                wall, used = run_once(tree.resolve(), args, out)
+                times[name].append(wall)
+                cpu[name].append(used)
+                print(f"round {r + 1} {name}: {wall:.1f} s wall, {used:.1f} s CPU", flush=True)
         same = histories(Path(d) / "old0") == histories(Path(d) / "new0")
     old, new = statistics.median(times["old"]), statistics.median(times["new"])
-    print(f"median old {old:.1f} s, new {new:.1f} s: new / old = {new / old:.3f}; histories "
-          f"{'bit-identical' if same else 'DIFFER'}")
+    cold, cnew = statistics.median(cpu["old"]), statistics.median(cpu["new"])
+    print(f"median wall old {old:.1f} s, new {new:.1f} s: new / old = {new / old:.3f}; median CPU old {cold:.1f} s, "
+          f"new {cnew:.1f} s: new / old = {cnew / cold:.3f}; histories {'bit-identical' if same else 'DIFFER'}")
     return 0 if same else 1
 
 

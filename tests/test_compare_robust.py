@@ -112,12 +112,28 @@ def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_pa
     assert payload["failed"][0]["error"].startswith("ValueError: ") and "128" in payload["failed"][0]["error"]
 
 
-def test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest(tmp_path, capsys):
+def test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest(tmp_path, capsys, monkeypatch):
+    from mpcourse.experiment import compare as compare_module
+    real = compare_module.train
+
+    def planted(name, *args, **kwargs):                     # a recipe that fails mid-run
+        if name == "fp8-block":
+            raise ValueError("planted failure in fp8-block")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(compare_module, "train", planted)
+    code = main(["compare", "--recipes", "fp32,fp8-block", "--steps", "2", "--batch-size", "2", "--jobs", "1",
+                 "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "fp8-block (seed 0) failed: ValueError: planted" in err and "Traceback" not in err
+    assert [r["recipe"] for r in json.loads((tmp_path / "results.json").read_text())["results"]] == ["fp32"]
+
+
+def test_cli_refuses_a_batch_the_blocks_cannot_take_before_training(tmp_path, capsys):
     code = main(["compare", "--recipes", "fp32,fp8-block", "--steps", "2", "--batch-size", "1", "--jobs", "1",
                  "--out", str(tmp_path), "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 1 and "fp8-block (seed 0) failed: ValueError" in err and "Traceback" not in err
-    assert [r["recipe"] for r in json.loads((tmp_path / "results.json").read_text())["results"]] == ["fp32"]
+    assert code == 2 and "--batch-size 1" in err and "multiple of 2" in err and "Traceback" not in err
+    assert not (tmp_path / "results.json").exists()
 
 
 def test_seeds_write_the_tables_mean_and_std(corpus, tmp_path):

@@ -242,6 +242,8 @@ def _token_count_error(recipes, cfg, nproc: int) -> str | None:
     import math
     from mpcourse.core.quant import token_multiple
     from .recipes import get_recipe
+    if nproc > 1 and cfg.batch_size % nproc:
+        return None                                          # the batch's split over the ranks is reported later
     seqs, T = cfg.batch_size // max(nproc, 1), cfg.model.block_size
     for name in recipes:
         try:
