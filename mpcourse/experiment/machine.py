@@ -19,27 +19,13 @@ import platform
 
 import torch
 
+from mpcourse.core.emulation.policy import cpuinfo_flags  # noqa: F401  (one reader of /proc/cpuinfo's flags)
+
 #: the /proc/cpuinfo flags that decide which GEMM kernels run (x86 vector and matrix units; Arm SIMD, BF16, SVE)
 RELEVANT_FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
                   "amx_bf16", "amx_fp16", "amx_int8", "asimd", "asimdhp", "bf16", "i8mm", "sve", "sve2")
 #: environment variables that force a lower instruction set (recorded when set)
 FORCING_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MPCOURSE_EMULATE")
-
-
-def cpuinfo_flags(text: str | None = None) -> frozenset[str]:
-    """The feature flags of the first processor in ``/proc/cpuinfo`` (``text``: its contents, for tests);
-    empty where there is no such file (not Linux)."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read()
-        except OSError:
-            return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cpu_model(text: str | None = None) -> str | None:

@@ -27,16 +27,25 @@ _NATIVE_FLAGS = {
 _override: bool | None = None  # set_emulation(); None means: environment variable, then auto
 
 
+def cpuinfo_flags(text: str | None = None) -> frozenset[str]:
+    """The feature flags of the first processor in ``/proc/cpuinfo`` (``text``: its contents, for tests);
+    empty where there is no such file (not Linux)."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+        except OSError:
+            return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return cpuinfo_flags()
 
 
 #: oneDNN ISA caps (``DNNL_MAX_CPU_ISA``) and ATen dispatch levels (``ATEN_CPU_CAPABILITY``) below AVX-512
