@@ -1,4 +1,4 @@
-"""The ablations of lesson 09: their building blocks against torch's own (the runs themselves are precomputed)."""
+"""The ablations of lesson 11: their building blocks against torch's own (the runs themselves are precomputed)."""
 import json
 
 import pytest
@@ -116,7 +116,7 @@ def test_unknown_ablation_names_the_known_ones():
 @pytest.mark.parametrize("name", list(ABLATIONS))
 def test_stored_results_are_strict_json_with_their_command(name):
     from pathlib import Path
-    folder = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "09"
+    folder = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "11"
     if True:
         d = json.loads((folder / f"{name}.json").read_text(), parse_constant=lambda c: pytest.fail(c))
         assert d["ablation"] == name and d["command"].startswith(f"python -m mpcourse.experiment.ablations {name}")

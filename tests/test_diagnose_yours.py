@@ -1,4 +1,4 @@
-"""Lesson 09's last cell: fresh runs with a known cause, read by the grader's rule and by the learner's."""
+"""Lesson 12's last cell: fresh runs with a known cause, read by the grader's rule and by the learner's."""
 from __future__ import annotations
 
 import pytest

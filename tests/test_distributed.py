@@ -89,7 +89,7 @@ def _plain_shard_case(group, all_reduce_found_inf_=None, inf_ranks=(1,)):
     return {"skipped": scaler.last_step_skipped, "scale_after": scaler.get_scale()}
 
 
-def _max_all_reduce(found_inf, group=None):                   # lesson 11's solution
+def _max_all_reduce(found_inf, group=None):                   # lesson 10's solution
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
     return found_inf
@@ -392,7 +392,7 @@ def test_plain_shards_need_the_all_reduce(ranks):
 
 @pytest.mark.slow
 def test_a_learners_found_inf_all_reduce_runs_in_the_scaler(ranks):
-    """Lesson 11's ``all_reduce_found_inf_`` in ``DynamicLossScaler``: the solution behaves as the library's MAX;
+    """Lesson 10's ``all_reduce_found_inf_`` in ``DynamicLossScaler``: the solution behaves as the library's MAX;
     a rank keeping its own flag drifts as the one-rank control does; a SUM stops with one line naming it."""
     assert [r[("plain", "yours-max")] for r in ranks] == [r[("plain", "all-reduce")] for r in ranks]
     assert [r[("plain", "yours-local")] for r in ranks] == [r[("plain", "alone")] for r in ranks]

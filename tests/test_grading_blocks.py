@@ -1,4 +1,4 @@
-"""Lesson 10's graders: pass on the library's implementations, fail on planted bugs with a helpful message."""
+"""Lesson 09's graders: pass on the library's implementations, fail on planted bugs with a helpful message."""
 import pytest
 import torch
 

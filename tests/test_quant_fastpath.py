@@ -404,7 +404,7 @@ def _learner_nvfp4_scales(x):
     lambda: (NVFP4BlockScaling(disable_stochastic_rounding=True), {"nvfp4_scales": _learner_nvfp4_scales}),
 ])
 def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):
-    """Non-power-of-two scales, an amax epsilon and lesson 10's functions (exponents that saturate blocks,
+    """Non-power-of-two scales, an amax epsilon and lesson 09's functions (exponents that saturate blocks,
     negative block scales; a learner's scale with a negative value): the copy is dequantize's bits."""
     from mpcourse.core.quant.fastpath import encode_fp32_scaled
     recipe, functions = make()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def fns():
     out = {}
-    for nb in ("07_fp8_formats_and_scaling", "08_delayed_scaling", "10_finer_grained_scaling"):
+    for nb in ("07_fp8_formats_and_scaling", "08_delayed_scaling", "09_finer_grained_scaling"):
         out.update(load_functions(ROOT / "solutions" / f"{nb}.ipynb"))
     return out
 

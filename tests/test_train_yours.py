@@ -39,8 +39,8 @@ class Yours:
     bugs: one planted bug per function: a wrong implementation with the exercise's signature.
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
     cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
-    nproc: the processes its cell passes as ``nproc=`` (2 for lesson 11: FSDP over spawned gloo ranks).
-    cell: the function its last cell calls: ``train_yours`` (rows of recipes) or ``diagnose_yours`` (lesson 09:
+    nproc: the processes its cell passes as ``nproc=`` (2 for lesson 10: FSDP over spawned gloo ranks).
+    cell: the function its last cell calls: ``train_yours`` (rows of recipes) or ``diagnose_yours`` (lesson 12:
         verdicts on fresh runs; ``recipes`` are then its settings, and it gives one comparison for them all).
     """
 
@@ -203,16 +203,16 @@ EXERCISES: dict[str, Yours] = {
     # --
     "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
-    "09_capstone": Yours(
+    "12_capstone": Yours(
         recipes=("underflow", "healthy"), functions=("diagnose",), bugs={"diagnose": _diagnose_against_the_first_loss},
         cell="diagnose_yours"),
     # --
-    "10_finer_grained_scaling": Yours(
+    "09_finer_grained_scaling": Yours(
         recipes=("fp8-block", "mxfp8-floor", "nvfp4"), functions=("block_quantize", "mx_shared_exponent", "nvfp4_scales"),
         bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
               "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
-    "11_beyond_one_machine": Yours(
+    "10_beyond_one_machine": Yours(
         recipes=("fp16-dynamic",), functions=("all_reduce_found_inf_",),
         bugs={"all_reduce_found_inf_": _forgets_to_return}, cfg=YOURS_DIST_CONFIG, nproc=2),
 }
@@ -261,7 +261,7 @@ _BLOCK_RUNS: dict = {}            # the same under YOURS_BLOCK_CONFIG
 
 def _train(namespace, recipes, cfg=None, nproc=1, cell="train_yours") -> tuple[list[Comparison], list[str]]:
     lines: list[str] = []
-    if cell == "diagnose_yours":  # lesson 09: the learner's diagnose on fresh runs (made once per process)
+    if cell == "diagnose_yours":  # lesson 12: the learner's diagnose on fresh runs (made once per process)
         from mpcourse.course.diagnose_yours import diagnose_yours
         return diagnose_yours(namespace, recipes, echo=lines.append), lines
     if nproc > 1:                 # spawned ranks: no cache (both rows come from one job)

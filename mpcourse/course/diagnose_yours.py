@@ -1,4 +1,4 @@
-"""Lesson 09's last cell: train the GPT in settings whose cause is known, then diagnose the fresh logs twice.
+"""Lesson 12's last cell: train the GPT in settings whose cause is known, then diagnose the fresh logs twice.
 
 ``diagnose_yours(globals(), ["underflow", "healthy"])`` trains the course's GPT briefly (the size and length
 of every exercise's last cell, ``mpcourse.course.yours.YOURS_CONFIG``) in each named setting of
@@ -17,7 +17,7 @@ both verdict rows and one line: identical, where they first differ, or why there
     diagnose [yours]     gradient_underflow     healthy
     diagnose [yours]: identical to the library's rule on 2 fresh runs
 
-The settings (``SETTINGS``): ``underflow``, ablation (i) of lesson 09 at this size: ``fp16-master`` with
+The settings (``SETTINGS``): ``underflow``, ablation (i) of lesson 11 at this size: ``fp16-master`` with
 the loss multiplied by 2**-12 before the backward (AdamW's eps and the clipping threshold scaled with it,
 so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss. The
 training runs do not depend on the learner (only the reading does), so they are made once per process.

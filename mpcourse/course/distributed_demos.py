@@ -1,4 +1,4 @@
-"""Lesson 11's experiments, run on two gloo ranks spawned from the notebook (a spawned process imports its
+"""Lesson 10's experiments, run on two gloo ranks spawned from the notebook (a spawned process imports its
 worker function, so the workers live here, not in the notebook).
 
 ``run_demos()`` starts the ranks once and returns what each measured, by experiment:

@@ -68,7 +68,7 @@ YOURS_CONFIG = TrainConfig(steps=20, batch_size=8, eval_interval=10, eval_batche
 YOURS_BLOCK_CONFIG = TrainConfig(steps=10, batch_size=4, eval_interval=10, eval_batches=1, seed=0,
                                  optim=OptimConfig(warmup_steps=3),
                                  model=GPTConfig(n_layer=1, n_head=4, n_embd=128, block_size=32))
-#: The run for lesson 11 (``nproc=2``): starting two processes is the slow part, so 4 steps, validation on one batch.
+#: The run for lesson 10 (``nproc=2``): starting two processes is the slow part, so 4 steps, validation on one batch.
 YOURS_DIST_CONFIG = TrainConfig(steps=4, batch_size=8, eval_interval=4, eval_batches=1, seed=0,
                                 optim=OptimConfig(warmup_steps=2),
                                 model=GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
@@ -211,7 +211,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
             (tests reuse one run across many learners); recipes missing from it are trained and added.
         nproc, parallel: with ``nproc`` > 1, both rows train data-parallel over ``nproc`` gloo processes
             spawned here (``mpcourse.experiment.distributed``, ``parallel`` "fsdp" or "ddp"), for the functions
-            that only run with several ranks (lesson 11's ``all_reduce_found_inf_``). The functions reach the
+            that only run with several ranks (lesson 10's ``all_reduce_found_inf_``). The functions reach the
             processes as their source (``inspect.getsource``): they may use ``torch`` and ``dist`` only.
             ``library_runs`` is not used then.
 

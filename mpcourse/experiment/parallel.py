@@ -36,7 +36,7 @@ reduce-scatters its gradients. Per recipe:
 * FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*`` but ``fp8-delayed-fp8-weights``, which ``UNSUPPORTED`` refuses under both modes): sharded as they are;
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
   the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
-  hooks, see lesson 11).
+  hooks, see lesson 10).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
   reduce-scattered in BF16 (or ``reduce_dtype``). ``BF16Optimizer`` steps FP32 temporaries of the DTensor shards

@@ -64,7 +64,7 @@ class Float8BlockScaling(BlockRecipe):
     grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
     amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
     attention; so does this class. Every dimension a block runs along must be a multiple of 128.
-    A learner's lesson 10 ``block_quantize`` goes to the engine (only with power_2_scales=True, amax_epsilon=0.0).
+    A learner's lesson 09 ``block_quantize`` goes to the engine (only with power_2_scales=True, amax_epsilon=0.0).
     """
 
     fp8_format: Format = Format.E4M3
@@ -107,7 +107,7 @@ class MXFP8BlockScaling(BlockRecipe):
     (k = ceil(log2(amax / elem_max)), torchao ``ScaleCalculationMode.RCEIL``, what TE's and cuBLAS' MXFP8
     quantizers compute), so no block max ever exceeds the element max. "floor" is the OCP spec's rule
     (k = floor(log2 amax) - emax_elem), under which a block max up to 2x the element max saturates.
-    A learner's lesson 10 ``mx_shared_exponent`` (the floor rule) goes to the engine (only with scale_rule="floor").
+    A learner's lesson 09 ``mx_shared_exponent`` (the floor rule) goes to the engine (only with scale_rule="floor").
     """
 
     margin: int = 0
@@ -138,7 +138,7 @@ class NVFP4BlockScaling(BlockRecipe):
       disable_2d_quantization: False quantizes weights in 16x16 blocks, so forward and backward use the same
           FP4 weight; True uses 1x16 blocks along each GEMM's contraction dimension.
     Keep some layers in BF16 (NVIDIA's 12B run kept about 16% of its linear layers, arXiv 2509.25149).
-    A learner's lesson 10 ``nvfp4_scales`` goes to the engine (``engine.nvfp4_scales_from`` applies it to 16x1 and
+    A learner's lesson 09 ``nvfp4_scales`` goes to the engine (``engine.nvfp4_scales_from`` applies it to 16x1 and
     16x16 blocks too).
     """
 

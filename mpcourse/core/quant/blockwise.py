@@ -1,4 +1,4 @@
-"""The rule of FP8 with one FP32 scale per block (lesson 10's ``block_quantize``): tensorwise, rowwise (torchao),
+"""The rule of FP8 with one FP32 scale per block (lesson 09's ``block_quantize``): tensorwise, rowwise (torchao),
 1x128 tiles and 128x128 blocks (DeepSeek-V3 section 3.3, TE ``Float8BlockScaling``).
 
 Per block of ``block = (rows, cols)`` elements (``-1``: the whole dimension):
@@ -43,7 +43,7 @@ def encode_fp32_scaled(x: torch.Tensor, block: tuple[int, int], fp8_format: str,
 
 
 def block_quantize(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lesson 10's block quantizer: (data float8_e4m3fn (M, K), scale_inv float32 (M/rows, K/cols)), E4M3 with a
+    """Lesson 09's block quantizer: (data float8_e4m3fn (M, K), scale_inv float32 (M/rows, K/cols)), E4M3 with a
     power-of-two scale per block (TE ``Float8BlockScaling``'s defaults)."""
     q = quantize_fp32_scaled(x, block, "e4m3", power_2_scale=True)
     return q.data, q.scale_inv

@@ -69,10 +69,10 @@ def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]])
         raise ValueError("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's "
                          "scale rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
     if "block_quantize" in functions and not (recipe.power_2_scales and recipe.amax_epsilon == 0.0):
-        raise ValueError("block_quantize is lesson 10's rule (power-of-two scales, no amax epsilon): keep "
+        raise ValueError("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
                          "power_2_scales=True and amax_epsilon=0.0")
     if "mx_shared_exponent" in functions and recipe.scale_rule != "floor":
-        raise ValueError("mx_shared_exponent is lesson 10's floor rule: use it with scale_rule='floor' "
+        raise ValueError("mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' "
                          "(the mxfp8-floor recipe)")
     return functions
 
@@ -172,7 +172,7 @@ class DelayedQuantizer:
 
 # ------------------------------------------------------------------------------------------------ block scaling
 def nvfp4_scales_from(fn: Callable, x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t () fp32, s (M/r, K/c) e4m3) for ``block`` from a learner's lesson 10 ``nvfp4_scales(x)``, which scales
+    """(t () fp32, s (M/r, K/c) e4m3) for ``block`` from a learner's lesson 09 ``nvfp4_scales(x)``, which scales
     1x16 blocks along rows: (16, 1) blocks are the rows of x^T; a 16x16 block's scale is the largest of its 16
     row scales (each step, amax / 6 / t, the clamp and the E4M3 rounding, is monotone, so the max commutes)."""
     if block == (16, 1):

@@ -1,4 +1,4 @@
-"""The MX rule (OCP MX v1.0 section 6.3; lesson 10's ``mx_shared_exponent``): a block of 32 elements shares one
+"""The MX rule (OCP MX v1.0 section 6.3; lesson 09's ``mx_shared_exponent``): a block of 32 elements shares one
 E8M0 scale 2^k, and each element is ``saturate(x / 2^k)`` in the element format.
 
 The kernel of ``quantize_mx`` is ``fastpath.quantize_mx`` (its RCEIL scale from ``fastpath.rceil_scale_inv``, numba's

@@ -1,5 +1,5 @@
 """The NVFP4 rule (NVIDIA, "Pretraining LLMs with NVFP4", arXiv 2509.25149; torchao ``nvfp4_quantize`` with a
-per-tensor scale; lesson 10's ``nvfp4_scales``): E2M1 data, an E4M3 decode scale per 16 elements, one FP32 decode
+per-tensor scale; lesson 09's ``nvfp4_scales``): E2M1 data, an E4M3 decode scale per 16 elements, one FP32 decode
 scale per tensor.
 
 The kernel of ``quantize_nvfp4`` is ``fastpath.quantize_nvfp4`` (the E2M1 rounding in ``fastpath.round_e2m1``, numba's
@@ -25,7 +25,7 @@ def nvfp4_tensor_scale_inv(amax: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Tensor] = None):
-    """Lesson 10's two scale levels: (t () float32, s (M/r, K/c) float8_e4m3fn) for x (M, K).
+    """Lesson 09's two scale levels: (t () float32, s (M/r, K/c) float8_e4m3fn) for x (M, K).
 
         t   = amax(x) / (448 * 6)                        FP32, per tensor (``tensor_scale_inv``)
         s_b = e4m3(clamp(amax_b / 6 / t, 2^-6, 448))     E4M3, per block (2^-6 as torchao)

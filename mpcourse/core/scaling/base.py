@@ -62,7 +62,7 @@ class LossScalerBase:
         self.unscale_grads_ = unscale_grads_  # optional rule: fn(list of fp32 grads, scale) -> found_inf (lesson 03)
         self._check_and_unscale_ = choose_check_and_unscale()  # the rule or its kernel, bit for bit the same
         self._enabled = validate.boolean(enabled, "enabled")
-        # lesson 11's all_reduce_found_inf_(found_inf, group) -> found_inf in place of all_reduce_max_ (None: it)
+        # lesson 10's all_reduce_found_inf_(found_inf, group) -> found_inf in place of all_reduce_max_ (None: it)
         self.all_reduce_found_inf_ = all_reduce_found_inf_
         self._init_scale = validate.scale(init_scale, "init_scale")
         self._scale = None                    # fp32, shape (), created at the first scale() on the loss's device

@@ -72,7 +72,7 @@ class DynamicLossScaler(LossScalerBase):
             numbers, used by ``update()`` in place of the library's (one host sync per step). Only with
             hysteresis=1 and no min_scale/max_scale (the lesson's rule has neither).
         unscale_grads_: optional rule with lesson 03's signature, as ``StaticLossScaler``'s.
-        all_reduce_found_inf_: optional lesson 11 ``all_reduce_found_inf_(found_inf, group) -> found_inf``, the MAX
+        all_reduce_found_inf_: optional lesson 10 ``all_reduce_found_inf_(found_inf, group) -> found_inf``, the MAX
             all-reduce of the inf/NaN flag over ``process_group`` in place of the library's (more than one rank only).
     With hysteresis=1 and no floor/cap the trajectory equals torch.amp.GradScaler's bit for bit (the fused
     `torch._amp_update_scale_` is used then, unless MPCOURSE_FUSED=0; the rule `update_scale` is plain tensor

@@ -1,4 +1,4 @@
-"""Graders for lesson 10 (finer-grained scaling): a block quantizer, the MX shared-scale rule, NVFP4's two levels.
+"""Graders for lesson 09 (finer-grained scaling): a block quantizer, the MX shared-scale rule, NVFP4's two levels.
 
 Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dtypes`` casts
 (``float8_e4m3fn``, ``float4_e2m1fn``), transcribing the published rules:

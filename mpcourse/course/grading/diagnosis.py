@@ -1,4 +1,4 @@
-"""Grader for lesson 09 (the capstone): diagnose what went wrong in a training run from its log.
+"""Grader for lesson 12 (the capstone): diagnose what went wrong in a training run from its log.
 
 ``check_diagnose(fn)``: ``fn(log) -> str`` names the cause of a run from ``CAUSES``. A log is a dict:
 
@@ -23,7 +23,7 @@ The causes, and the symptom each leaves in the log (the lesson derives them from
                         so the weights barely move and the loss stays where it started
 
 Cases: the logs of the real runs stored with this module (``diagnosis_runs.json``, extracted from the
-ablations' results by ``python -m mpcourse.course.grading.diagnosis notebooks/data/09``), and synthetic logs
+ablations' results by ``python -m mpcourse.course.grading.diagnosis notebooks/data/11``), and synthetic logs
 drawn from a fixed seed to the same patterns, far from every threshold a sensible diagnosis would use
 (gaps of 0-1.5% vs 8-30%, zero fractions under 1% vs over 30%, skipped shares under 5% vs over 80%), with
 the distractors a real log has: a few skipped steps and a scale backing off in healthy dynamic runs,
@@ -217,7 +217,7 @@ def build_runs(folder) -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    folder = sys.argv[1] if len(sys.argv) > 1 else "notebooks/data/09"
+    folder = sys.argv[1] if len(sys.argv) > 1 else "notebooks/data/11"
     runs = build_runs(folder)
     RUNS_FILE.write_text(json.dumps({"source": f"python -m mpcourse.course.grading.diagnosis {folder}",
                                      "runs": runs}, allow_nan=False) + "\n")

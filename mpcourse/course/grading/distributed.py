@@ -1,4 +1,4 @@
-"""Grader for lesson 11 (beyond one machine): the all-reduce step of a distributed dynamic loss scaler.
+"""Grader for lesson 10 (beyond one machine): the all-reduce step of a distributed dynamic loss scaler.
 
 ``check_all_reduce_found_inf(fn)``: ``fn(found_inf, group=None)`` makes every rank's inf/NaN flag (an FP32
 tensor of shape (), 0.0 or 1.0 here; any value > 0 means "overflow") the MAX over the ranks, in place, and

@@ -1,8 +1,8 @@
-"""Ablations for lesson 09: each changes one thing and trains the course's GPT, to isolate one cause.
+"""Ablations for lesson 11: each changes one thing and trains the course's GPT, to isolate one cause.
 
-    python -m mpcourse.experiment.ablations NAME [--steps 80] [--seeds 0,1] [--out notebooks/data/09]
+    python -m mpcourse.experiment.ablations NAME [--steps 80] [--seeds 0,1] [--out notebooks/data/11]
 
-writes ``OUT/NAME.json`` (strict JSON; every run's per-step log, see ``common.run_one``), which lesson 09
+writes ``OUT/NAME.json`` (strict JSON; every run's per-step log, see ``common.run_one``), which lesson 11
 loads. NAME is one of ``ABLATIONS``:
 
     underflow        (i)   FP16 gradient underflow that harms training; loss scaling rescues it

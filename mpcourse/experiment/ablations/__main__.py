@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=AblationConfig.steps)
     p.add_argument("--batch-size", type=int, default=AblationConfig.batch_size)
     p.add_argument("--seeds", default=",".join(map(str, AblationConfig.seeds)), help="comma-separated, e.g. 0,1")
-    p.add_argument("--out", default="notebooks/data/09", help="output folder (default notebooks/data/09)")
+    p.add_argument("--out", default="notebooks/data/11", help="output folder (default notebooks/data/11)")
     a = p.parse_args(argv)
     try:
         seeds = tuple(int(s) for s in a.seeds.split(","))

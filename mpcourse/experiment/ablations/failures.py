@@ -1,4 +1,4 @@
-"""Two more failures, for lesson 09's exercise (diagnose a run from its log): overflow, and a scale too high.
+"""Two more failures, for lesson 12's exercise (diagnose a run from its log): overflow, and a scale too high.
 
 * ``fp16-master x 2**17``: FP16 model, FP32 master, no loss scaler, and the loss backward sees multiplied by
   2**17 (as a loss *summed* over many tokens instead of averaged would be). The largest gradient at the first

@@ -33,7 +33,7 @@ TABLE_ORDER = (
 # list them as usual. Every main recipe, the emulated block-scaled ones included, fits the no-argument run's
 # few minutes on a 2-core CPU (fast emulation paths, ``mpcourse.core.quant.fastpath``, and ``--jobs``).
 # ``mxfp8-floor`` is ``mxfp8`` with the OCP spec's floor rule for the shared exponent instead of RCEIL: the
-# recipe lesson 10's ``mx_shared_exponent`` plugs into, a variant rather than a row of its own.
+# recipe lesson 09's ``mx_shared_exponent`` plugs into, a variant rather than a row of its own.
 # ``fp8-delayed-fp8-weights`` trains bit for bit as ``fp8-delayed`` (tested): only its memory differs, so in the
 # default run it would repeat fp8-delayed's losses at the cost of one more FP8 run; name it to see its memory.
 # ``bf16-master-bf16-moments-sr`` is ``bf16-master-bf16-moments`` with stochastic rounding of the moments (the fix

@@ -11,7 +11,7 @@ and NVIDIA's NVFP4 recipe (arXiv 2509.25149: embeddings and head in BF16) keep t
   128x128 weight blocks, power-of-two scales), DeepSeek-V3's scheme.
 * ``mxfp8``: TE ``MXFP8BlockScaling`` (E4M3 in blocks of 32 sharing an E8M0 scale; RCEIL scale rule).
 * ``mxfp8-floor``: the same with the OCP MX spec's floor scale rule (a block max up to 2x E4M3's max saturates),
-  the rule lesson 10's ``mx_shared_exponent`` builds.
+  the rule lesson 09's ``mx_shared_exponent`` builds.
 * ``nvfp4``: TE ``NVFP4BlockScaling`` with its defaults (E2M1 data, E4M3 scale per 16, FP32 tensor scale,
   16x16 weight blocks, RHT on the weight-gradient inputs, stochastic rounding of gradients).
 
@@ -42,7 +42,7 @@ class FP8Block(QuantizedRecipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
-    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: block_quantize
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 09: block_quantize
 
 
 @register
@@ -57,7 +57,7 @@ class MXFP8Floor(QuantizedRecipe):
     name = "mxfp8-floor"
     description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
     fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
-    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: mx_shared_exponent
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 09: mx_shared_exponent
 
 
 @register
@@ -65,4 +65,4 @@ class NVFP4(QuantizedRecipe):
     name = "nvfp4"
     description = "NVFP4 linear layers (E2M1, E4M3 scale per 16 + FP32 per tensor, RHT, SR grads); emb/head FP32"
     fp8_recipe = NVFP4BlockScaling()
-    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 10: nvfp4_scales
+    OVERRIDABLE = learner_functions(fp8_recipe)        # lesson 09: nvfp4_scales
