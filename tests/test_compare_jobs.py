@@ -1,5 +1,11 @@
 """``mpcourse compare --jobs``: recipes trained in worker processes give the rows one process gives (same threads)."""
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +57,61 @@ def test_longest_runs_start_first_and_results_keep_the_task_order():
     tasks = [Task("fp32", cfg), Task("bf16-pure", cfg), Task("nvfp4", cfg), Task("fp8-current", cfg),
              Task("fp32", dataclasses.replace(cfg, steps=100))]
     assert start_order(tasks) == [4, 2, 3, 1, 0]          # 100 x 1.0, 10 x 5.1, 10 x 1.9, 10 x 1.3, 10 x 1.0
+
+
+_LONG_JOB = """
+import sys
+from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.pool import Task, run_pool
+from mpcourse.experiment.train import TrainConfig
+cfg = TrainConfig(steps=100000, batch_size=2, eval_interval=100000, eval_batches=1,
+                  model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+run_pool([Task("fp32", cfg), Task("fp32", cfg)], load_corpus(), jobs=2, progress=True)
+"""
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+def test_killing_the_parent_ends_its_workers():
+    """SIGKILL runs no clean-up in the parent: the workers notice they are orphans and exit on their own."""
+    parent = subprocess.Popen([sys.executable, "-c", _LONG_JOB], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        # the progress bar's first tick means both workers are training
+        seen = ""
+        deadline = time.monotonic() + 120
+        while not ("it/s" in seen or "s/it" in seen) and time.monotonic() < deadline:
+            seen += parent.stderr.read(1)      # tqdm shows a rate once a step is done
+            if parent.poll() is not None:
+                pytest.fail(f"the job ended early: {seen[-500:]}")
+        workers = _children(parent.pid)
+        assert len(workers) >= 2, "two spawned workers (and multiprocessing's helper processes)"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 90          # a worker still importing torch checks once it is up
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "a worker outlived its killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -21,6 +21,10 @@ Progress: the workers report every step through a queue and the parent draws one
 counted as done, so a finished job's bar ends at 100%. A worker that raises ends the job with ``WorkerError``,
 naming the run and carrying the worker's message; with ``failures=`` the other runs go on and the failed one is
 named there (``mpcourse compare`` keeps every finished row).
+
+Interruption: Ctrl-C or a failed run terminates the runs in flight instead of waiting for them, and each worker
+watches its parent and exits when the parent is gone (a parent killed outright runs no clean-up of its own), so
+stopping a job leaves no training process behind.
 """
 from __future__ import annotations
 
@@ -85,12 +89,26 @@ class Task:
 _progress: Optional[mp.Queue] = None
 
 
-def _init_worker(threads: int, progress) -> None:
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Run in a worker's daemon thread: end the worker once its parent is gone (killed, even by SIGKILL, which
+    runs no clean-up in the parent), so an interrupted ``mpcourse compare`` leaves no training process behind."""
+    import time
+
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(1)
+
+
+def _init_worker(threads: int, progress, parent_pid: Optional[int] = None) -> None:
     global _progress
+    import threading
+
     import torch
 
     torch.set_num_threads(threads)
     _progress = progress
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
 
 
 def _run_task(task: Task, corpus: Corpus) -> RunResult:
@@ -119,7 +137,7 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINI
     bar = tqdm(total=sum(t.cfg.steps for t in tasks), disable=not progress, dynamic_ncols=True,
                desc=f"{len(tasks)} runs, {jobs} jobs x {threads} threads")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads, ticks)) as pool:
+                             initargs=(threads, ticks, os.getpid())) as pool:
         futures = {pool.submit(_run_task, tasks[i], corpus): i for i in start_order(tasks)}
         pending = set(futures)
         try:
@@ -144,8 +162,12 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINI
             _drain(ticks, bar)
             bar.update(bar.total - bar.n)   # every run is over: ticks still in the queue's pipe count as done
         except BaseException:
+            # Ctrl-C or a failed run: cancel what has not started and stop the runs in flight now, rather than
+            # wait for them (leaving the ``with`` block waits for every running task)
             for f in pending:
                 f.cancel()
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
             raise
         finally:
             _drain(ticks, bar)
