@@ -104,6 +104,7 @@ def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_p
     (root / "exercises" / "00_a.ipynb").write_text(_notebook("Exercise 00"))
     (root / "docs" / "speed.md").write_text("# Speed\n\nSee [lesson A](../notebooks/00_a.ipynb), "
                                             "[the script](../benchmarks/run.py).\n")
+    (root / "docs" / "setup.md").write_text("# Set-up\n")
     (root / "README.md").write_text("# C\n## Results\nold\n## The library\n| module |\n|---|\n| `x` |\n")
     docs = tmp_path / "src"
     docs.mkdir()
@@ -111,6 +112,7 @@ def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_p
     assert nav == [{"Home": "index.md"},
                    {"Lessons": [{"00 — Lesson A": "notebooks/00_a.ipynb"}, {"01 — Lesson B": "notebooks/01_b.ipynb"}]},
                    {"Exercises": [{"Exercise 00": "exercises/00_a.ipynb"}]},
+                   {"Guides": [{"Set-up": "docs/setup.md"}]},          # how-to pages apart from the results
                    {"Results": [{"Speed": "docs/speed.md"}]},
                    {"The library map": "library.md"}]
     assert not (docs / "results.md").exists()                     # docs/ replaces the README's results

@@ -243,14 +243,14 @@ def stage(root: Path, docs: Path) -> list:
     # docs/ keeps its layout (so the README's links into it and its pages' links to each other hold)
     if (root / "docs").is_dir():
         shutil.copytree(root / "docs", docs / "docs")
-    result_nav = []
+    result_nav, guide_nav = [], []
     doc_pages = sorted((docs / "docs").glob("*.md")) if (docs / "docs").is_dir() else []
     library_doc = next((p for p in doc_pages if p.stem.lower() in ("library", "library_map")), None)
     for p in doc_pages:
         if p is library_doc:
             continue
         title = markdown_title(p.read_text(encoding="utf-8"), p.stem.replace("_", " "))
-        result_nav.append({title: f"docs/{p.name}"})
+        (guide_nav if p.stem in GUIDES else result_nav).append({title: f"docs/{p.name}"})
     if not result_nav:
         section = readme_section(readme, "results")
         if section:
@@ -265,7 +265,7 @@ def stage(root: Path, docs: Path) -> list:
             (docs / "library.md").write_text(section, encoding="utf-8")
             library_nav = "library.md"
 
-    pages = [(t, p) for d in result_nav for t, p in d.items()]
+    pages = [(t, p) for d in guide_nav + result_nav for t, p in d.items()]
     if library_nav:
         pages.append(("The library map", library_nav))
     (docs / "index.md").write_text(index_page(lessons, exercises, pages), encoding="utf-8")
@@ -275,11 +275,17 @@ def stage(root: Path, docs: Path) -> list:
     nav: list = [{"Home": "index.md"}, {"Lessons": lesson_nav}]
     if exercise_nav:
         nav.append({"Exercises": exercise_nav})
+    if guide_nav:
+        nav.append({"Guides": guide_nav})
     if result_nav:
         nav.append({"Results": result_nav})
     if library_nav:
         nav.append({"The library map": library_nav})
     return nav
+
+
+#: docs/ pages that say how to do something (set up, train with your own functions); the others hold results
+GUIDES = ("setup", "training-with-your-code")
 
 
 def mkdocs_config(docs: Path, out: Path, nav: list) -> dict:
