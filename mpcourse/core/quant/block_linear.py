@@ -12,7 +12,9 @@ takes the scaling, else the exact emulation)::
 With a ``PerDirectionBlockScaling`` the forward Q is its forward recipe's and the backward Qs its backward
 recipe's (``engine.block_quantizers`` builds them so), and with ``backward_operand="dequantized"`` the backward
 copies of W and x are quantized from the forward's dequantized copies instead (``backward_source``).
-The high-precision x and W (or those dequantized copies) are saved for the backward (the re-quantization needs them). A 2-D weight block
+The high-precision x and W (or those dequantized copies, in x's and W's dtypes: the numerics of a backward that
+keeps only the forward's low-precision copies, not its memory) are saved for the backward (the re-quantization
+needs them). A 2-D weight block
 (128x128, NVFP4's 16x16) is the same block along either axis, so Q(W, 0) *is* Q(W, 1): the forward's copy is
 saved and used again by the input-gradient GEMM (TE quantizes such a weight once per step for both GEMMs),
 the same bits without a second quantization. The bias is added after the GEMM in the output dtype; its
