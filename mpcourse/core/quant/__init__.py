@@ -12,7 +12,8 @@ passes). No rule imports them.
 Configuration and the engine:
 * ``recipe``: ``Recipe``, ``Format``, ``DelayedScaling``, ``Float8CurrentScaling`` (TE's fields and defaults).
 * ``block_recipes``: ``BlockRecipe``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``,
-  ``MXFP8BlockScaling``, ``NVFP4BlockScaling`` (TE's names and defaults).
+  ``MXFP8BlockScaling``, ``NVFP4BlockScaling`` (TE's names and defaults); ``PerDirectionBlockScaling``: one of
+  them for the forward GEMM, another for the backward GEMMs.
 * ``engine``: builds the quantizers of a recipe, a layer and a role, binding each step to the learner's function,
   a kernel or the rule.
 The layers and GEMMs:
@@ -37,7 +38,7 @@ from .recipe import ROLES, CurrentScaling, DelayedScaling, Float8CurrentScaling,
 from .delayed import DelayedScalingState, amax_and_scale_update
 from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
 from .block_recipes import (BLOCK_RECIPES, token_multiple, BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
-                            NVFP4BlockScaling)
+                            NVFP4BlockScaling, PerDirectionBlockScaling)
 from .scaled import ScaledTensor
 from .blockwise import block_quantize, quantize_fp32_scaled
 from .mx import mx_shared_exponent, quantize_mx
@@ -58,4 +59,5 @@ __all__ = [
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES", "token_multiple",
+    "PerDirectionBlockScaling",
 ]

@@ -13,6 +13,9 @@ another):
 
 So a 1x128 forward tile of x becomes a 128x1 tile for the weight gradient; 2-D blocks (128x128 weights,
 16x16 NVFP4 weights) are the same in both directions, so forward and backward see the same weight values.
+``PerDirectionBlockScaling`` gives the forward GEMM one of these recipes and the two backward GEMMs another
+(``direction_recipe`` says which quantizes what), the backward copies of W and x quantized from the
+high-precision tensors or from the forward's dequantized copies (``backward_operand``).
 
 Sources: NVIDIA/TransformerEngine ``transformer_engine/common/recipe/__init__.py`` (``Float8BlockScaling``,
 ``MXFP8BlockScaling``, ``NVFP4BlockScaling``) and ``docs/features/low_precision_training/``; DeepSeek-V3
@@ -157,12 +160,67 @@ class NVFP4BlockScaling(BlockRecipe):
                              f"got {self.fp8_format!r}")
 
 
+BACKWARD_OPERANDS = ("source", "dequantized")
+
+
+@dataclass(frozen=True)
+class PerDirectionBlockScaling(BlockRecipe):
+    """One format for the forward GEMM, another for the two backward GEMMs (e.g. MXFP8 forward, NVFP4 backward).
+
+    Fields:
+      fwd_recipe: the block recipe of fprop's operands, x and W (``MXFP8BlockScaling()``).
+      bwd_recipe: the block recipe of dgrad's and wgrad's operands, dy, W and x (``NVFP4BlockScaling()``: its RHT
+          and stochastic-rounding settings apply to the backward tensors exactly as in a plain NVFP4 run).
+      backward_operand: what the backward copies of W (for dgrad) and x (for wgrad) are quantized from:
+          "source": the high-precision tensor, as every single-format recipe does (TE's default: "both versions
+          are computed from the high precision input to avoid double quantization errors");
+          "dequantized": the forward's dequantized copy, Q_bwd(dequant(Q_fwd(t))): a double quantization, what a
+          backward that keeps only the forward's low-precision copy can do.
+    ``direction_recipe`` says which of the two quantizes a (role, axis); ``block_for`` and the engine follow it.
+
+    Transformer Engine states this with ``CustomRecipe(qfactory=...)`` (a quantizer per tensor role) and a
+    ``backward_override`` field on its recipes (None | "high_precision" | "dequantized"; its "dequantized" hands
+    the backward GEMMs the dequantized saved operands in high precision, while here that value is quantized
+    again in the backward format). Source: NVIDIA/TransformerEngine ``transformer_engine/common/recipe/__init__.py``.
+    """
+
+    fwd_recipe: BlockRecipe = MXFP8BlockScaling()
+    bwd_recipe: BlockRecipe = NVFP4BlockScaling()
+    backward_operand: str = "source"
+
+    def __post_init__(self):
+        for name in ("fwd_recipe", "bwd_recipe"):
+            r = getattr(self, name)
+            if not isinstance(r, BlockRecipe) or isinstance(r, PerDirectionBlockScaling):
+                raise TypeError(f"{name} must be a single-format block recipe (one of "
+                                f"{', '.join(c.__name__ for c in BLOCK_RECIPES)}), got {r!r}")
+        if self.backward_operand not in BACKWARD_OPERANDS:
+            raise ValueError(f"backward_operand must be 'source' (re-quantize W and x from the high-precision "
+                             f"tensors) or 'dequantized' (from the forward's dequantized copies), "
+                             f"got {self.backward_operand!r}")
+
+
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+
+def direction_recipe(recipe: BlockRecipe, role: str, axis: int) -> BlockRecipe:
+    """The single-format recipe that quantizes ``role``'s tensor along ``axis``: x and W along axis 1 are fprop's
+    operands (the forward recipe); dy (both axes), W along axis 0 (dgrad) and x along axis 0 (wgrad) are the
+    backward GEMMs' (the backward recipe). A single-format recipe is its own forward and backward recipe."""
+    check_role_axis(role, axis)
+    if not isinstance(recipe, PerDirectionBlockScaling):
+        return recipe
+    return recipe.fwd_recipe if role != "grad_output" and axis == 1 else recipe.bwd_recipe
+
+
+def backward_operand(recipe) -> str:
+    """What ``recipe``'s backward copies of W and x are quantized from: "source" or "dequantized"."""
+    return recipe.backward_operand if isinstance(recipe, PerDirectionBlockScaling) else "source"
 
 
 def block_for(recipe: BlockRecipe, role: str, axis: int) -> tuple[int, int]:
     """The block a ``recipe`` scales ``role``'s tensor in when ``axis`` is the GEMM's contraction dimension."""
-    check_role_axis(role, axis)
+    recipe = direction_recipe(recipe, role, axis)
     if isinstance(recipe, Float8RowwiseScaling):
         return _along(axis, -1)
     if isinstance(recipe, Float8BlockScaling):

@@ -17,7 +17,9 @@ The quantizers:
 * ``CurrentQuantizer``: amax -> ``compute_scale`` -> cast (TE ``Float8CurrentScalingQuantizer``), no state.
 * ``DelayedQuantizer``: the cast with the scale of earlier steps, then records this tensor's amax and schedules
   the delayed-scaling update (``region.schedule_update``); holds the role's ``DelayedScalingState``.
-* ``BlockQuantizer``: a finer-grained recipe's quantizer along an axis (``block_recipes``).
+* ``BlockQuantizer``: a finer-grained recipe's quantizer along an axis (``block_recipes``); a block recipe's dict
+  also holds the backward GEMMs' quantizers of x and W ("wgrad_input", "dgrad_weight"), which a
+  ``PerDirectionBlockScaling`` takes from its backward recipe.
 
 ``per_tensor`` says which autograd function the layer runs: per-tensor copies (``Float8Tensor``, one per
 tensor, reused by the backward GEMMs through ``torch._scaled_mm``) or ``ScaledTensor`` copies re-quantized
@@ -34,7 +36,7 @@ from ..seams import (check_block_scaled, check_delayed_update, check_exponents, 
                      check_scale)
 from . import blockwise, fastpath, hadamard, mx, nvfp4, tensor
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
-                            NVFP4BlockScaling, block_for)
+                            NVFP4BlockScaling, block_for, direction_recipe)
 from .delayed import DelayedScalingState
 from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe, fp8_format_for, recipe_names
 from .region import schedule_update
@@ -89,7 +91,22 @@ def quantizers(recipe: Recipe, layer_key: str = "", device=None,
         return {role: DelayedQuantizer(recipe, role, layer_key, device, functions) for role in ROLES}
     if isinstance(recipe, CurrentScaling):
         return {role: CurrentQuantizer(recipe, role, functions) for role in ROLES}
-    return {role: BlockQuantizer(recipe, role, functions) for role in ROLES}
+    return block_quantizers(recipe, functions)
+
+
+#: the backward GEMMs' own quantizers of x and W (a block recipe's dict holds them beside ROLES')
+BACKWARD_COPIES = {"wgrad_input": ("input", 0), "dgrad_weight": ("weight", 0)}
+
+
+def block_quantizers(recipe: BlockRecipe, functions: Optional[dict] = None) -> dict:
+    """{role: BlockQuantizer} of a block recipe, plus "wgrad_input" (x as the weight-gradient GEMM reads it) and
+    "dgrad_weight" (W as the input-gradient GEMM reads it); each from ``direction_recipe``: a single-format
+    recipe's are all its own, a ``PerDirectionBlockScaling``'s forward roles (x, W) take its forward recipe and
+    dy and the backward copies its backward recipe."""
+    q = {role: BlockQuantizer(direction_recipe(recipe, role, 1), role, functions) for role in ROLES}
+    for key, (role, axis) in BACKWARD_COPIES.items():
+        q[key] = BlockQuantizer(direction_recipe(recipe, role, axis), role, functions)
+    return q
 
 
 # ------------------------------------------------------------------------------------------------ per tensor

@@ -58,6 +58,7 @@ from ..autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autoca
 from .region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
+from .block_recipes import backward_operand
 from .engine import check_functions, quantizers
 from .recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from .tensor import Float8Tensor
@@ -194,9 +195,10 @@ class Float8Linear(nn.Linear):
             return _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
         # copies re-quantized along each GEMM's contraction dimension; a shape the backward cannot take is refused now
         grad = torch.is_grad_enabled()
-        check_backward_shapes(self.quantizers["input"].recipe, x2d.shape, self.out_features,
+        check_backward_shapes(self.recipe, x2d.shape, self.out_features,
                               (grad and x2d.requires_grad, grad and self.weight.requires_grad))
-        return BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype)
+        return BlockScaledLinearFunction.apply(x2d, self.weight, self.bias, self.quantizers, out_dtype,
+                                               backward_operand(self.recipe))
 
     # -- checkpointing: scales and amax histories live in the extra state, one FP32 tensor -------------
     def get_extra_state(self) -> torch.Tensor:

@@ -11,6 +11,7 @@ from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pu
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
+from . import fp8_directions  # noqa: F401  mxfp8-fwd-nvfp4-bwd
 
 TABLE_ORDER = (
     # anchors: FP32 and PyTorch's own AMP
@@ -27,6 +28,8 @@ TABLE_ORDER = (
     "fp8-delayed-fp8-weights",
     # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4
     "fp8-rowwise", "fp8-block", "mxfp8", "mxfp8-floor", "nvfp4",
+    # a format per GEMM direction: MXFP8 forward, NVFP4 backward
+    "mxfp8-fwd-nvfp4-bwd",
 )
 
 # Left out of a plain ``mpcourse compare`` (name them with ``--recipes``); ``mpcourse recipes`` and ``--recipes``
@@ -38,7 +41,10 @@ TABLE_ORDER = (
 # default run it would repeat fp8-delayed's losses at the cost of one more FP8 run; name it to see its memory.
 # ``bf16-master-bf16-moments-sr`` is ``bf16-master-bf16-moments`` with stochastic rounding of the moments (the fix
 # for their stall when the gradients go quiet): a variant to name beside it, not a row of the default table.
-NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr")
+# ``mxfp8-fwd-nvfp4-bwd`` computes its forward GEMMs as ``mxfp8`` and its backward GEMMs as ``nvfp4`` (tested): a
+# combination of two rows of the default table, to name beside them.
+NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
+                                       "mxfp8-fwd-nvfp4-bwd")
 
 
 def default_recipes() -> list[str]:
