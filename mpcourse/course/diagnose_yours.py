@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.ablations.common import run_one
+from mpcourse.experiment.ablations.common import run_one, weight_probe
+from mpcourse.experiment.ablations.failures import OVERFLOW_MULTIPLIER, FP16StaticTooHigh
 from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss_trainer
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
 from mpcourse.course.yours import YOURS_CONFIG, _default_corpus
@@ -53,30 +54,53 @@ class Setting:
 SETTINGS = {
     "underflow": Setting("fp16-master", LOSS_MULTIPLIER, "fp16-master x 2**-12", "gradient_underflow"),
     "healthy": Setting("fp16-dynamic", 1.0, "fp16-dynamic", "healthy"),
+    "overflow": Setting("fp16-master", OVERFLOW_MULTIPLIER, "fp16-master x 2**17", "gradient_overflow"),
+    "optimizer": Setting("fp16-pure", 1.0, "fp16-pure", "optimizer_state"),
+    "scale": Setting("fp16-static-2**24", 1.0, "fp16-static 2**24", "scale_too_high"),
 }
 NAME = "diagnose"
 
 _logs: dict = {}                  # (setting, cfg) -> its log; the runs do not depend on the learner
 
 
+def _recipe(name: str):
+    return FP16StaticTooHigh if name == FP16StaticTooHigh.name else get_recipe(name)
+
+
+def _run(recipe: str, multiplier: float, cfg) -> dict:
+    """One logged run (``run_one`` with the weights' amax after each step) of ``recipe`` on the loss times
+    ``multiplier``, eps and the clipping threshold scaled with it; single-threaded, tensor-core emulation on."""
+    base = cfg.optim
+    tcfg = replace(cfg, optim=replace(base, eps=base.eps * multiplier, grad_clip=base.grad_clip * multiplier))
+    kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(multiplier), model_cfg=cfg.model,
+              step_probe=weight_probe)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                           # the same bits whatever the machine
+        with tensor_cores(True):
+            return run_one(recipe, lambda m, o: _recipe(recipe)(m, o), tcfg, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def fresh_log(setting: str, cfg=None) -> dict:
-    """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``)."""
+    """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``), with
+    the final train loss of FP32 on the same loss multiplier as its ``reference_loss``."""
     cfg = cfg or YOURS_CONFIG
     key = (setting, repr(cfg))
     if key not in _logs:
         s = SETTINGS[setting]
-        base = cfg.optim
-        tcfg = replace(cfg, optim=replace(base, eps=base.eps * s.multiplier, grad_clip=base.grad_clip * s.multiplier))
-        kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(s.multiplier), model_cfg=cfg.model)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)                       # the same bits whatever the machine
-            with tensor_cores(True):
-                run = run_one(s.recipe, lambda m, o: get_recipe(s.recipe)(m, o), tcfg, **kw)
-                ref = run_one("fp32", lambda m, o: get_recipe("fp32")(m, o), tcfg, **kw)
-        finally:
-            torch.set_num_threads(threads)
-        _logs[key] = log_of(run, ref["final_train_loss"])
+        ref = reference_run(s.multiplier, cfg)
+        _logs[key] = log_of(_run(s.recipe, s.multiplier, cfg), ref["final_train_loss"])
+    return _logs[key]
+
+
+def reference_run(multiplier: float, cfg=None) -> dict:
+    """The FP32 run on the loss times ``multiplier`` (the reference of the settings with that multiplier)."""
+    cfg = cfg or YOURS_CONFIG
+    key = ("fp32", multiplier, repr(cfg))
+    if key not in _logs:
+        _logs[key] = _run("fp32", multiplier, cfg)
     return _logs[key]
 
 
