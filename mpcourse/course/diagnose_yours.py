@@ -19,8 +19,15 @@ both verdict rows and one line: identical, where they first differ, or why there
 
 The settings (``SETTINGS``): ``underflow``, ablation (i) of lesson 11 at this size: ``fp16-master`` with
 the loss multiplied by 2**-12 before the backward (AdamW's eps and the clipping threshold scaled with it,
-so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss. The
-training runs do not depend on the learner (only the reading does), so they are made once per process.
+so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss; ``overflow``:
+``fp16-master`` on the loss times 2**17 (a summed loss: the gradients pass FP16's max and nothing skips them);
+``optimizer``: ``fp16-pure`` (Adam's FP16 state makes the weights NaN); ``scale``: a static loss scale of 2**24
+(every step skipped). ``forward_overflow`` and ``fp8_amax_spike``, the grader's two synthetic-only causes, have
+no setting: the course's 20-step CPU runs do not show them. Every log also records ``weight_amax`` (after each
+step, ``mpcourse.experiment.ablations.common.weight_probe``); ``fp8_saturated`` is None throughout (no setting
+casts to FP8). The training runs do not depend on the learner (only the reading does), so they are made once
+per process; ``python -m mpcourse.course.grading.diagnosis`` stores the same runs over two seeds as the
+grader's real cases.
 """
 from __future__ import annotations
 
