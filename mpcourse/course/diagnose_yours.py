@@ -26,12 +26,13 @@ so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` o
 no setting: the course's 20-step CPU runs do not show them. Every log also records ``weight_amax`` (after each
 step, ``mpcourse.experiment.ablations.common.weight_probe``); ``fp8_saturated`` is None throughout (no setting
 casts to FP8). The training runs do not depend on the learner (only the reading does), so they are made once
-per process; ``python -m mpcourse.course.grading.diagnosis`` stores the same runs over two seeds as the
-grader's real cases.
+per process; ``python -m mpcourse.course.diagnose_yours`` stores the same runs over two seeds, with the FP32
+references as healthy runs, as the grader's real cases (``RUNS_FILE``).
 """
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -44,7 +45,7 @@ from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
 from mpcourse.course.yours import YOURS_CONFIG, _default_corpus
 
-from .grading.diagnosis import CAUSES, log_of, reference_diagnose
+from .grading.diagnosis import CAUSES, RUNS_FILE, log_of, reference_diagnose
 
 
 @dataclass(frozen=True)
@@ -200,3 +201,29 @@ def diagnose_yours(namespace: Mapping[str, object], settings: Sequence[str], *, 
         echo(f"the course's GPT ({m.n_layer} layers, width {m.n_embd}), {cfg.steps} steps of {cfg.batch_size} x "
              f"{m.block_size} characters, seed {cfg.seed}; [yours]: with your {NAME}\n" + format_rows(d))
     return [d]
+
+
+# -- the grader's real cases: every setting and its FP32 reference, over two seeds ----------------------------
+SEEDS = (0, 1)
+
+
+def build_runs(seeds=SEEDS) -> list[dict]:
+    """Train every setting and its FP32 reference (``healthy``) for each of ``seeds``: [{"name", "cause", "log"}]
+    (minutes on a CPU)."""
+    out = []
+    for seed in seeds:
+        cfg = replace(YOURS_CONFIG, seed=seed)
+        for key, s in SETTINGS.items():
+            out.append({"name": f"{s.label} (seed {seed})", "cause": s.cause, "log": fresh_log(key, cfg)})
+        for m in dict.fromkeys(s.multiplier for s in SETTINGS.values()):
+            ref = reference_run(m, cfg)
+            out.append({"name": f"fp32{'' if m == 1 else f' x 2**{round(math.log2(m))}'} (seed {seed})",
+                        "cause": "healthy", "log": log_of(ref, ref["final_train_loss"])})
+    return out
+
+
+if __name__ == "__main__":
+    runs = build_runs()
+    RUNS_FILE.write_text(json.dumps({"source": "python -m mpcourse.course.diagnose_yours", "runs": runs},
+                                    allow_nan=False) + "\n")
+    print(f"wrote {RUNS_FILE.name}: {len(runs)} runs")

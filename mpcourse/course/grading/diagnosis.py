@@ -33,7 +33,7 @@ The causes, and what each leaves in the log (the lesson walks through them):
                         the FP8 max on that step (a large saturated fraction), and the loss jumps with it
 
 Cases: real runs (``diagnosis_runs.json``: the settings of ``mpcourse.course.diagnose_yours`` over two seeds,
-trained by ``python -m mpcourse.course.grading.diagnosis``), and synthetic logs drawn from a fixed seed to the
+trained by ``python -m mpcourse.course.diagnose_yours``), and synthetic logs drawn from a fixed seed to the
 same patterns, far from every threshold a sensible diagnosis would use (gaps of 0-1.5% vs 8-30%, zero fractions
 under 1% vs over 30%, skipped shares under 5% vs over 80%, saturated fractions under 0.05% vs over 5%), with the
 distractors a real log has: skipped steps and a falling scale in healthy dynamic runs, inf gradients on those
@@ -264,8 +264,7 @@ def check_diagnose(fn) -> None:
                   f"{len(CAUSES)} causes")
 
 
-# -- the real runs: the settings of diagnose_yours (the exercise's last cell), over two seeds ---------------------
-SEEDS = (0, 1)
+# -- the real runs' logs (trained and stored by ``python -m mpcourse.course.diagnose_yours``) ------------------
 
 
 def log_of(run: dict, reference_loss: float) -> dict:
@@ -276,29 +275,3 @@ def log_of(run: dict, reference_loss: float) -> dict:
             "grad_zero_fraction": [r["grad_zero_fraction"] for r in h],
             "weight_amax": [r["weight_amax"] for r in h], "fp8_saturated": [r.get("fp8_saturated") for r in h],
             "final_train_loss": run["final_train_loss"], "reference_loss": reference_loss}
-
-
-def build_runs(seeds=SEEDS) -> list[dict]:
-    """Train every setting of ``mpcourse.course.diagnose_yours`` and its FP32 reference (``healthy``) for each of
-    ``seeds``: [{"name", "cause", "log"}] (minutes on a CPU)."""
-    from dataclasses import replace
-
-    from mpcourse.course import diagnose_yours as dy
-
-    out = []
-    for seed in seeds:
-        cfg = replace(dy.YOURS_CONFIG, seed=seed)
-        for key, s in dy.SETTINGS.items():
-            out.append({"name": f"{s.label} (seed {seed})", "cause": s.cause, "log": dy.fresh_log(key, cfg)})
-        for m in dict.fromkeys(s.multiplier for s in dy.SETTINGS.values()):
-            ref = dy.reference_run(m, cfg)
-            out.append({"name": f"fp32{'' if m == 1 else f' x 2**{round(math.log2(m))}'} (seed {seed})",
-                        "cause": "healthy", "log": log_of(ref, ref["final_train_loss"])})
-    return out
-
-
-if __name__ == "__main__":
-    runs = build_runs()
-    RUNS_FILE.write_text(json.dumps({"source": "python -m mpcourse.course.grading.diagnosis", "runs": runs},
-                                    allow_nan=False) + "\n")
-    print(f"wrote {RUNS_FILE.name}: {len(runs)} runs")
