@@ -44,4 +44,4 @@ def test_bad_arguments_are_refused_before_training():
     with pytest.raises(ValueError, match="non-empty list"):
         diagnose_yours({}, "underflow")
     with pytest.raises(KeyError, match="unknown setting"):
-        diagnose_yours({}, ["overflow"])
+        diagnose_yours({}, ["forward_overflow"])

@@ -133,7 +133,7 @@ def _update_most_recent(history, scale, amax, fp8_max, margin=0, algo="max"):   
     return h, new
 
 
-def _diagnose_against_the_first_loss(log):               # 09: the gap read from the first loss, not the reference
+def _diagnose_against_the_first_loss(log):               # 12: the gap read from the first loss, not the reference
     from mpcourse.course.grading.diagnosis import reference_diagnose
     return reference_diagnose({**log, "reference_loss": log["loss"][0]})
 
@@ -204,8 +204,8 @@ EXERCISES: dict[str, Yours] = {
     "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
     "12_capstone": Yours(
-        recipes=("underflow", "healthy"), functions=("diagnose",), bugs={"diagnose": _diagnose_against_the_first_loss},
-        cell="diagnose_yours"),
+        recipes=("underflow", "healthy", "overflow", "optimizer"), functions=("diagnose",),
+        bugs={"diagnose": _diagnose_against_the_first_loss}, cell="diagnose_yours"),
     # --
     "09_finer_grained_scaling": Yours(
         recipes=("fp8-block", "mxfp8-floor", "nvfp4"), functions=("block_quantize", "mx_shared_exponent", "nvfp4_scales"),

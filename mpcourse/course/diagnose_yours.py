@@ -19,24 +19,33 @@ both verdict rows and one line: identical, where they first differ, or why there
 
 The settings (``SETTINGS``): ``underflow``, ablation (i) of lesson 11 at this size: ``fp16-master`` with
 the loss multiplied by 2**-12 before the backward (AdamW's eps and the clipping threshold scaled with it,
-so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss. The
-training runs do not depend on the learner (only the reading does), so they are made once per process.
+so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss; ``overflow``:
+``fp16-master`` on the loss times 2**17 (a summed loss: the gradients pass FP16's max and nothing skips them);
+``optimizer``: ``fp16-pure`` (Adam's FP16 state makes the weights NaN); ``scale``: a static loss scale of 2**24
+(every step skipped). ``forward_overflow`` and ``fp8_amax_spike``, the grader's two synthetic-only causes, have
+no setting: the course's 20-step CPU runs do not show them. Every log also records ``weight_amax`` (after each
+step, ``mpcourse.experiment.ablations.common.weight_probe``); ``fp8_saturated`` is None throughout (no setting
+casts to FP8). The training runs do not depend on the learner (only the reading does), so they are made once
+per process; ``python -m mpcourse.course.diagnose_yours`` stores the same runs over two seeds, with the FP32
+references as healthy runs, as the grader's real cases (``RUNS_FILE``).
 """
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.ablations.common import run_one
+from mpcourse.experiment.ablations.common import run_one, weight_probe
+from mpcourse.experiment.ablations.failures import OVERFLOW_MULTIPLIER, FP16StaticTooHigh
 from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss_trainer
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
 from mpcourse.course.yours import YOURS_CONFIG, _default_corpus
 
-from .grading.diagnosis import CAUSES, log_of, reference_diagnose
+from .grading.diagnosis import CAUSES, RUNS_FILE, log_of, reference_diagnose
 
 
 @dataclass(frozen=True)
@@ -53,30 +62,53 @@ class Setting:
 SETTINGS = {
     "underflow": Setting("fp16-master", LOSS_MULTIPLIER, "fp16-master x 2**-12", "gradient_underflow"),
     "healthy": Setting("fp16-dynamic", 1.0, "fp16-dynamic", "healthy"),
+    "overflow": Setting("fp16-master", OVERFLOW_MULTIPLIER, "fp16-master x 2**17", "gradient_overflow"),
+    "optimizer": Setting("fp16-pure", 1.0, "fp16-pure", "optimizer_state"),
+    "scale": Setting("fp16-static-2**24", 1.0, "fp16-static 2**24", "scale_too_high"),
 }
 NAME = "diagnose"
 
 _logs: dict = {}                  # (setting, cfg) -> its log; the runs do not depend on the learner
 
 
+def _recipe(name: str):
+    return FP16StaticTooHigh if name == FP16StaticTooHigh.name else get_recipe(name)
+
+
+def _run(recipe: str, multiplier: float, cfg) -> dict:
+    """One logged run (``run_one`` with the weights' amax after each step) of ``recipe`` on the loss times
+    ``multiplier``, eps and the clipping threshold scaled with it; single-threaded, tensor-core emulation on."""
+    base = cfg.optim
+    tcfg = replace(cfg, optim=replace(base, eps=base.eps * multiplier, grad_clip=base.grad_clip * multiplier))
+    kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(multiplier), model_cfg=cfg.model,
+              step_probe=weight_probe)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                           # the same bits whatever the machine
+        with tensor_cores(True):
+            return run_one(recipe, lambda m, o: _recipe(recipe)(m, o), tcfg, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def fresh_log(setting: str, cfg=None) -> dict:
-    """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``)."""
+    """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``), with
+    the final train loss of FP32 on the same loss multiplier as its ``reference_loss``."""
     cfg = cfg or YOURS_CONFIG
     key = (setting, repr(cfg))
     if key not in _logs:
         s = SETTINGS[setting]
-        base = cfg.optim
-        tcfg = replace(cfg, optim=replace(base, eps=base.eps * s.multiplier, grad_clip=base.grad_clip * s.multiplier))
-        kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(s.multiplier), model_cfg=cfg.model)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)                       # the same bits whatever the machine
-            with tensor_cores(True):
-                run = run_one(s.recipe, lambda m, o: get_recipe(s.recipe)(m, o), tcfg, **kw)
-                ref = run_one("fp32", lambda m, o: get_recipe("fp32")(m, o), tcfg, **kw)
-        finally:
-            torch.set_num_threads(threads)
-        _logs[key] = log_of(run, ref["final_train_loss"])
+        ref = reference_run(s.multiplier, cfg)
+        _logs[key] = log_of(_run(s.recipe, s.multiplier, cfg), ref["final_train_loss"])
+    return _logs[key]
+
+
+def reference_run(multiplier: float, cfg=None) -> dict:
+    """The FP32 run on the loss times ``multiplier`` (the reference of the settings with that multiplier)."""
+    cfg = cfg or YOURS_CONFIG
+    key = ("fp32", multiplier, repr(cfg))
+    if key not in _logs:
+        _logs[key] = _run("fp32", multiplier, cfg)
     return _logs[key]
 
 
@@ -169,3 +201,29 @@ def diagnose_yours(namespace: Mapping[str, object], settings: Sequence[str], *, 
         echo(f"the course's GPT ({m.n_layer} layers, width {m.n_embd}), {cfg.steps} steps of {cfg.batch_size} x "
              f"{m.block_size} characters, seed {cfg.seed}; [yours]: with your {NAME}\n" + format_rows(d))
     return [d]
+
+
+# -- the grader's real cases: every setting and its FP32 reference, over two seeds ----------------------------
+SEEDS = (0, 1)
+
+
+def build_runs(seeds=SEEDS) -> list[dict]:
+    """Train every setting and its FP32 reference (``healthy``) for each of ``seeds``: [{"name", "cause", "log"}]
+    (minutes on a CPU)."""
+    out = []
+    for seed in seeds:
+        cfg = replace(YOURS_CONFIG, seed=seed)
+        for key, s in SETTINGS.items():
+            out.append({"name": f"{s.label} (seed {seed})", "cause": s.cause, "log": fresh_log(key, cfg)})
+        for m in dict.fromkeys(s.multiplier for s in SETTINGS.values()):
+            ref = reference_run(m, cfg)
+            out.append({"name": f"fp32{'' if m == 1 else f' x 2**{round(math.log2(m))}'} (seed {seed})",
+                        "cause": "healthy", "log": log_of(ref, ref["final_train_loss"])})
+    return out
+
+
+if __name__ == "__main__":
+    runs = build_runs()
+    RUNS_FILE.write_text(json.dumps({"source": "python -m mpcourse.course.diagnose_yours", "runs": runs},
+                                    allow_nan=False) + "\n")
+    print(f"wrote {RUNS_FILE.name}: {len(runs)} runs")

@@ -61,10 +61,25 @@ def grad_probe(model: torch.nn.Module) -> dict:
     return {"grad_amax": amax, "grad_zero_fraction": round(zeros / max(numel, 1), 6)}
 
 
+@torch.no_grad()
+def weight_probe(recipe) -> dict:
+    """amax over the weights the optimizer updates (the FP32 master copy where a recipe keeps one), read after
+    the step: inf if any is inf/NaN (the update itself broke them)."""
+    amax = 0.0
+    for group in recipe.optimizer.param_groups:
+        for p in group["params"]:
+            w = p.detach()
+            if not bool(torch.isfinite(w).all()):
+                return {"weight_amax": math.inf}
+            amax = max(amax, float(w.abs().max().float()))
+    return {"weight_amax": amax}
+
+
 def run_one(label: str, make_recipe, cfg: TrainConfig, *, corpus=None, trainer_cls=Trainer, probe=None,
-            model_cfg: GPTConfig | None = None) -> dict:
+            model_cfg: GPTConfig | None = None, step_probe=None) -> dict:
     """Train one run and return its record (see the module docstring). ``probe(recipe) -> dict`` adds fields
-    to each step's record (read after the backward, with the gradients present). ``model_cfg``: the GPT's
+    to each step's record (read after the backward, with the gradients present); ``step_probe(recipe) -> dict``
+    likewise, read after the optimizer step (e.g. ``weight_probe``). ``model_cfg``: the GPT's
     size (default: ``GPTConfig()``, the ablations' size; its vocab_size is always the corpus's)."""
     corpus = corpus or load_corpus(None)
     torch.manual_seed(cfg.seed)
@@ -79,10 +94,14 @@ def run_one(label: str, make_recipe, cfg: TrainConfig, *, corpus=None, trainer_c
         if probe is not None:
             extra.update(probe(r))
 
+    def after_step(step, r, result):
+        if step_probe is not None:
+            extra.update(step_probe(r))
+
     history = []
     with trainer.emulation():
         while not trainer.done:
-            rec = trainer.train_step(after_backward=after_backward)
+            rec = trainer.train_step(after_backward=after_backward, after_step=after_step)
             history.append({"step": rec["step"], "loss": _finite_or_none(rec["loss"]), "skipped": bool(rec["skipped"]),
                             "loss_scale": rec["loss_scale"],
                             **{k: (_finite_or_none(v) if isinstance(v, float) else v) for k, v in extra.items()}})
