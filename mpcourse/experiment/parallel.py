@@ -35,8 +35,10 @@ reduce-scatters its gradients. Per recipe:
   would not.)
 * FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*`` but ``fp8-delayed-fp8-weights``, which ``UNSUPPORTED`` refuses under both modes): sharded as they are;
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
-  the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
-  hooks, see lesson 10).
+  the all-gather; with ``fp8_all_gather`` (``--fp8-all-gather``, ``fp8-current`` only) each rank casts its
+  shard to E4M3 with the whole weight's scale and the ranks gather the FP8 bytes instead: the same FP8
+  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.fsdp_fp8``).
+  ``AllGatherLog`` counts what each rank sends into FSDP2's all-gathers (every FSDP2 run).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
   reduce-scattered in BF16 (or ``reduce_dtype``). ``BF16Optimizer`` steps FP32 temporaries of the DTensor shards
@@ -264,7 +266,7 @@ class AllGatherLog:
                 "calls": len(self.calls) / steps, "dtypes": sorted({c["dtype"] for c in self.calls})}
 
 
-def _counting_all_gather(log: AllGatherLog):
+def counting_all_gather(log: AllGatherLog):
     """FSDP2's default all-gather (``dist.all_gather_single``) that logs what this rank sends
     (``FSDPModule.set_custom_all_gather``, torch.distributed.fsdp docs)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
@@ -318,7 +320,7 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
         fully_shard(block, mp_policy=policy)
     fully_shard(recipe.model, mp_policy=policy)        # the rest: embeddings (tied head), ln_f
     for m in [*recipe.model.blocks, recipe.model]:
-        m.set_custom_all_gather(_counting_all_gather(log))
+        m.set_custom_all_gather(counting_all_gather(log))
     recipe.optimizer = recipe.make_optimizer(list(recipe.model.parameters()))   # over the DTensor shards
     if isinstance(getattr(recipe, "scaler", None), torch.amp.GradScaler):        # torch-amp-fp16
         old = recipe.scaler
