@@ -157,3 +157,23 @@ def test_fp8_all_gather_bytes_per_rank(seen):
         n8 = fp8["fp8_elements"]
         assert n8 > 0 and fp8["sent"] == fp32["sent"] - 3 * n8
         assert fp8["amax_all_reduce"] > 0 and fp32["fp8_elements"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- stored for lesson 10
+def test_stored_reduce_dtype_runs_are_what_the_command_gives():
+    """``notebooks/data/10/reduce-dtype.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
+    its command; the command's first two steps on 2 ranks, re-run here, give the stored losses bit for bit (one
+    thread per rank, the same seed), and the BF16 reduction changed the losses (the measurement is not empty)."""
+    import json
+    from pathlib import Path
+
+    from mpcourse.experiment.reduce_precision import measure
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "10" / "reduce-dtype.json"
+    stored = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path.name}"))
+    assert stored["command"].startswith("python -m mpcourse.experiment.reduce_precision")
+    runs = {r["nproc"]: r for r in stored["runs"]}
+    assert set(runs) == {2, 4} and all(r["max_rel_diff"] > 0 for r in runs.values())
+    short = measure(2, 2, runs[2]["batch_size"])
+    for dtype in ("fp32", "bf16"):
+        assert short["losses"][dtype] == runs[2]["losses"][dtype][:2]

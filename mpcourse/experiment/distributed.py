@@ -104,7 +104,11 @@ class DataParallelTrainer(Trainer):
 
     def save(self, path) -> Path:
         """Write a ``torch.distributed.checkpoint`` directory at ``path`` (every rank, between steps): sharded
-        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``)."""
+        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``).
+        Not for a ``fp8_all_gather`` run (its weights are tensor subclasses; never saved): ValueError."""
+        if self.fp8_all_gather:
+            raise ValueError("checkpoints of an --fp8-all-gather run are not supported: train without the flag "
+                             "(the same losses, bit for bit) to save")
         from . import dist_checkpoint
         return dist_checkpoint.save(self, path)
 
