@@ -254,14 +254,16 @@ class AllGatherLog:
 
     def per_step(self, steps: int) -> dict:
         """Bytes per rank per training step: ``sent`` (measured), and the same elements as an ``fp32`` and a
-        ``bf16`` all-gather would send them (FP8 elements x 4 or x 2, the others' bytes as FP32 or halved);
-        ``amax_all_reduce`` the 4 B per FP8 weight the scales cost (an all-reduce, not in ``sent``)."""
+        ``bf16`` all-gather would send them (4 and 2 B per element); ``amax_all_reduce`` the 4 B per FP8 weight
+        and all-gather that its scale costs (an all-reduce, not in ``sent``)."""
         steps = max(steps, 1)
         sent = sum(c["bytes"] for c in self.calls)
         fp8 = sum(c["fp8_elements"] for c in self.calls)
         n8 = sum(c["fp8_tensors"] for c in self.calls)
-        other = sent - fp8                                   # FP32 parameters gathered as they are
-        return {"sent": sent / steps, "fp32": (other + 4 * fp8) / steps, "bf16": (other / 2 + 2 * fp8) / steps,
+        # elements gathered: FP8 ones (1 B each) and the others, in the call's dtype (FP32 in a mixed uint8 call)
+        elements = fp8 + sum((c["bytes"] - c["fp8_elements"]) // (2 if c["dtype"] in ("bfloat16", "float16") else 4)
+                             for c in self.calls)
+        return {"sent": sent / steps, "fp32": 4 * elements / steps, "bf16": 2 * elements / steps,
                 "fp8_elements": fp8 / steps, "amax_all_reduce": 4 * n8 / steps,
                 "calls": len(self.calls) / steps, "dtypes": sorted({c["dtype"] for c in self.calls})}
 
