@@ -179,7 +179,8 @@ def test_no_rule_module_imports_its_kernel(rule, kernel):
 # the rules of the loss-scaling, BF16 and format lessons: plain functions, at most 30 lines of body
 PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unscale_grads_",
                "mpcourse.core.scaling.check:check_and_unscale_", "mpcourse.core.bf16:stochastic_round_bf16",
-               "mpcourse.core.bf16:kahan_add_", "mpcourse.core.formats:round_to"]
+               "mpcourse.core.bf16:kahan_add_", "mpcourse.core.formats:round_to",
+               "mpcourse.core.quant.fsdp_fp8:quantize_shard_for_all_gather"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="dtype gradients are reduced in across ranks (default: DDP the gradients' dtype; FSDP2 fp32 "
                         "for the master-weights recipes, the parameters' dtype otherwise)")
+    d.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --parallel fsdp: the FP8 layers all-gather their weights in FP8 (each rank casts its "
+                        "shard with the whole weight's scale; fp8-current only); prints the bytes per rank per step")
     d.add_argument("--dist-timeout", type=positive_float, default=120.0,
                    help="seconds a collective may wait for the other ranks before the job fails (default %(default)s)")
     sub.add_parser("recipes", help="list the registered recipes (marking those a plain compare leaves out)")
@@ -175,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"mpcourse compare: error: {bad}", file=sys.stderr)
         return 2
+    if args.fp8_all_gather:
+        from .parallel import fp8_all_gather_error
+        if args.parallel != "fsdp":
+            print("mpcourse compare: error: --fp8-all-gather needs --parallel fsdp (it changes what FSDP2 all-gathers)",
+                  file=sys.stderr)
+            return 2
+        bad = [why for why in map(fp8_all_gather_error, recipes) if why]
+        if bad:
+            print(f"mpcourse compare: error: {bad[0]}", file=sys.stderr)
+            return 2
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         return _main_distributed(args, corpus, cfg, recipes)
@@ -287,7 +300,7 @@ def _main_distributed(args, corpus, cfg, recipes) -> int:
         return 2
     job = Job(recipes=recipes, corpus=corpus, cfg=cfg, out=args.out, parallel=args.parallel,
               reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout,
-              learner_notebooks=tuple(str(nb) for nb in args.with_notebooks))
+              fp8_all_gather=args.fp8_all_gather, learner_notebooks=tuple(str(nb) for nb in args.with_notebooks))
     talk = is_rank_zero()
     if talk:
         print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}")

@@ -59,14 +59,16 @@ class DataParallelTrainer(Trainer):
     """
 
     def __init__(self, recipe_name, corpus, cfg: TrainConfig, parallel: str = "ddp",
-                 reduce_dtype: torch.dtype | None = None, overrides=None):
+                 reduce_dtype: torch.dtype | None = None, overrides=None, fp8_all_gather: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("DataParallelTrainer needs torch.distributed initialized (run it through "
                                "mpcourse compare --nproc N or torchrun)")
         why = unsupported(recipe_name, parallel)
         if why:
             raise ValueError(f"recipe {recipe_name!r} cannot run under --parallel {parallel}: {why}")
-        self.parallel, self.reduce_dtype = parallel, reduce_dtype
+        if fp8_all_gather and parallel != "fsdp":
+            raise ValueError("--fp8-all-gather needs --parallel fsdp (DDP gathers no parameters)")
+        self.parallel, self.reduce_dtype, self.fp8_all_gather = parallel, reduce_dtype, fp8_all_gather
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {self.world} ranks: each rank "
@@ -81,7 +83,7 @@ class DataParallelTrainer(Trainer):
             if master is not None:    # DDP's init broadcast wrote the (identical) params: not a model-only load
                 master._record_versions()
         else:
-            recipe = shard_recipe(recipe_cls, model, self.cfg.optim, overrides, self.reduce_dtype)
+            recipe = shard_recipe(recipe_cls, model, self.cfg.optim, overrides, self.reduce_dtype, self.fp8_all_gather)
             self.wrapped = recipe.model                                  # the sharded module itself
         return recipe
 
@@ -95,9 +97,18 @@ class DataParallelTrainer(Trainer):
         dist.all_reduce(t)                                               # sum of the slice means
         return float(t) / self.world                                     # the whole batch's mean
 
+    def all_gather_bytes(self) -> dict | None:
+        """FSDP2: bytes this rank sent into all-gathers per training step (``parallel.AllGatherLog.per_step``)."""
+        log = getattr(self.recipe, "all_gather_log", None)
+        return None if log is None else log.per_step(len(self.history))
+
     def save(self, path) -> Path:
         """Write a ``torch.distributed.checkpoint`` directory at ``path`` (every rank, between steps): sharded
-        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``)."""
+        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``).
+        Not for a ``fp8_all_gather`` run (its weights are tensor subclasses; never saved): ValueError."""
+        if self.fp8_all_gather:
+            raise ValueError("checkpoints of an --fp8-all-gather run are not supported: train without the flag "
+                             "(the same losses, bit for bit) to save")
         from . import dist_checkpoint
         return dist_checkpoint.save(self, path)
 
@@ -118,6 +129,7 @@ class Job:
     out: Path
     parallel: str = "ddp"
     reduce_dtype: str | None = None
+    fp8_all_gather: bool = False       # --fp8-all-gather: the FP8 layers' weights all-gathered in FP8 (fsdp only)
     progress: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     fail_rank: int | None = None       # testing: this rank raises at its first step (a failing rank)
@@ -125,6 +137,18 @@ class Job:
     learner_sources: dict = field(default_factory=dict)   # or name -> source of a learner's function
     quiet: bool = False                # rank 0 neither prints nor writes (train_yours reads the results)
     messages: list = field(default_factory=list)          # filled by run_rank: one line per failed [yours] row
+    all_gather_bytes: dict = field(default_factory=dict)  # filled by run_rank: row -> AllGatherLog.per_step (fsdp)
+
+
+def all_gather_lines(gathered: dict) -> list[str]:
+    """One line per FSDP2 row: the bytes this rank sent into all-gathers per training step, measured, and the
+    same elements as an FP32 and a BF16 all-gather (``parallel.AllGatherLog.per_step``)."""
+    lines = []
+    for name, b in gathered.items():
+        extra = f" + {b['amax_all_reduce']:,.0f} B amax all-reduce" if b["amax_all_reduce"] else ""
+        lines.append(f"{name}: all-gather per rank per step {b['sent']:,.0f} B sent ({'+'.join(b['dtypes'])}){extra}; "
+                     f"the same parameters as FP32 {b['fp32']:,.0f} B, as BF16 {b['bf16']:,.0f} B")
+    return lines
 
 
 def learner_functions(job: Job) -> dict:
@@ -151,9 +175,11 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
     if not overrides:
         return None
     try:
-        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype, overrides=overrides)
+        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype, overrides=overrides,
+                                      fp8_all_gather=job.fp8_all_gather)
         trainer.name = yours(name)
         trainer.run(progress=job.progress and rank == 0)
+        job.all_gather_bytes[trainer.name] = trainer.all_gather_bytes()
         return trainer.result()
     except (OverrideError, SeamError) as e:
         job.messages.append(f"{yours(name)}: {e}")
@@ -174,11 +200,13 @@ def run_rank(job: Job) -> list | None:
         if why:
             not_run[name] = why
             continue
-        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype)
+        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype,
+                                      fp8_all_gather=job.fp8_all_gather)
         if job.fail_rank == rank:
             raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank}) at time {time.time():.3f}")
         trainer.run(progress=job.progress and rank == 0)
         results.append(trainer.result())
+        job.all_gather_bytes[name] = trainer.all_gather_bytes()
         mine = _run_yours(job, name, functions, reduce_dtype, rank) if functions else None
         if mine is not None:
             results.append(mine)
@@ -189,12 +217,16 @@ def run_rank(job: Job) -> list | None:
     print(format_table(results))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
+    gathered = {n: b for n, b in job.all_gather_bytes.items() if b is not None}
+    for line in all_gather_lines(gathered):
+        print(line)
     for line in job.messages:
         print(line)
     if not results:                                  # every recipe asked for was refused: nothing to write or plot
         return results
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
-                          "bytes_per_param": "per rank", "not_run": not_run}}
+                          "bytes_per_param": "per rank", "not_run": not_run, "fp8_all_gather": job.fp8_all_gather,
+                          "all_gather_bytes_per_rank_per_step": gathered}}
     write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)
     return results
 

@@ -48,14 +48,17 @@ STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")
 
 
 def _storage(t: torch.Tensor):
-    """The tensor's untyped storage (a DTensor's local shard's), or None for an empty one / no storage."""
+    """The tensor's untyped storage (a DTensor's local shard's, a wrapper subclass's first inner tensor's, e.g.
+    ``fsdp_fp8.FP8AllGatherWeight``'s FP32 weight), or None for an empty one / no storage."""
     if type(t).__name__ == "DTensor":
         t = t.to_local()
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
     try:
         st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        return st if st.nbytes() and st.data_ptr() else None
+    except (RuntimeError, NotImplementedError):     # a wrapper without storage of its own
         return None
-    return st if st.nbytes() and st.data_ptr() else None
 
 
 def _tensors(obj):

@@ -35,8 +35,10 @@ reduce-scatters its gradients. Per recipe:
   would not.)
 * FP32-parameter recipes (``fp32``, ``torch-amp-bf16``, ``bf16-autocast``, ``fp8-*`` but ``fp8-delayed-fp8-weights``, which ``UNSUPPORTED`` refuses under both modes): sharded as they are;
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
-  the all-gather (no FP8 all-gather: that needs torchao's ``Float8Linear`` weight subclass and its FSDP2
-  hooks, see lesson 10).
+  the all-gather; with ``fp8_all_gather`` (``--fp8-all-gather``, ``fp8-current`` only) each rank casts its
+  shard to E4M3 with the whole weight's scale and the ranks gather the FP8 bytes instead: the same FP8
+  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.fsdp_fp8``).
+  ``AllGatherLog`` counts what each rank sends into FSDP2's all-gathers (every FSDP2 run).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
   reduce-scattered in BF16 (or ``reduce_dtype``). ``BF16Optimizer`` steps FP32 temporaries of the DTensor shards
@@ -229,13 +231,72 @@ def overridable(recipe_cls: type[TrainingRecipe], parallel: str) -> tuple[str, .
     return tuple(recipe_cls.OVERRIDABLE)
 
 
+#: recipes whose FP8 layers can all-gather their weights in FP8 (``--fp8-all-gather``): current per-tensor scaling
+FP8_ALL_GATHER_RECIPES = ("fp8-current",)
+
+
+def fp8_all_gather_error(recipe_name: str) -> str | None:
+    """Why ``--fp8-all-gather`` cannot run ``recipe_name``, or None."""
+    if recipe_name in FP8_ALL_GATHER_RECIPES:
+        return None
+    return (f"--fp8-all-gather supports {', '.join(FP8_ALL_GATHER_RECIPES)} (current per-tensor scaling), "
+            f"not {recipe_name}")
+
+
+class AllGatherLog:
+    """What this rank sends into FSDP2's all-gathers while the model trains (evaluation's are not counted).
+
+    ``calls``: one dict per all-gather: ``bytes`` (of the input this rank sends), ``dtype``, ``fp8_elements``
+    (how many of those bytes are FP8 weight elements, recorded by ``FP8AllGatherWeight.fsdp_pre_all_gather``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.calls, self.fp8_pending = model, [], []
+
+    def per_step(self, steps: int) -> dict:
+        """Bytes per rank per training step: ``sent`` (measured), and the same elements as an ``fp32`` and a
+        ``bf16`` all-gather would send them (4 and 2 B per element); ``amax_all_reduce`` the 4 B per FP8 weight
+        and all-gather that its scale costs (an all-reduce, not in ``sent``)."""
+        steps = max(steps, 1)
+        sent = sum(c["bytes"] for c in self.calls)
+        fp8 = sum(c["fp8_elements"] for c in self.calls)
+        n8 = sum(c["fp8_tensors"] for c in self.calls)
+        # elements gathered: FP8 ones (1 B each) and the others, in the call's dtype (FP32 in a mixed uint8 call)
+        elements = fp8 + sum((c["bytes"] - c["fp8_elements"]) // (2 if c["dtype"] in ("bfloat16", "float16") else 4)
+                             for c in self.calls)
+        return {"sent": sent / steps, "fp32": 4 * elements / steps, "bf16": 2 * elements / steps,
+                "fp8_elements": fp8 / steps, "amax_all_reduce": 4 * n8 / steps,
+                "calls": len(self.calls) / steps, "dtypes": sorted({c["dtype"] for c in self.calls})}
+
+
+def counting_all_gather(log: AllGatherLog):
+    """FSDP2's default all-gather (``dist.all_gather_single``) that logs what this rank sends
+    (``FSDPModule.set_custom_all_gather``, torch.distributed.fsdp docs)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class CountingAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            fp8, log.fp8_pending[:] = list(log.fp8_pending), []
+            if log.model.training:
+                log.calls.append({"bytes": input_tensor.numel() * input_tensor.element_size(),
+                                  "dtype": str(input_tensor.dtype).replace("torch.", ""),
+                                  "fp8_elements": sum(fp8), "fp8_tensors": len(fp8)})
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return CountingAllGather()
+
+
 def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, overrides=None,
-                 reduce_dtype: torch.dtype | None = None) -> TrainingRecipe:
+                 reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False) -> TrainingRecipe:
     """Build ``recipe_cls`` over ``model`` (FP32, the same init on every rank) and shard it with FSDP2.
 
-    Returns the recipe, with ``recipe.model`` the sharded module (forward all-gathers) and an optimizer
-    rebuilt over the sharded parameters. Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``.
+    ``fp8_all_gather``: the FP8 layers' weights travel in FP8 (``mpcourse.core.quant.fsdp_fp8``; recipes in
+    ``FP8_ALL_GATHER_RECIPES``). Returns the recipe, with ``recipe.model`` the sharded module (forward
+    all-gathers), an optimizer rebuilt over the sharded parameters and ``recipe.all_gather_log`` (an
+    ``AllGatherLog``). Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``, or one ``fp8_all_gather`` refuses.
     """
+    from mpcourse.core.quant import Float8Linear
+    from mpcourse.core.quant.fsdp_fp8 import enable_fp8_all_gather
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -248,9 +309,20 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
     else:
         recipe = recipe_cls(model, optim, overrides)
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    if fp8_all_gather:
+        why = fp8_all_gather_error(recipe_cls.name)
+        if why:
+            raise ValueError(why)
+        enable_fp8_all_gather(recipe.model)             # before fully_shard: the shards keep the wrapper
+    log = recipe.all_gather_log = AllGatherLog(recipe.model)
+    for m in recipe.model.modules():
+        if isinstance(m, Float8Linear):
+            m.all_gather_record = log.fp8_pending
     for block in recipe.model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(recipe.model, mp_policy=policy)        # the rest: embeddings (tied head), ln_f
+    for m in [*recipe.model.blocks, recipe.model]:
+        m.set_custom_all_gather(counting_all_gather(log))
     recipe.optimizer = recipe.make_optimizer(list(recipe.model.parameters()))   # over the DTensor shards
     if isinstance(getattr(recipe, "scaler", None), torch.amp.GradScaler):        # torch-amp-fp16
         old = recipe.scaler

@@ -148,7 +148,9 @@ class Float8Linear(nn.Linear):
 
     def _quantize(self, role: str, x: torch.Tensor, record: bool) -> Float8Tensor:
         """Quantize one role's tensor per tensor with this layer's quantizer; delayed scaling records the amax
-        if ``record``."""
+        if ``record``. A weight FSDP2 all-gathered in FP8 (``fsdp_fp8.GatheredFloat8Weight``) is already that copy."""
+        if role == "weight" and hasattr(x, "fp8_all_gathered"):
+            return x.fp8_all_gathered()                  # cast on each rank's shard with the whole weight's scale
         return self.quantizers[role](x, record)
 
     def _check_input(self, x: torch.Tensor) -> None:

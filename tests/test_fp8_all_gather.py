@@ -1,0 +1,179 @@
+"""FP8 all-gather of the FP8 layers' weights under FSDP2 (``mpcourse.core.quant.fsdp_fp8``, ``--fp8-all-gather``).
+
+Oracles: the one-process cast of the whole weight (``to_float8(W, e4m3, compute_scale(max|W|))``) for the rule, and
+the FSDP2 run that all-gathers FP32 and casts after the gather for the training run: with current scaling both
+give the same E4M3 weight and scale, so the loss history must be equal bit for bit (tolerance 0). One spawn of
+two gloo ranks (file rendezvous) runs every distributed case.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, compute_scale, to_float8
+from mpcourse.core.quant.fsdp_fp8 import FP8AllGatherWeight, enable_fp8_all_gather, quantize_shard_for_all_gather
+from mpcourse.experiment.cli import main
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+WORLD = 2
+
+
+def _weight():
+    """(64, 32) fp32 with rows of very different size: rank 1's rows hold the whole weight's amax."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(3)) * 0.02
+    w[40, 5] = 0.9
+    return w
+
+
+def _one_process_cast(w, p2=False):
+    return to_float8(w, "e4m3", compute_scale(w.abs().amax(), 448.0, 0, None, p2))
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def test_the_rule_in_one_process_is_the_plain_cast():
+    w = _weight()
+    for p2 in (False, True):
+        q, ref = quantize_shard_for_all_gather(w, "e4m3", use_power_2_scales=p2), _one_process_cast(w, p2)
+        assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale_inv,
+                                                                                                   ref.scale_inv)
+
+
+def test_the_wrapped_weight_behaves_as_its_fp32_tensor():
+    layer = Float8Linear(32, 64, bias=False, recipe=CurrentScaling())
+    w = FP8AllGatherWeight(_weight(), layer)
+    assert w.dtype == torch.float32 and type(w.clone()) is FP8AllGatherWeight        # FSDP2's copies stay wrapped
+    w.mul_(2.0)                                                                       # an optimizer's in-place step
+    assert torch.equal(w._tensor, _weight() * 2.0) and type(w + 1) is torch.Tensor
+
+
+def test_delayed_scaling_is_refused():
+    model = torch.nn.Sequential(Float8Linear(8, 8, recipe=DelayedScaling()))
+    with pytest.raises(ValueError, match="current per-tensor scaling"):
+        enable_fp8_all_gather(model)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--nproc", "2", "--parallel", "fsdp", "--recipes", "fp8-current,fp8-delayed"], "supports fp8-current"),
+    (["--nproc", "2", "--parallel", "ddp", "--recipes", "fp8-current"], "needs --parallel fsdp"),
+    (["--recipes", "fp8-current"], "needs --parallel fsdp")])
+def test_cli_refuses_in_one_line_exit_2(args, msg, tmp_path, capsys):
+    assert main(["compare", "--fp8-all-gather", "--steps", "1", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------- two gloo ranks
+def _rule_case():
+    """Each rank casts its rows with the rule and with the hook; the uint8 all-gather of both, and of a planted bug
+    (each rank's own amax, no all-reduce)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w = _weight()
+    shard = w.chunk(WORLD)[dist.get_rank()]                     # (32, 32) fp32, this rank's rows
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def gathered(data):                                         # (32, 32) uint8 -> (64, 32) uint8
+        out = [torch.empty_like(data) for _ in range(WORLD)]
+        dist.all_gather(out, data.contiguous())
+        return torch.cat(out)
+
+    rule = quantize_shard_for_all_gather(shard, "e4m3")
+    layer = Float8Linear(32, 64, bias=False, recipe=CurrentScaling())
+    (hook_data,), (hook_scale_inv, dtype) = FP8AllGatherWeight(shard, layer).fsdp_pre_all_gather(mesh, None, None,
+                                                                                                   None, None)
+    local = to_float8(shard, "e4m3", compute_scale(shard.abs().amax(), 448.0))     # planted bug: no MAX all-reduce
+    return {"rule": gathered(rule.data.view(torch.uint8)), "rule_scale_inv": rule.scale_inv,
+            "hook": gathered(hook_data), "hook_scale_inv": hook_scale_inv, "dtype": dtype,
+            "local": gathered(local.data.view(torch.uint8))}
+
+
+def _training_case():
+    from mpcourse.experiment.data import load_corpus
+    from mpcourse.experiment.distributed import DataParallelTrainer
+    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.parallel import local
+    from mpcourse.experiment.train import TrainConfig
+
+    cfg = TrainConfig(steps=3, batch_size=4, eval_interval=1000, eval_batches=1,
+                      model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64))
+    corpus, out = load_corpus(None), {}
+    for flag in (False, True):
+        t = DataParallelTrainer("fp8-current", corpus, cfg, "fsdp", fp8_all_gather=flag).run()
+        out[flag] = {"losses": [h["loss"] for h in t.history], "bytes": t.all_gather_bytes(),
+                     "weights": [getattr(local(p), "_tensor", local(p)).detach().clone()     # this rank's shards
+                                 for p in t.recipe.model.parameters()],
+                     "wrapped": sum(type(local(p)).__name__ == "FP8AllGatherWeight"
+                                    for p in t.recipe.model.parameters())}
+    return out
+
+
+def _worker(rank, init_method, out_dir):
+    from mpcourse.experiment.distributed import ranks
+
+    with ranks(rank, WORLD, init_method, threads=1):
+        torch.save({"rule": _rule_case(), "train": _training_case()}, os.path.join(out_dir, f"{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def seen():
+    from mpcourse.experiment.distributed import rendezvous, spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, WORLD, (rendezvous(d), d))
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def test_shards_cast_with_the_global_scale_gather_the_one_process_cast(seen):
+    ref = _one_process_cast(_weight())
+    for r in seen:
+        c = r["rule"]
+        assert torch.equal(c["rule"], ref.data.view(torch.uint8)) and torch.equal(c["rule_scale_inv"], ref.scale_inv)
+        assert torch.equal(c["hook"], c["rule"]) and torch.equal(c["hook_scale_inv"], c["rule_scale_inv"])
+        assert c["dtype"] == torch.float8_e4m3fn
+        assert not torch.equal(c["local"], c["rule"])       # the planted bug (each rank's own amax) is caught
+
+
+def test_fp8_all_gather_trains_bit_for_bit_as_the_fp32_all_gather(seen):
+    for r in seen:
+        fp32, fp8 = r["train"][False], r["train"][True]
+        assert fp8["wrapped"] == 4 and fp32["wrapped"] == 0      # qkv, proj, fc, proj of the one block
+        assert fp8["losses"] == fp32["losses"]                   # tolerance 0
+        assert all(torch.equal(a, b) for a, b in zip(fp8["weights"], fp32["weights"]))
+    assert seen[0]["train"][True]["losses"] == seen[1]["train"][True]["losses"]
+
+
+def test_fp8_all_gather_bytes_per_rank(seen):
+    """Measured at FSDP2's all-gather: the FP32 run sends 4 B per element; the FP8 run 1 B per FP8 weight element
+    and 4 B for the rest (biases, LayerNorms, embeddings), as uint8; its computed FP32 equivalent is the FP32 run."""
+    for r in seen:
+        fp32, fp8 = r["train"][False]["bytes"], r["train"][True]["bytes"]
+        assert fp32["dtypes"] == ["float32"] and "uint8" in fp8["dtypes"] and fp32["calls"] == fp8["calls"] > 0
+        assert fp8["fp32"] == fp32["sent"] and fp8["bf16"] == fp32["sent"] / 2
+        n8 = fp8["fp8_elements"]
+        assert n8 > 0 and fp8["sent"] == fp32["sent"] - 3 * n8
+        assert fp8["amax_all_reduce"] > 0 and fp32["fp8_elements"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- stored for lesson 10
+def test_stored_reduce_dtype_runs_are_what_the_command_gives():
+    """``notebooks/data/10/reduce-dtype.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
+    its command; the command's first two steps on 2 ranks, re-run here, give the stored losses bit for bit (one
+    thread per rank, the same seed), and the BF16 reduction changed the losses (the measurement is not empty)."""
+    import json
+    from pathlib import Path
+
+    from mpcourse.experiment.reduce_precision import measure
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "10" / "reduce-dtype.json"
+    stored = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path.name}"))
+    assert stored["command"].startswith("python -m mpcourse.experiment.reduce_precision")
+    runs = {r["nproc"]: r for r in stored["runs"]}
+    assert set(runs) == {2, 4} and all(r["max_rel_diff"] > 0 for r in runs.values())
+    short = measure(2, 2, runs[2]["batch_size"])
+    for dtype in ("fp32", "bf16"):
+        assert short["losses"][dtype] == runs[2]["losses"][dtype][:2]
