@@ -11,6 +11,7 @@ from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pu
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
+from . import selective  # noqa: F401  nvfp4-selective
 
 TABLE_ORDER = (
     # anchors: FP32 and PyTorch's own AMP
@@ -27,6 +28,7 @@ TABLE_ORDER = (
     "fp8-delayed-fp8-weights",
     # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4
     "fp8-rowwise", "fp8-block", "mxfp8", "mxfp8-floor", "nvfp4",
+    "nvfp4-selective",  # which layers: nvfp4 with the last block's linears kept high
 )
 
 # Left out of a plain ``mpcourse compare`` (name them with ``--recipes``); ``mpcourse recipes`` and ``--recipes``
