@@ -5,9 +5,9 @@ NVFP4), False keeps it an ``nn.Linear`` in the model's high precision. ``fqn`` i
 ("blocks.4.mlp.fc"). Two rules production uses, each a plain function, and a way to combine them:
 
 * ``edge_blocks_filter(n_blocks, first, last)``: the first ``first`` and last ``last`` transformer blocks stay
-  high. NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149, section 4) keeps about 16% of the linear layers of
-  its 12B model in BF16, mostly those of the last blocks (the first two and the last eight of 62); torchtitan's
-  NVFP4 Llama3-8B recipe keeps the last ~15% of blocks in BF16.
+  high. NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149) keeps about 16% of the linear layers of
+  its 12B model in BF16, mostly those of the last blocks; torchtitan's NVFP4 Llama3-8B recipe keeps the last
+  ~15% of blocks in BF16.
 * ``small_gemm_filter(recipe)``: a GEMM too small to gain from low precision stays high. The thresholds are
   torchao's ``_auto_filter_for_recipe`` (pytorch/ao ``torchao/float8/float8_linear_utils.py``, from H100
   benchmarks): for a weight of shape (N, K) (out_features, in_features) the layer stays high when K or N is not a
