@@ -92,3 +92,20 @@ def test_nvfp4_on_every_layer_runs_with_the_recipe_region(setup):
                              context=lambda: quant.autocast(enabled=True, recipe=r))
     # E2M1 with per-16 E4M3 scales: a few per cent to tens of per cent on one layer's output, never zero
     assert all(0.02 < row["output_error"] < 0.5 and row["grad_error"] > 0 for row in rows)
+
+
+def test_sensitivity_cli_refuses_a_recipe_without_quantized_layers(capsys):
+    from mpcourse.experiment.sensitivity import main
+    with pytest.raises(SystemExit) as e:
+        main(["--recipe", "fp32", "--steps", "0"])
+    assert e.value.code == 2 and "does not quantize linear layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--recipe", "nvfp4", "--steps", "-1"])
+    assert e.value.code == 2
+
+
+def test_block_means_groups_by_block():
+    from mpcourse.experiment.sensitivity import block_means
+    rows = [{"layer": "blocks.1.mlp.fc", "grad_error": 0.3}, {"layer": "blocks.0.attn.qkv", "grad_error": 0.2},
+            {"layer": "blocks.1.attn.qkv", "grad_error": 0.1}, {"layer": "head", "grad_error": 9.0}]
+    assert block_means(rows) == {0: 0.2, 1: pytest.approx(0.2)}
