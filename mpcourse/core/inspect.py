@@ -202,3 +202,68 @@ def plot_histogram(t: torch.Tensor, path, fmt: str = "fp16", scale: float = 1.0,
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which layers a low-precision recipe hurts most: quantize one layer at a time against FP32 on the same batch
+# ----------------------------------------------------------------------------------------------------------
+def relative_error(test: torch.Tensor, ref: torch.Tensor) -> float:
+    """||test - ref|| / ||ref|| (Frobenius, FP32); 0 when both are zero."""
+    ref, test = ref.detach().float(), test.detach().float()
+    den = float(ref.norm())
+    num = float((test - ref).norm())
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def _run(model: nn.Module, loss_fn, layers, context, seed: int) -> tuple[float, dict, dict]:
+    """One forward (in ``context``) and backward of ``loss_fn(model)``: (loss, {param name: grad}, {fqn: output of
+    each of ``layers``}). The backward runs outside ``context``, as TE requires of its quantized region."""
+    outs = {}
+
+    def keep(fqn):
+        def hook(module, args, y):          # returns None: the output goes on unchanged
+            outs.setdefault(fqn, y.detach())
+        return hook
+    hooks = [model.get_submodule(f).register_forward_hook(keep(f)) for f in layers]
+    torch.manual_seed(seed)                            # the recipe's random draws (SR): the same in every run
+    model.zero_grad(set_to_none=True)
+    with context():
+        loss = loss_fn(model)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, outs
+
+
+def layer_sensitivity(model: nn.Module, loss_fn, layers, quantize_only, context=None, seed: int = 0) -> list[dict]:
+    """Rank ``layers`` (fqns of ``nn.Linear`` in ``model``) by how much quantizing *that layer alone* changes a
+    training step against FP32 on the same batch, the measurement behind choosing which layers stay high.
+
+    ``loss_fn(model) -> loss`` runs one batch (fix the batch in it); ``quantize_only(model, fqn)`` converts the one
+    layer (e.g. ``convert_to_float8_training`` with ``module_filter_fn=lambda m, f: f == fqn``); ``context()`` is
+    the recipe's forward region (default none). ``model`` is not changed: each layer runs on a deep copy.
+
+    Returns one dict per layer, largest ``grad_error`` first:
+        output_error   relative error of the layer's own output (its input is the FP32 one: nothing upstream changed)
+        weight_grad_error   relative error of the layer's weight gradient
+        grad_error     relative error of all parameter gradients together (what the optimizer step sees)
+        loss_delta     |loss - FP32 loss|
+    """
+    import copy
+    import contextlib
+
+    context = context or contextlib.nullcontext
+    layers = list(layers)
+    ref_loss, ref_grads, ref_ys = _run(copy.deepcopy(model), loss_fn, layers, contextlib.nullcontext, seed)
+    names = list(ref_grads)
+    flat = (lambda g: torch.cat([g[n].float().flatten() for n in names]))       # (P,) every gradient at once
+    rows = []
+    for fqn in layers:
+        q_model = quantize_only(copy.deepcopy(model), fqn)
+        q_loss, q_grads, q_ys = _run(q_model, loss_fn, [fqn], context, seed)
+        rows.append({"layer": fqn, "output_error": relative_error(q_ys[fqn], ref_ys[fqn]),
+                     "weight_grad_error": relative_error(q_grads[f"{fqn}.weight"], ref_grads[f"{fqn}.weight"]),
+                     "grad_error": relative_error(flat(q_grads), flat(ref_grads)),
+                     "loss_delta": abs(q_loss - ref_loss)})
+    return sorted(rows, key=lambda r: -r["grad_error"])

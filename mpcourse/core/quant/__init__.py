@@ -25,6 +25,7 @@ The layers and GEMMs:
   optimizer (TE ``quantized_model_init``), and ``convert_to_fp8_weights``.
 * ``block_gemm``: block-scaled GEMMs via ``F.scaled_mm`` or an exact emulation; an accumulator model.
 * ``block_linear``: the autograd function of a linear layer under the block recipes.
+* ``module_filter``: which linears convert (``module_filter_fn`` rules): edge blocks high, torchao's small-GEMM rule.
 
 Sources: Micikevicius et al. 2022 (arXiv 2209.05433); NVIDIA/TransformerEngine
 ``common/recipe/__init__.py``, ``pytorch/quantization.py``, ``common/recipe/delayed_scaling.cu``;
@@ -44,6 +45,7 @@ from .blockwise import block_quantize, quantize_fp32_scaled
 from .mx import mx_shared_exponent, quantize_mx
 from .nvfp4 import nvfp4_scales, quantize_nvfp4
 from .engine import learner_functions, quantizers
+from .module_filter import all_of, block_index, edge_blocks_filter, is_small_gemm, small_gemm_filter, split_by_filter
 from .tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
                      fp8_max, quantize, quantize_current, round_down_to_power_of_2, to_float8)
 
@@ -59,5 +61,9 @@ __all__ = [
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES", "token_multiple",
+<<<<<<< HEAD
     "PerDirectionBlockScaling",
+=======
+    "all_of", "block_index", "edge_blocks_filter", "is_small_gemm", "small_gemm_filter", "split_by_filter",
+>>>>>>> sel
 ]

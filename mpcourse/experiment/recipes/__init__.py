@@ -12,6 +12,7 @@ from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
 from . import fp8_directions  # noqa: F401  mxfp8-fwd-nvfp4-bwd
+from . import selective  # noqa: F401  nvfp4-selective
 
 TABLE_ORDER = (
     # anchors: FP32 and PyTorch's own AMP
@@ -28,6 +29,8 @@ TABLE_ORDER = (
     "fp8-delayed-fp8-weights",
     # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4
     "fp8-rowwise", "fp8-block", "mxfp8", "mxfp8-floor", "nvfp4",
+    # which layers: nvfp4 with the last block's linears kept high
+    "nvfp4-selective",
     # a format per GEMM direction: MXFP8 forward, NVFP4 backward
     "mxfp8-fwd-nvfp4-bwd",
 )
@@ -42,9 +45,10 @@ TABLE_ORDER = (
 # ``bf16-master-bf16-moments-sr`` is ``bf16-master-bf16-moments`` with stochastic rounding of the moments (the fix
 # for their stall when the gradients go quiet): a variant to name beside it, not a row of the default table.
 # ``mxfp8-fwd-nvfp4-bwd`` computes its forward GEMMs as ``mxfp8`` and its backward GEMMs as ``nvfp4`` (tested): a
-# combination of two rows of the default table, to name beside them.
+# combination of two rows of the default table, to name beside them. ``nvfp4-selective`` is ``nvfp4`` with the last
+# block's linears kept in high precision (NVIDIA's NVFP4 recipe), the slowest kind of row: name it beside ``nvfp4``.
 NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
-                                       "mxfp8-fwd-nvfp4-bwd")
+                                       "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
 
 
 def default_recipes() -> list[str]:

@@ -1,0 +1,84 @@
+"""Which layers convert: ``mpcourse.core.quant.module_filter``. Oracles: torchao 0.18's own auto filter
+(``torchao.float8.float8_linear_utils._auto_filter_for_recipe``) on the same modules, side by side, and the
+model's block structure read from the module tree (not from names) for the edge-blocks rule."""
+import itertools
+
+import pytest
+import torch.nn as nn
+
+from mpcourse.core.quant import (Float8Linear, NVFP4BlockScaling, all_of, block_index, convert_to_float8_training,
+                                 edge_blocks_filter, is_small_gemm, small_gemm_filter, split_by_filter)
+from mpcourse.experiment.model import GPT, GPTConfig
+
+# dims around every threshold of both recipes, multiples of 16 and not
+DIMS = (8, 24, 512, 1008, 1024, 1040, 2000, 2048, 2064, 4096, 4112, 8192)
+FQNS = ("blocks.0.mlp.fc", "output", "layers.3.attention.wq", "lm_head")
+
+
+def _modules():
+    # meta tensors: the filters read only the weight's shape, and an 8192 x 8192 weight would cost 256 MB
+    mods = [(nn.Linear(k, n, bias=False, device="meta"), fqn)
+            for (k, n), fqn in zip(itertools.product(DIMS, DIMS), itertools.cycle(FQNS))]
+    return mods + [(nn.LayerNorm(4096, device="meta"), "norm"), (nn.Embedding(4096, 4096, device="meta"), "tok")]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("filter_fqns", [[], ["output"], ["head", "wq"]])
+def test_small_gemm_filter_decides_as_torchao_auto_filter(recipe, filter_fqns):
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    theirs = utils._auto_filter_for_recipe(recipe, filter_fqns=filter_fqns)
+    ours = small_gemm_filter(recipe, filter_fqns)
+    mods = _modules()
+    got = [ours(m, f) for m, f in mods]
+    assert got == [theirs(m, f) for m, f in mods]
+    assert 0 < sum(got) < len(got)                      # the grid exercises both answers
+
+
+def test_small_gemm_rule_reads_weight_as_out_by_in():
+    # tensorwise keeps K <= 4096 and N <= 1024 high: nn.Linear(in=4096, out=1024) stays high, its transpose converts
+    assert is_small_gemm(4096, 1024) and not is_small_gemm(1024, 4096)
+    assert not small_gemm_filter()(nn.Linear(4096, 1024, device="meta"), "x")      # K=4096, N=1024
+    assert small_gemm_filter()(nn.Linear(1024, 4096, device="meta"), "x")          # K=1024, N=4096
+    assert is_small_gemm(8200, 8192) and is_small_gemm(4096, 4104, "rowwise")       # not multiples of 16
+
+
+def test_unknown_recipe_is_refused_when_the_filter_is_built():
+    with pytest.raises(ValueError, match="tensorwise"):
+        small_gemm_filter("blockwise")
+
+
+@pytest.mark.parametrize("fqn, container, want", [
+    ("blocks.4.mlp.fc", "blocks", 4), ("blocks.12", "blocks", 12), ("model.blocks.0.attn.qkv", "blocks", 0),
+    ("head", "blocks", None), ("myblocks.1.fc", "blocks", None), ("layers.3.attention.wq", "layers", 3),
+    ("layers.3.attention.wq", "blocks", None)])
+def test_block_index(fqn, container, want):
+    assert block_index(fqn, container) == want
+
+
+@pytest.mark.parametrize("first, last", [(0, 1), (1, 1), (0, 2), (0, 0), (2, 3)])
+def test_edge_blocks_filter_against_the_module_tree(first, last):
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=5, n_head=2, n_embd=16))
+    n = len(model.blocks)
+    high_ids = {id(m) for i, blk in enumerate(model.blocks) if i < first or i >= n - last
+                for m in blk.modules() if isinstance(m, nn.Linear)}
+    name_of = {id(m): f for f, m in model.named_modules()}
+    converted, kept = split_by_filter(model, edge_blocks_filter(n, first, last))
+    assert set(kept) == {name_of[i] for i in high_ids}
+    assert "head" in converted and len(converted) + len(kept) == 4 * n + 1
+
+
+def test_filters_combine_and_drive_the_conversion():
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    f = all_of(lambda m, fqn: fqn != "head", edge_blocks_filter(3, 0, 1))
+    convert_to_float8_training(model, module_filter_fn=f, recipe=NVFP4BlockScaling())
+    kinds = {fqn: type(m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert {k for k, t in kinds.items() if t is nn.Linear} == {"head"} | {f"blocks.2.{s}" for s in
+                                                                           ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert sum(t is Float8Linear for t in kinds.values()) == 8
+
+
+def test_bad_edge_arguments():
+    with pytest.raises(ValueError, match="n_blocks"):
+        edge_blocks_filter(0)
+    with pytest.raises(ValueError, match="last"):
+        edge_blocks_filter(4, 0, -1)
