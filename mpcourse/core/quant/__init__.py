@@ -61,9 +61,6 @@ __all__ = [
     "ScaledTensor", "quantize_fp32_scaled", "quantize_mx", "quantize_nvfp4", "mx_shared_exponent",
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES", "token_multiple",
-<<<<<<< HEAD
     "PerDirectionBlockScaling",
-=======
     "all_of", "block_index", "edge_blocks_filter", "is_small_gemm", "small_gemm_filter", "split_by_filter",
->>>>>>> sel
 ]
