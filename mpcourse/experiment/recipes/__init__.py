@@ -8,6 +8,7 @@ from .base import RECIPES, MasterWeightsRecipe, OptimConfig, TrainingRecipe, Ste
 from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
 from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments(-sr)
+from . import low_state  # noqa: F401  fp8-moments, int8-moments
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
@@ -20,7 +21,7 @@ TABLE_ORDER = (
     # BF16: autocast, master copy, pure BF16 with three write-backs
     "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan",
     # memory savers: low-precision optimizer state
-    "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr",
+    "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr", "fp8-moments", "int8-moments",
     # FP8 per tensor
     "fp8-current", "fp8-delayed",
     # memory savers: FP8 weights with an FP32 master (TE quantized_model_init)
