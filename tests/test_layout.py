@@ -180,7 +180,12 @@ def test_no_rule_module_imports_its_kernel(rule, kernel):
 PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unscale_grads_",
                "mpcourse.core.scaling.check:check_and_unscale_", "mpcourse.core.bf16:stochastic_round_bf16",
                "mpcourse.core.bf16:kahan_add_", "mpcourse.core.formats:round_to",
-               "mpcourse.core.quant.fsdp_fp8:quantize_shard_for_all_gather"]
+               "mpcourse.core.quant.fsdp_fp8:quantize_shard_for_all_gather",
+               # low-precision optimizer state (torchao's AdamWFp8 / AdamW8bit as rules)
+               "mpcourse.core.optim_fp8:quantize_fp8_state", "mpcourse.core.optim_fp8:dequantize_fp8_state",
+               "mpcourse.core.optim_int8:dynamic_map", "mpcourse.core.optim_int8:quantize_int8_state",
+               "mpcourse.core.optim_int8:dequantize_int8_state", "mpcourse.core.optim_blockwise:adamw_step",
+               "mpcourse.core.moment_decay:second_moment_ratio"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

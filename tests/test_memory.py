@@ -198,3 +198,18 @@ def test_bf16_moments_first_adamw_step_by_hand():
     torch.testing.assert_close(st["exp_avg"].float(), (0.9 * m1 + 0.1 * g).to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="state_dtype"):
         LowPrecisionState(torch.optim.AdamW, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("name", ["fp8-moments", "int8-moments"])
+def test_blockwise_moments_bytes_by_hand(name, corpus):
+    """FP32 weights and grads; AdamW's two moments 1 byte each + one FP32 scale per 256 where a tensor has >= 4096
+    elements and a multiple of 256 (torchao's rule), FP32 (2 x 4 bytes) elsewhere. In the tiny GPT only the MLP's
+    two (4C x C) weights qualify (4096 elements); qkv (3C x C = 3072) and the embeddings do not."""
+    r, mem, _ = measure(name, corpus)
+    P = n_params(corpus.vocab_size)
+    Q = L * 2 * 4 * C * C                                 # fc and mlp.proj weights
+    assert Q == L * 2 * 4096
+    optimizer = (P - Q) * 8 + 2 * (Q * 1 + Q // 256 * 4)
+    assert (mem.weights, mem.grads, mem.master, mem.optimizer, mem.extra) == (4 * P, 4 * P, 0, optimizer, 0)
+    quantized = [p for p in r.optimizer.param_groups[0]["params"] if "exp_avg_scale" in r.optimizer.state[p]]
+    assert sorted(p.numel() for p in quantized) == [4096] * (2 * L)

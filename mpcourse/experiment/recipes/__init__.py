@@ -8,6 +8,7 @@ from .base import RECIPES, MasterWeightsRecipe, OptimConfig, TrainingRecipe, Ste
 from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
 from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments(-sr)
+from . import low_state  # noqa: F401  fp8-moments, int8-moments
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
@@ -22,7 +23,7 @@ TABLE_ORDER = (
     # BF16: autocast, master copy, pure BF16 with three write-backs
     "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan",
     # memory savers: low-precision optimizer state
-    "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr",
+    "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr", "fp8-moments", "int8-moments",
     # FP8 per tensor
     "fp8-current", "fp8-delayed",
     # memory savers: FP8 weights with an FP32 master (TE quantized_model_init)
@@ -47,8 +48,10 @@ TABLE_ORDER = (
 # ``mxfp8-fwd-nvfp4-bwd`` computes its forward GEMMs as ``mxfp8`` and its backward GEMMs as ``nvfp4`` (tested): a
 # combination of two rows of the default table, to name beside them. ``nvfp4-selective`` is ``nvfp4`` with the last
 # block's linears kept in high precision (NVIDIA's NVFP4 recipe), the slowest kind of row: name it beside ``nvfp4``.
+# ``fp8-moments`` and ``int8-moments`` change only the optimizer state's storage (torchao's AdamWFp8 / AdamW8bit):
+# memory savers named beside ``bf16-master-bf16-moments``; the default table and its 3-seed spread predate them.
 NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
-                                       "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
+                                       "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
 
 
 def default_recipes() -> list[str]:
