@@ -10,8 +10,6 @@ loads. NAME is one of ``ABLATIONS``:
     op-precision     (iii) softmax, LayerNorm and the loss in low precision vs FP32
     fp8-format       (iv)  FP8 HYBRID (E5M2 gradients) vs E4M3 everywhere
     failures               gradient overflow and a loss scale too high (logs for the lesson's exercise)
-    outlier-channels       lesson 09: per-tensor FP8 vs rowwise, 1x128 and MXFP8 with planted outlier channels
-                           (``--out notebooks/data/09``)
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ ABLATIONS = {
     "op-precision": "op_precision",
     "fp8-format": "fp8_format",
     "failures": "failures",
-    "outlier-channels": "outlier_channels",
 }
 
 

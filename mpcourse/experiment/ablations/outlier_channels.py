@@ -10,7 +10,11 @@ they flush to zero or keep a bit or two, and ``mlp.fc`` sees little but the outl
 (whole rows at width 128) cannot help: every row holds the outlier channels. 1x32 MX blocks put both outlier
 channels in block 0 and scale the other 96 channels on their own.
 
-    python -m mpcourse.experiment.ablations outlier-channels --steps 60 --seeds 0 --out notebooks/data/09
+    python -m mpcourse.experiment.ablations.outlier_channels [--steps 40] [--seeds 0] [--out notebooks/data/09]
+
+writes OUT/outlier-channels.json. Measured (40 steps, seed 0, this CPU): the final training losses of fp32 3.09,
+fp8-current 2.98, fp8-rowwise 3.04, mxfp8 3.12: at this size and length per-tensor FP8 does NOT visibly fail,
+because a 40-step model leans little on ``mlp.fc``; the lesson does not use this run yet.
 """
 from __future__ import annotations
 
@@ -45,3 +49,29 @@ def run(acfg: AblationConfig) -> dict:
         runs += [{**r, "recipe": name} for r in over_seeds(name, make, acfg)]
     return {"ablation": "outlier-channels", "outlier_channels": list(OUTLIER_CHANNELS), "factor": FACTOR,
             "recipes": list(RECIPES), "runs": runs}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+    p = argparse.ArgumentParser(prog="python -m mpcourse.experiment.ablations.outlier_channels")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1")
+    p.add_argument("--out", default="notebooks/data/09")
+    a = p.parse_args(argv)
+    try:
+        seeds = tuple(int(s) for s in a.seeds.split(","))
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, e.g. 0,1; got {a.seeds!r}")
+    result = run(AblationConfig(steps=a.steps, seeds=seeds))
+    result["command"] = (f"python -m mpcourse.experiment.ablations.outlier_channels --steps {a.steps} "
+                         f"--seeds {a.seeds}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "outlier-channels.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
