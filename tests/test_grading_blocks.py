@@ -1,10 +1,13 @@
-"""Lesson 09's graders: pass on the library's implementations, fail on planted bugs with a helpful message."""
+"""Lesson 09's graders: pass on the library's implementations, fail on planted bugs with a hint naming the fault."""
 import pytest
 import torch
 
-from mpcourse.core.quant import mx_shared_exponent, quantize_fp32_scaled, quantize_nvfp4
+from mpcourse.core.quant import mx_shared_exponent, quantize_fp32_scaled, quantize_mx, quantize_nvfp4
 from mpcourse.course.grading import GradingError
-from mpcourse.course.grading.blocks import check_block_quantize, check_mx_shared_exponent, check_nvfp4_scales
+from mpcourse.course.grading.blocks import (check_block_quantize, check_columnwise_quantize, check_mx_quantize,
+                                            check_mx_shared_exponent, check_nvfp4_scales)
+
+EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
 
 
 def lib_block(x, block):
@@ -17,11 +20,27 @@ def lib_nvfp4(x):
     return q.tensor_scale_inv, q.scale_inv
 
 
+def lib_columnwise(x):
+    return lib_block(x.t().contiguous(), (1, 128))
+
+
+def lib_mx_quantize(x):
+    q = quantize_mx(x, (1, 32), "e4m3", "floor")
+    return q.scale_inv, q.data
+
+
+def mx_dequantize(scale, data):
+    M, K = data.shape
+    return (data.float().reshape(M, K // 32, 32) * scale.float()[:, :, None]).reshape(M, K)
+
+
 def test_library_passes(capsys):
     check_block_quantize(lib_block)
+    check_columnwise_quantize(lib_columnwise)
     check_mx_shared_exponent(lambda a, e: mx_shared_exponent(a, e, "floor"))
+    check_mx_quantize(lib_mx_quantize, mx_dequantize)
     check_nvfp4_scales(lib_nvfp4)
-    assert capsys.readouterr().out.count("PASS") == 3
+    assert capsys.readouterr().out.count("PASS") == 5
 
 
 def test_planted_bugs_fail():
@@ -36,3 +55,115 @@ def test_planted_bugs_fail():
         check_nvfp4_scales(lambda x: (x.abs().amax() / 448, quantize_nvfp4(x).scale_inv))
     with pytest.raises(GradingError, match="not implemented"):
         check_block_quantize(lambda x, b: (_ for _ in ()).throw(NotImplementedError()))
+
+
+# --- mx_shared_exponent: the floor(log2) mistakes ---
+
+def fp32_log2(amax, elem):                 # floor(log2) in FP32: one ulp below 2^n rounds up to n
+    return (torch.floor(torch.log2(amax)).long() - EMAX[elem]).clamp(-127, 127)
+
+
+def fp64_log2(amax, elem):                 # exact on normals, but log2(0) = -inf cast to an integer
+    return (torch.floor(torch.log2(amax.double())).long() - EMAX[elem]).clamp(-127, 127)
+
+
+def inf_clamped(amax, elem):               # right everywhere except inf, taken as E8M0's top
+    k = fp64_log2(amax, elem)
+    k = torch.where(amax == 0, -127, k)
+    return torch.where(torch.isinf(amax), 127, k)
+
+
+def float_exponents(amax, elem):           # returns floats
+    return torch.floor(torch.log2(amax.double())) - EMAX[elem]
+
+
+@pytest.mark.parametrize("bug,hint", [
+    (fp32_log2, "computed in floating point: one FP32 ulp below a power of two"),
+    (fp64_log2, "log2\\(0\\) is -inf, and casting -inf to an integer is undefined"),
+    (inf_clamped, "infinite amax takes the exponent field of inf"),
+    (float_exponents, "must be integers"),
+])
+def test_mx_shared_exponent_bugs_named(bug, hint):
+    with pytest.raises(GradingError, match=hint):
+        check_mx_shared_exponent(bug)
+
+
+# --- mx_quantize: the whole block, edges ---
+
+def _lib_k(x):
+    M, K = x.shape
+    amax = x.abs().reshape(M, K // 32, 32).amax(2)
+    return amax, mx_shared_exponent(amax, "e4m3", "floor")
+
+
+def nan_block_not_nan_scale(x):            # the NaN block keeps a finite scale
+    amax, k = _lib_k(x)
+    scale = torch.exp2(k.double()).float()
+    y = (x.reshape(*k.shape, 32) / scale[:, :, None]).clamp(-448, 448)
+    return scale.to(torch.float8_e8m0fnu), y.reshape(x.shape).to(torch.float8_e4m3fn)
+
+
+def nan_elements_kept_finite(x):           # NaN scale, but the other elements of the block cast normally
+    s, d = lib_mx_quantize(x)
+    amax, k = _lib_k(x)
+    y = (x.reshape(*k.shape, 32) / torch.where(k == -127, 2.0 ** -126, torch.exp2(k.double()).float())[:, :, None])
+    return s, y.clamp(-448, 448).reshape(x.shape).to(torch.float8_e4m3fn)
+
+
+def inf_not_saturated(x):                  # no clamp before the cast: inf stays out of range
+    s, d = lib_mx_quantize(x)
+    inf = torch.isinf(x)
+    return s, torch.where(inf, torch.tensor(float("nan")), d.float()).to(torch.float8_e4m3fn)
+
+
+def divides_by_2_minus_127(x):             # the OCP divisor where torchao's floor rule uses 2^-126
+    amax, k = _lib_k(x)
+    scale = torch.where(torch.isnan(amax), float("nan"), torch.exp2(k.double()).float())
+    y = (x.reshape(*k.shape, 32) / scale[:, :, None]).clamp(-448, 448)
+    return scale.to(torch.float8_e8m0fnu), y.reshape(x.shape).to(torch.float8_e4m3fn)
+
+
+def dequantize_zero_scale(scale, data):    # E8M0 byte 0 read as 0
+    s = torch.where(scale.view(torch.uint8) == 0, 0.0, scale.float())
+    M, K = data.shape
+    return (data.float().reshape(M, K // 32, 32) * s[:, :, None]).reshape(M, K)
+
+
+@pytest.mark.parametrize("quantize,dequantize,hint", [
+    (nan_block_not_nan_scale, mx_dequantize, "NaN scale, E8M0 byte 0xFF"),
+    (nan_elements_kept_finite, mx_dequantize, "every element of a block holding a NaN is NaN"),
+    (inf_not_saturated, mx_dequantize, "infinite element saturates to \\+-448"),
+    (divides_by_2_minus_127, mx_dequantize, "divide by 2\\^-126"),
+    (lib_mx_quantize, dequantize_zero_scale, "byte 0 is 2\\^-127"),
+])
+def test_mx_quantize_bugs_named(quantize, dequantize, hint):
+    with pytest.raises(GradingError, match=hint):
+        check_mx_quantize(quantize, dequantize)
+
+
+# --- columnwise_quantize: orientation and source ---
+
+def rowwise_transposed(x):                 # the rowwise copy (1x128 along K), transposed
+    d, s = lib_block(x, (1, 128))
+    return d.t().contiguous(), s.t().contiguous()
+
+
+def from_dequantized_rowwise(x):           # quantized twice: from the dequantized rowwise copy
+    d, s = lib_block(x, (1, 128))
+    M, K = x.shape
+    dq = (d.float().reshape(M, K // 128, 128) * s[:, :, None]).reshape(M, K)
+    return lib_columnwise(dq)
+
+
+def not_transposed(x):                     # 128x1 blocks of x, stored untransposed
+    return lib_block(x, (128, 1))
+
+
+@pytest.mark.parametrize("bug,hint", [
+    (rowwise_transposed, "rowwise copy.s scales \\(1x128 tiles along K"),
+    (from_dequantized_rowwise, "re-quantized from the dequantized rowwise copy"),
+    (not_transposed, "store the copy transposed"),
+])
+def test_columnwise_bugs_named(bug, hint):
+    with pytest.raises(GradingError, match=hint):
+        check_columnwise_quantize(bug)

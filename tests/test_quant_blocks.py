@@ -221,3 +221,25 @@ def test_linear_layer_under_each_recipe_is_close_to_fp32(recipe):
     y, yr = lin(x), ref(x)
     tol = 0.3 if isinstance(recipe, NVFP4BlockScaling) else 0.08
     assert float((y - yr).norm() / yr.norm()) < tol
+
+
+@pytest.mark.parametrize("rule,mode", [("floor", "FLOOR"), ("rceil", "RCEIL")])
+def test_mx_edge_blocks_match_torchao(rule, mode):
+    """Lesson 09's stated edges: all-zero, subnormal, one ulp below a power of two, +-inf and NaN blocks. Scale
+    bytes and dequantized values equal torchao's; elements too, except a NaN block's under FLOOR (torchao writes
+    x / inf there, the library NaN: both dequantize to NaN)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 32, generator=g)
+    x[0] = 0.0
+    x[1] = 1e-40
+    x[2, 5] = float(torch.nextafter(torch.tensor(256.0), torch.tensor(0.0)))
+    x[3, 0], x[4, 9], x[5, 1] = float("inf"), -float("inf"), float("nan")
+    x[6] = 2.0 ** -120
+    scale, data = mx_tensor.to_mx(x, torch.float8_e4m3fn, 32, getattr(mx_tensor.ScaleCalculationMode, mode))
+    q = quantize_mx(x, (1, 32), "e4m3", rule)
+    assert torch.equal(q.scale_inv.view(torch.uint8).flatten(), scale.view(torch.uint8).flatten())
+    want_dq = mx_tensor.to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+    assert torch.equal(q.dequantize().nan_to_num(7.0), want_dq.nan_to_num(7.0))
+    assert bool(q.dequantize()[5].isnan().all()) and bool(q.data[5].float().isnan().all())
+    rows = [0, 1, 2, 3, 4, 6, 7] if rule == "floor" else list(range(8))
+    assert torch.equal(q.data.float()[rows].nan_to_num(7.0), data.float()[rows].nan_to_num(7.0))

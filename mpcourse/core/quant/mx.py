@@ -58,7 +58,11 @@ def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> to
 def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor") -> ScaledTensor:
     """MX quantization: each block of 32 shares the E8M0 scale 2^k (``mx_shared_exponent``); elements are
     ``saturate(x / 2^k)`` cast to ``elem`` (round to nearest even). x: (M, K); block (1, 32) or (32, 1).
-    A NaN in a block makes its scale NaN (0xFF) and its elements NaN (E4M3/E5M2) as in torchao."""
+    The edges (lesson 09 states them; torchao's ``to_mx`` agrees): an all-zero block gets k = -127 and zero
+    elements; a tiny block whose k clamps to -127 divides by ``MX_MIN_SCALE_DIVISOR[rule]``; an inf in a block
+    takes k from inf's exponent field and saturates to the element max; a NaN in a block makes its scale NaN
+    (0xFF) and every element of the block NaN (E4M3/E5M2; torchao's FLOOR path writes x / inf into those
+    elements instead, which dequantize to NaN just the same)."""
     mx_element_format(elem)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
@@ -69,9 +73,11 @@ def encode_mx(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Te
               rule: str = "floor") -> ScaledTensor:
     """The ScaledTensor of x (M, K) in ``elem`` with the shared exponents k (M/r, K/c) of a resolved ``block``."""
     scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
-    scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
     # x / 2^k as the OCP spec writes it, except where k = -127: there torchao's divisor (MX_MIN_SCALE_DIVISOR)
     divisor = torch.where(k == -127, MX_MIN_SCALE_DIVISOR[rule], scale_inv)
+    # a block holding a NaN: NaN scale (E8M0 0xFF) and NaN elements, under either rule (OCP MX v1.0 6.3)
+    nan = torch.isnan(amax)
+    scale_inv, divisor = torch.where(nan, float("nan"), scale_inv), torch.where(nan, float("nan"), divisor)
     y = block_view(x.float(), block) / expand(divisor, block)
     data = cast_elements(y, elem).reshape(x.shape)
     return ScaledTensor(data, scale_inv.to(torch.float8_e8m0fnu), block, elem, None, x.dtype)

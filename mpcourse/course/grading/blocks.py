@@ -6,8 +6,14 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
 * ``check_block_quantize``: Transformer Engine ``Float8BlockScaling`` / DeepSeek-V3 (arXiv 2412.19437, 3.3.1):
   per block, ``scale = 448 / amax`` in FP32 rounded *down* to a power of two (amax 0 gives 1), then
   ``e4m3(clip(x * scale, -448, 448))``; the returned ``scale_inv`` is ``1 / scale``.
+* ``check_columnwise_quantize``: the columnwise copy Transformer Engine's ``Float8BlockScaling`` quantizes for
+  the backward pass: x^T (K, M) in 1x128 tiles (128x1 blocks of x), from the high-precision source; the same
+  oracle as ``check_block_quantize`` on x^T.
 * ``check_mx_shared_exponent``: OCP MX v1.0 section 6.3, ``k = floor(log2(amax)) - emax_elem`` read from the
-  FP32 exponent, clamped to E8M0's [-127, 127] (the floor rule torchao calls ``FLOOR``).
+  FP32 exponent, clamped to E8M0's [-127, 127] (the floor rule torchao calls ``FLOOR``); amax 0 gives -127,
+  amax inf takes inf's exponent field (255): k = 128 - emax_elem, as torchao's ``to_mx``.
+* ``check_mx_quantize``: the whole MXFP8 block (floor rule, E4M3 elements, torchao ``to_mx`` FLOOR): scale byte,
+  elements and dequantized values, with the edges lesson 09 states (zero, subnormal, inf and NaN blocks).
 * ``check_nvfp4_scales``: NVFP4 (torchao ``nvfp4_quantize`` with a per-tensor scale): ``t = amax / (448 * 6)``
   per tensor, ``s_b = e4m3(clip(amax_b / 6 / t, 2^-6, 448))`` per 16 elements.
 """
@@ -86,31 +92,201 @@ def check_block_quantize(fn) -> None:
 
 
 EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
+BELOW = float(np.nextafter(np.float32(256.0), np.float32(0.0)))      # one FP32 ulp below 2^8
 
 
 def mx_exponent_oracle(amax: torch.Tensor, elem: str) -> torch.Tensor:
     a = amax.numpy().astype(np.float32)
-    e = ((a.view(np.int32) >> 23) & 0xFF).astype(np.int64) - 127
+    e = ((a.view(np.int32) >> 23) & 0xFF).astype(np.int64) - 127       # inf: 255 - 127 = 128; 0: -127
     return torch.from_numpy(np.clip(e - EMAX[elem], -127, 127))
 
 
+def _mx_amaxes() -> torch.Tensor:
+    pow2 = torch.exp2(torch.arange(-100, 101, 7, dtype=torch.float32))
+    below = torch.nextafter(pow2, torch.zeros_like(pow2))              # one ulp below each power of two
+    ordinary = torch.tensor([448.0, 1000.0, 1.0, 0.75, 6.0, 7.0, 3e38, 1e-30, 2.0 ** -126, 255.9, 256.0, 512.0,
+                             57344.0])
+    return torch.cat([below, ordinary, torch.logspace(-30, 30, 200, base=2.0), torch.tensor([0.0]),
+                      torch.tensor([1e-40, 1e-45, 2.0 ** -127]), torch.tensor([float("inf")])])
+
+
+def _mx_hint(a: float, g: int, w: int, elem: str, only_below: bool) -> str:
+    if a == 0.0:
+        return (" an all-zero block takes k = -127 (E8M0's smallest scale). log2(0) is -inf, and casting -inf to an "
+                "integer is undefined (it gave a huge value here): read floor(log2) from the FP32 exponent field, "
+                "whose value for 0 is 0, or treat amax 0 on its own")
+    if np.isinf(a):
+        return (f" an infinite amax takes the exponent field of inf (255, so floor(log2) = 128) and k = 128 - "
+                f"{EMAX[elem]} = {w}; log2(inf) = inf cannot be cast to an integer")
+    if g == w + 1 and only_below:
+        return (f" floor(log2(amax)) was computed in floating point: one FP32 ulp below a power of two "
+                f"(amax {a!r}) log2 rounds up to the integer, so the floor is one too high. Read it exactly from "
+                "the FP32 exponent field (bits 23..30 of amax.view(torch.int32), minus the bias 127)")
+    if g == w + 1:
+        return (" the floor rule rounds log2(amax) DOWN, then subtracts the element's emax "
+                f"({EMAX[elem]} for {elem})")
+    if w == -127:
+        return " k below E8M0's range clamps to -127 (the subnormal amaxes and 2^-127 land there)"
+    return ""
+
+
 def check_mx_shared_exponent(fn) -> None:
-    """Grade ``fn(amax: (n,) float32, elem: "e4m3" | "e5m2" | "e2m1") -> (n,) int64`` (the floor rule)."""
-    amax = torch.tensor([448.0, 1000.0, 1.0, 0.75, 6.0, 7.0, 3e38, 1e-30, 2.0 ** -126, 255.9, 256.0, 512.0,
-                         57344.0, 0.0, 1e-40])
-    amax = torch.cat([amax, torch.logspace(-30, 30, 200, base=2.0)])
+    """Grade ``fn(amax: (n,) float32, elem: "e4m3" | "e5m2" | "e2m1") -> (n,) int64`` (the floor rule): amaxes
+    one FP32 ulp below powers of two, zero, subnormal and infinite amaxes included."""
+    amax = _mx_amaxes()
     for elem in ("e4m3", "e5m2", "e2m1"):
-        got = torch.as_tensor(call("mx_shared_exponent", fn, amax.clone(), elem)).long()
+        got = torch.as_tensor(call("mx_shared_exponent", fn, amax.clone(), elem))
+        if got.dtype.is_floating_point:
+            raise GradingError(f"FAIL mx_shared_exponent({elem}): the exponents must be integers (int64), got "
+                               f"{got.dtype}")
+        got = got.long()
         want = mx_exponent_oracle(amax, elem)
         bad = got != want
         if bad.any():
-            i = int(bad.nonzero()[0])
+            below = (torch.frexp(amax.double()).mantissa > 0.9999) & torch.isfinite(amax)   # one ulp below 2^n
+            ordinary = bad & ~below & torch.isfinite(amax) & (amax > 0)
+            only_below = not bool(ordinary.any()) and bool((bad & below).any())  # floor(log2) in floating point
+            i = int((bad & below if only_below else ordinary if ordinary.any() else bad).nonzero()[0])
             a, g, w = float(amax[i]), int(got[i]), int(want[i])
-            hint = (" the floor rule rounds log2(amax) DOWN, then subtracts the element's emax "
-                    f"({EMAX[elem]} for {elem})" if g == w + 1 else
-                    " clamp to E8M0's range [-127, 127]" if abs(w) == 127 else "")
-            raise GradingError(f"FAIL mx_shared_exponent({elem}): amax {a!r} gives {g}, expected {w};{hint}")
+            raise GradingError(f"FAIL mx_shared_exponent({elem}): amax {a!r} gives {g}, expected {w};"
+                               f"{_mx_hint(a, g, w, elem, only_below)}")
     verdict("mx_shared_exponent", f"{3 * amax.numel()} amaxes x formats agree with the OCP MX floor rule")
+
+
+def mx_quantize_oracle(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale bytes (M, K/32) uint8, elements (M, K) float32, dequantized (M, K) float32): torchao's FLOOR rule."""
+    a = x.numpy().astype(np.float32)
+    M, K = a.shape
+    v = a.reshape(M, K // 32, 32)
+    amax = np.abs(v).max(axis=2)                                        # NaN propagates
+    k = mx_exponent_oracle(torch.from_numpy(np.where(np.isnan(amax), np.float32(1.0), amax)), "e4m3").numpy()
+    nan = np.isnan(amax)
+    byte = np.where(nan, 255, k + 127).astype(np.uint8)
+    divisor = np.where(k == -127, np.float32(2.0 ** -126), np.ldexp(np.float32(1.0), k).astype(np.float32))
+    divisor = np.where(nan, np.float32(np.nan), divisor).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        y = np.clip(v / divisor[:, :, None], -E4M3_MAX, E4M3_MAX)
+    elems = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.where(nan, np.float32(np.nan), np.ldexp(np.float64(1.0), k)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dq = (elems * scale[:, :, None]).astype(np.float32)
+    return byte, elems.reshape(M, K), dq.reshape(M, K)
+
+
+def _mx_blocks(seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(12, 64, generator=g) * torch.logspace(-4, 4, 12, base=2.0)[:, None]
+    what = ["random"] * 12
+    rows[0, :32] = 0.0; what[0] = "an all-zero block"
+    rows[1, :32] = 1e-40; what[1] = "a subnormal block (amax 1e-40)"
+    rows[2, :32] = 2.0 ** -120; what[2] = "a tiny block (amax 2^-120, k clamps to -127)"
+    rows[3, 5] = BELOW; what[3] = f"a block with amax one ulp below 256 ({BELOW!r})"
+    rows[4, 40] = float("inf"); what[4] = "a block holding +inf"
+    rows[5, 2] = -float("inf"); what[5] = "a block holding -inf"
+    rows[6, 33] = float("nan"); what[6] = "a block holding a NaN"
+    rows[7, :32] = torch.tensor([448.0] * 31 + [1000.0]); what[7] = "[448] * 31 + [1000] (the block max saturates)"
+    return rows, what
+
+
+def check_mx_quantize(quantize, dequantize) -> None:
+    """Grade ``quantize(x: (M, K) float32) -> (scale (M, K/32) float8_e8m0fnu, data (M, K) float8_e4m3fn)`` and
+    ``dequantize(scale, data) -> (M, K) float32``: MXFP8 with the floor rule, bit for bit, edges included."""
+    x, what = _mx_blocks()
+    scale, data = call("mx_quantize", quantize, x.clone())
+    want_byte, want_elems, want_dq = mx_quantize_oracle(x)
+    M, K = x.shape
+    if scale.dtype != torch.float8_e8m0fnu or tuple(scale.shape) != (M, K // 32):
+        raise GradingError(f"FAIL mx_quantize: scale must be float8_e8m0fnu of shape {(M, K // 32)}, got "
+                           f"{scale.dtype} {tuple(scale.shape)}")
+    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (M, K):
+        raise GradingError(f"FAIL mx_quantize: data must be float8_e4m3fn of shape {(M, K)}, got {data.dtype} "
+                           f"{tuple(data.shape)}")
+    got_byte = scale.view(torch.uint8).numpy()
+    bad = got_byte != want_byte
+    if bad.any():
+        r, b = (int(i) for i in np.argwhere(bad)[0])
+        g, w = int(got_byte[r, b]), int(want_byte[r, b])
+        hint = (" a block holding a NaN takes the NaN scale, E8M0 byte 0xFF (255), whatever its other values"
+                if w == 255 else
+                " an all-zero or tiny block takes E8M0 byte 0 (2^-127)" if w == 0 else
+                " an infinite amax: floor(log2) from inf's exponent field is 128, k = 128 - 8 = 120 (byte 247)"
+                if w == 247 and g != 247 else
+                f" the byte is k + 127 with k = floor(log2(amax)) - 8 (byte {g} is k = {g - 127})")
+        raise GradingError(f"FAIL mx_quantize on {what[r]}: block ({r}, {b}) has scale byte {g}, expected {w};{hint}")
+    got_elems = data.float().numpy()
+    bad = ~((got_elems == want_elems) & (np.signbit(got_elems) == np.signbit(want_elems))
+            | (np.isnan(got_elems) & np.isnan(want_elems)))
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        g, w, xv = float(got_elems[r, c]), float(want_elems[r, c]), float(x[r, c])
+        hint = (" every element of a block holding a NaN is NaN (the NaN scale makes the block NaN)"
+                if np.isnan(w) else
+                " an infinite element saturates to +-448: clamp x / 2^k to [-448, 448] before the cast"
+                if np.isinf(xv) else
+                " where k = -127, divide by 2^-126 (FP32's smallest normal), as torchao's floor rule does, "
+                "not by 2^-127" if want_byte[r, c // 32] == 0 else
+                " divide by 2^k in FP32, clamp to [-448, 448], then cast to float8_e4m3fn (round to nearest even)")
+        raise GradingError(f"FAIL mx_quantize on {what[r]}: element ({r}, {c}) (x = {xv!r}) gives {g!r}, "
+                           f"expected {w!r};{hint}")
+    dq = call("mx_dequantize", dequantize, scale.clone(), data.clone())
+    dq = torch.as_tensor(dq).float().numpy()
+    bad = ~((dq == want_dq) | (np.isnan(dq) & np.isnan(want_dq)))
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        hint = (" a NaN scale (byte 0xFF) dequantizes the whole block to NaN" if np.isnan(want_dq[r, c]) else
+                " an E8M0 byte b means 2^(b - 127); byte 0 is 2^-127, an FP32 subnormal (not 0)"
+                if want_byte[r, c // 32] == 0 else " dequantize = element * 2^k, in FP32")
+        raise GradingError(f"FAIL mx_dequantize on {what[r]}: element ({r}, {c}) gives {float(dq[r, c])!r}, "
+                           f"expected {float(want_dq[r, c])!r};{hint}")
+    verdict("mx_quantize", f"{M * K // 32} blocks (zero, subnormal, ulp-below, +-inf, NaN, saturating) agree bit "
+                           "for bit with the floor rule")
+
+
+def columnwise_oracle(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_quantize_oracle(x.t().contiguous(), (1, tile))
+
+
+def check_columnwise_quantize(fn) -> None:
+    """Grade ``fn(x: (M, K) float32) -> (data_t (K, M) float8_e4m3fn, scale_inv_t (K, M/128) float32)``: the
+    columnwise copy, x^T in 1x128 tiles (power-of-two scales), quantized from the source x, bit for bit."""
+    n = 0
+    for what, x in _cases(2):
+        M, K = x.shape
+        data, scale_inv = call("columnwise_quantize", fn, x.clone())
+        want_data, want_inv = columnwise_oracle(x)
+        rw_data, rw_inv = block_quantize_oracle(x, (1, 128))
+        if tuple(scale_inv.shape) != tuple(want_inv.shape) or tuple(data.shape) != (K, M):
+            if tuple(scale_inv.shape) == tuple(rw_inv.t().shape) and torch.equal(scale_inv.float(), rw_inv.t()):
+                hint = (" these are the rowwise copy's scales (1x128 tiles along K of x), transposed: the columnwise "
+                        "copy has one scale per 128 elements along M (the tokens) of each column")
+            elif tuple(data.shape) == (M, K) and torch.equal(data.float().t(), want_data):
+                hint = " the values are right: store the copy transposed, x^T (K, M) in 1x128 tiles"
+            else:
+                hint = " store the copy transposed: x^T (K, M) in 1x128 tiles, one scale per 128 elements along M"
+            raise GradingError(f"FAIL columnwise_quantize on {what}: data {tuple(data.shape)}, scale_inv "
+                               f"{tuple(scale_inv.shape)}, expected ({K}, {M}) and {tuple(want_inv.shape)};{hint}")
+        if data.dtype != torch.float8_e4m3fn:
+            raise GradingError(f"FAIL columnwise_quantize: data must be torch.float8_e4m3fn, got {data.dtype}")
+        if torch.equal(data.float(), want_data) and torch.equal(scale_inv.float(), want_inv):
+            n += 1
+            continue
+        rw_dq = (rw_data.reshape(M, K // 128, 128) * rw_inv[:, :, None]).reshape(M, K)
+        twice = columnwise_oracle(rw_dq)
+        if torch.equal(data.float(), twice[0]) and torch.equal(scale_inv.float(), twice[1]):
+            raise GradingError(f"FAIL columnwise_quantize on {what}: your copy was re-quantized from the dequantized "
+                               "rowwise copy (two roundings, the rowwise flushes kept); quantize x^T from the "
+                               "high-precision source x")
+        if tuple(want_inv.shape) == tuple(rw_inv.t().shape) and torch.equal(scale_inv.float(), rw_inv.t()):
+            raise GradingError(f"FAIL columnwise_quantize on {what}: your scales are the rowwise copy's (1x128 tiles "
+                               "along K of x) transposed; the columnwise copy scales 128 consecutive elements along M "
+                               "(a column of x, a row of x^T)")
+        bad = (data.float() != want_data) | (scale_inv.float() != want_inv).repeat_interleave(128, 1)
+        i = tuple(bad.nonzero()[0].tolist())
+        raise GradingError(f"FAIL columnwise_quantize on {what}: x^T element {i} gives {float(data[i].float())!r} "
+                           f"with scale_inv {float(scale_inv[i[0], i[1] // 128])!r}, expected "
+                           f"{float(want_data[i])!r} with {float(want_inv[i[0], i[1] // 128])!r}: the same rule as "
+                           "block_quantize, on 1x128 tiles of x^T")
+    verdict("columnwise_quantize", f"{n} cases agree bit for bit with the 128x1 rule on the source")
 
 
 def nvfp4_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
