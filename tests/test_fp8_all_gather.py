@@ -161,7 +161,7 @@ def test_fp8_all_gather_bytes_per_rank(seen):
 
 # ---------------------------------------------------------------------------------------------- stored for lesson 10
 def test_stored_reduce_dtype_runs_are_what_the_command_gives():
-    """``notebooks/data/10/reduce-dtype.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
+    """``notebooks/data/10/reduce-dtype-fp32-params.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
     its command; the command's first two steps on 2 ranks, re-run here, give the stored losses bit for bit (one
     thread per rank, the same seed), and the BF16 reduction changed the losses (the measurement is not empty)."""
     import json
@@ -169,7 +169,7 @@ def test_stored_reduce_dtype_runs_are_what_the_command_gives():
 
     from mpcourse.experiment.reduce_precision import measure
 
-    path = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "10" / "reduce-dtype.json"
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "10" / "reduce-dtype-fp32-params.json"
     stored = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path.name}"))
     assert stored["command"].startswith("python -m mpcourse.experiment.reduce_precision")
     runs = {r["nproc"]: r for r in stored["runs"]}

@@ -1,18 +1,21 @@
-"""Lesson 10's experiments, run on two gloo ranks spawned from the notebook (a spawned process imports its
-worker function, so the workers live here, not in the notebook).
+"""Lesson 10's experiments: small worker functions, each run on a few gloo ranks spawned from the notebook.
 
-``run_demos()`` starts the ranks once and returns what each measured, by experiment:
+A spawned process imports the function it runs, so the workers live in this module, not in the notebook
+(the lesson prints each one's source with ``inspect.getsource`` before running it). ``run(worker, world,
+*args)`` starts ``world`` gloo ranks on this machine (file rendezvous, loopback only), calls ``worker(*args)``
+on every rank and returns the ranks' return values, rank 0's first.
 
-* ``overflow``: one rank's gradient shard (a plain tensor, as a ZeRO rank holds it) overflows; the course's
-  ``DynamicLossScaler`` deciding per rank (a one-rank process group) vs all-reducing its flag (the default
-  group, FSDP ``ShardedGradScaler`` semantics).
-* ``amax``: a ``Float8Linear`` with delayed scaling, each rank seeing different activations; scales with
-  ``reduce_amax=True`` (TE's default: MAX over the ranks) and ``False``.
-* ``reduce``: the mean of the ranks' gradients all-reduced in FP32 and in BF16, against an FP64 reference.
-* ``bytes``: bytes per parameter per rank, measured after one step of a small GPT under DDP, DDP with torch's
-  ``ZeroRedundancyOptimizer`` (ZeRO-1: optimizer state sharded) and FSDP2 (ZeRO-3), for ``fp32`` and
-  ``fp16-master``.
-* ``allgather``: the bytes one all-gather of a weight moves in FP32 and in FP8 (E4M3 payload plus its scale),
+Workers (each a few collectives on tensors of a few kilobytes):
+
+* ``overflow``: one rank's gradient overflows. ``"ddp"``: the gradients are averaged first (DDP's all-reduce),
+  then every rank checks the average; ``"shard"``: each rank checks only its own shard (ZeRO/FSDP), deciding
+  alone; ``"shard+max"``: the same with the flag all-reduced (MAX) first, as FSDP's ``ShardedGradScaler``.
+* ``amax``: each rank holds the slice of one activation tensor that sequence parallelism gives it; the FP8 scale
+  from the amax reduced over no group, the tensor-parallel group, or the world (Transformer Engine's
+  ``amax_reduction_group``).
+* ``reduce``: the mean of the ranks' gradients all-reduced in FP32 or BF16 against an FP64 reference.
+* ``bytes``: bytes per parameter per rank after one step of a small GPT under DDP, ZeRO-1 and FSDP2.
+* ``allgather``: the bytes one all-gather of a weight moves in FP32, BF16 and FP8 (E4M3 payload plus its scale),
   and whether the FP8 GEMM after it sees the same operand either way.
 """
 from __future__ import annotations
@@ -23,54 +26,64 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-WORLD = 2
 
-
-def _overflow(group):
+def overflow(modes=("ddp", "shard", "shard+max"), overflow_rank: int = 1) -> dict:
     from mpcourse.core.scaling import DynamicLossScaler
 
-    w = torch.nn.Parameter(torch.ones(4))                      # this rank's shard of the weights, fp32
-    opt = torch.optim.SGD([w], lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**16, process_group=group)
-    scaler.scale(w.sum()).backward()
-    if dist.get_rank() == 1:
-        w.grad[0] = float("inf")                               # only rank 1's shard overflows
-    scaler.step(opt)
-    scaler.update()
-    return {"skipped": scaler.last_step_skipped, "scale": scaler.get_scale(), "w0": float(w.detach()[1])}
-
-
-def _amax():
-    from mpcourse.core.quant import DelayedScaling, Float8Linear, fp8_autocast
-
+    rank, world = dist.get_rank(), dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(world)][rank]    # every rank creates every group, uses its own
     out = {}
-    for reduce_amax in (False, True):
-        torch.manual_seed(0)
-        recipe = DelayedScaling(amax_history_len=4, reduce_amax=reduce_amax)
-        layer = Float8Linear(16, 16, bias=False, recipe=recipe)
-        x = torch.full((4, 16), 2.0 * (dist.get_rank() + 1))   # rank 0: amax 2, rank 1: amax 4
-        with fp8_autocast(fp8_recipe=recipe):
-            layer(x).sum().backward()
-        out[reduce_amax] = float(layer.scaling_state["input"].scale)
+    for mode in modes:
+        w = torch.nn.Parameter(torch.ones(4))                    # this rank's weights (or shard), fp32
+        scaler = DynamicLossScaler(init_scale=2.0**16, process_group=None if mode == "shard+max" else solo)
+        scaler.scale(w.sum() * (rank + 1)).backward()            # scaled grads, different per rank
+        if rank == overflow_rank:
+            w.grad[0] = float("inf")                             # only this rank's gradient overflows
+        if mode == "ddp":                                        # DDP: average the gradients, then check
+            dist.all_reduce(w.grad)                              # inf + finite = inf on every rank
+            w.grad /= world
+        scaler.step(torch.optim.SGD([w], lr=0.1))
+        scaler.update()
+        out[mode] = {"skipped": scaler.last_step_skipped, "scale": scaler.get_scale(), "w": w.detach().tolist()}
     return out
 
 
-def _reduce():
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    grad = torch.randn(1 << 14, generator=g) * 1e-3            # (n,) fp32, this rank's gradient
+def amax(group_kinds=("none", "tp", "world"), tp: int = 2) -> dict:
+    from mpcourse.core.quant import compute_scale
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]   # every rank creates all
+    g = torch.Generator().manual_seed(rank // tp)                # one sequence per data-parallel replica
+    x = torch.randn(8 * tp, 16, generator=g) * (1 + torch.arange(8 * tp)).unsqueeze(1)   # (seq, hidden) fp32
+    x_mine = x.chunk(tp)[rank % tp]                              # sequence parallel: my rows of the sequence
+    out = {"tp_group": rank // tp, "local_amax": float(x_mine.abs().max())}
+    for kind in group_kinds:
+        group = {"none": None, "tp": tp_groups[rank // tp], "world": dist.group.WORLD}[kind]
+        a = x_mine.abs().max().reshape(1)                        # (1,) fp32, my amax
+        if group is not None:
+            dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)   # the amax of what the group holds
+        out[kind] = float(compute_scale(a[0], "e4m3"))           # E4M3 max / amax
+    return out
+
+
+def reduce(dtype_names=("fp32", "bf16"), n: int = 1 << 14) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(100 + rank)
+    grad = torch.randn(n, generator=g) * 1e-3                    # (n,) fp32, this rank's gradient
     ref = grad.double()
     dist.all_reduce(ref)
-    ref /= WORLD                                               # fp64 mean over the ranks
+    ref /= world                                                 # fp64 mean over the ranks
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        t = grad.to(dtype) / WORLD                             # divide first, as DDP does
-        dist.all_reduce(t)
-        err = ((t.double() - ref).abs() / ref.abs().clamp_min(1e-12)).median()
-        out[name] = float(err)
+    for name in dtype_names:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        t = grad.to(dtype) / world                               # cast (rounds once), divide by 2^k (exact)
+        dist.all_reduce(t)                                       # the sum rounds again, in dtype
+        rel = (t.double() - ref).abs() / ref.abs().clamp_min(1e-30)   # relative to the exact mean
+        out[name] = {"median": float(rel.median()), "p99": float(rel.quantile(0.99)), "max": float(rel.max())}
     return out
 
 
-def _bytes():
+def bytes_per_param() -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from mpcourse.experiment.data import load_corpus
@@ -100,42 +113,44 @@ def _bytes():
     return out
 
 
-def _allgather():
+def allgather(rows: int = 256, cols: int = 256) -> dict:
     from mpcourse.core.quant import compute_scale, to_float8
 
-    g = torch.Generator().manual_seed(7)
-    full = torch.randn(256, 256, generator=g) * 0.02           # (256, 256) fp32, the whole weight
-    shard = full.chunk(WORLD)[dist.get_rank()]                 # (128, 256) fp32, this rank's rows
-    gathered32 = [torch.empty_like(shard) for _ in range(WORLD)]
-    dist.all_gather(gathered32, shard)                         # moves 4 B per element
-    amax = shard.abs().max().reshape(1)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX)                # one scale for the whole weight
-    scale = compute_scale(amax[0], "e4m3")
-    q = to_float8(shard, "e4m3", scale)
-    payload = q.data.view(torch.uint8)                         # (128, 256) e4m3 bits
-    gathered8 = [torch.empty_like(payload) for _ in range(WORLD)]
-    dist.all_gather(gathered8, payload)                        # moves 1 B per element (+ the scale)
-    w8 = torch.cat(gathered8).view(q.data.dtype)               # (256, 256) e4m3
-    w8_after = to_float8(torch.cat(gathered32), "e4m3", scale).data   # gather FP32, then quantize
-    return {"fp32_bytes": sum(t.nbytes for t in gathered32), "fp8_bytes": sum(t.nbytes for t in gathered8) + 4,
-            "same_operand": bool(torch.equal(w8.view(torch.uint8), w8_after.view(torch.uint8)))}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7)) * 0.02   # (rows, cols) fp32
+    shard = full.chunk(world)[rank]                              # (rows / world, cols) fp32, my rows
+    moved = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        parts = [torch.empty_like(shard, dtype=dtype) for _ in range(world)]
+        dist.all_gather(parts, shard.to(dtype))                  # 4 or 2 B per element
+        moved[name] = sum(p.nbytes for p in parts)
+    parts32 = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(parts32, shard)
+    a = shard.abs().max().reshape(1)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)                     # one scale for the whole weight
+    scale = compute_scale(a[0], "e4m3")
+    payload = to_float8(shard, "e4m3", scale).data.view(torch.uint8)   # (rows / world, cols) e4m3 bits
+    parts8 = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(parts8, payload)                             # 1 B per element, + the 4-byte scale
+    moved["fp8"] = sum(p.nbytes for p in parts8) + 4
+    after = to_float8(torch.cat(parts32), "e4m3", scale).data.view(torch.uint8)   # gather FP32, then quantize
+    return {**moved, "same_operand": bool(torch.equal(torch.cat(parts8), after))}
 
 
-def _rank(rank, init_method, out_dir):
+def _rank(rank, world, init_method, out_dir, worker, args):
     from mpcourse.experiment.distributed import ranks
 
-    with ranks(rank, WORLD, init_method, threads=1):
-        solo = [dist.new_group([r]) for r in range(WORLD)][rank]   # every rank creates every group
-        res = {"overflow": {"alone": _overflow(solo), "all-reduce": _overflow(None)}, "amax": _amax(),
-               "reduce": _reduce(), "bytes": _bytes(), "allgather": _allgather()}
-        del solo
-        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    with ranks(rank, world, init_method, threads=1):
+        result = worker(*args)
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
 
 
-def run_demos() -> list[dict]:
-    """Run every experiment on two gloo ranks; returns [rank 0's results, rank 1's results]."""
+def run(worker, world: int, *args) -> list:
+    """``worker(*args)`` on ``world`` spawned gloo ranks; returns their results, rank 0's first."""
     from mpcourse.experiment.distributed import rendezvous, spawn
 
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive number of ranks, got {world!r}")
     with tempfile.TemporaryDirectory() as d:
-        spawn(_rank, WORLD, (rendezvous(d), d))
-        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+        spawn(_rank, world, (world, rendezvous(d), d, worker, args))
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,6 +1,6 @@
 """Does reducing gradients in BF16 instead of FP32 change the losses? The same FSDP2 run twice, on N gloo ranks.
 
-``python -m mpcourse.experiment.reduce_precision --nproc 4 --steps 40 --out notebooks/data/10/reduce-dtype.json``
+``python -m mpcourse.experiment.reduce_precision --nproc 4 --steps 40 --out notebooks/data/10/reduce-dtype-fp32-params.json``
 
 Both runs train the ``fp32`` recipe (everything FP32, so the only difference is the reduction) under FSDP2, with
 ``MixedPrecisionPolicy(reduce_dtype=float32)`` and ``reduce_dtype=bfloat16`` (torch.distributed.fsdp docs):
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="rank counts to measure (default 2 4)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--out", type=Path, default=Path("notebooks/data/10/reduce-dtype.json"))
+    p.add_argument("--out", type=Path, default=Path("notebooks/data/10/reduce-dtype-fp32-params.json"))
     args = p.parse_args(argv)
     bad = [n for n in args.nproc if n < 2 or args.batch_size % n]
     if bad:

@@ -1,16 +1,27 @@
-"""Grader for lesson 10 (beyond one machine): the all-reduce step of a distributed dynamic loss scaler.
+"""Grader for lesson 10 (beyond one machine): the distributed skip decision of a dynamic loss scaler.
 
-``check_all_reduce_found_inf(fn)``: ``fn(found_inf, group=None)`` makes every rank's inf/NaN flag (an FP32
-tensor of shape (), 0.0 or 1.0 here; any value > 0 means "overflow") the MAX over the ranks, in place, and
-returns it; in a single process (torch.distributed not initialized) it changes nothing and does not fail.
-Semantics: FSDP's ``ShardedGradScaler`` (torch/distributed/fsdp/sharded_grad_scaler.py, the flag all-reduced
-before the skip decision) and ``mpcourse.core.distributed.all_reduce_max_``.
+Both checks spawn four gloo ranks in two process groups, {0, 1} and {2, 3} (two data-parallel replicas, say,
+each sharded over two ranks), and give every rank its own group: a function that reduces over every rank, or
+ignores ``group``, makes one group's overflow skip the other group's step, and fails.
 
-Oracle: the rule itself on two gloo ranks spawned here: for every pattern of flags, both ranks must hold
-``max(flags)`` (a SUM would give 2 where both overflow; a rank that keeps its own flag disagrees with the
-other). The learner's function travels to the ranks as its source text (a function defined in a notebook
-cannot be imported by a spawned process), so it must be self-contained (``torch`` and ``dist`` =
-``torch.distributed`` are provided).
+``check_all_reduce_found_inf(fn)``: ``fn(found_inf, group=None)`` makes every rank's inf/NaN flag (FP32, shape
+(), 0.0 or 1.0) the MAX over the ranks of ``group``, in place, and returns it; in a single process
+(torch.distributed not initialized) it changes nothing. Oracle: ``mpcourse.core.distributed.all_reduce_max_``
+run beside it on the same flags.
+
+``check_distributed_skip_step(fn)``: ``fn(optimizer, scale, growth_tracker, group=None, growth_factor=2.0,
+backoff_factor=0.5, growth_interval=2000)`` is one iteration of ``unscale_`` + ``step`` + ``update`` of FSDP's
+``ShardedGradScaler`` (torch/distributed/fsdp/sharded_grad_scaler.py; the same rules as torch.amp.GradScaler
+plus the all-reduce of the flag over its ``process_group``). Oracle: a ``ShardedGradScaler(process_group=group)``
+on every rank, run side by side on a copy of the same parameters and gradients, over steps with injected
+overflows on one rank, on two ranks of a group, on a rank of the other group, and with a scale below 1.
+After every step the gradients (unscaled), the parameters, the scale, the tracker and the returned flag must be
+the oracle's bit for bit. torch's scaler all-reduces the flag with SUM and then asks only "nonzero?"; the
+contract here returns the flag itself, so it must be 0.0 or 1.0 (MAX, or a clamped SUM).
+
+The learner's functions travel to the ranks as source text (a function defined in a notebook cannot be imported
+by a spawned process): the graded function and every function of its own module it calls by name (its
+``all_reduce_found_inf_``), exec'd with ``torch`` and ``dist`` = ``torch.distributed`` provided.
 """
 from __future__ import annotations
 
@@ -24,62 +35,241 @@ import torch.distributed as dist
 
 from . import GradingError, call, verdict
 
-PATTERNS = [(0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0)]
+WORLD, GROUPS = 4, ([0, 1], [2, 3])
+#: flags of ranks 0..3, per pattern
+PATTERNS = [(0.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
+            (1.0, 0.0, 0.0, 1.0)]
+#: per step: {rank: value written into its first gradient element}; the scale starts at INIT_SCALE
+STEPS = [{}, {1: float("inf")}, {0: float("nan"), 1: float("inf")}, {}, {3: float("inf")}, {}, {}, {2: float("-inf")}]
+INIT_SCALE, GROWTH_INTERVAL = 2.0**10, 2
+#: a second run with the scale below 1: a finite gradient whose unscaled value overflows FP32
+LOW_SCALE, LOW_STEPS = 0.5, [{2: 3e38}, {}]
 
 
-def _rank(rank, init_method, source, name, out_dir):
-    from mpcourse.experiment.distributed import close_ranks, init_ranks
+def _sources(fn) -> tuple[str, str]:
+    """The source of ``fn`` and of the functions of its module it calls by name (recursively); its name."""
+    seen, parts, todo = set(), [], [fn]
+    while todo:
+        f = todo.pop()
+        if f.__name__ in seen:
+            continue
+        seen.add(f.__name__)
+        parts.append(textwrap.dedent(inspect.getsource(f)))
+        for n in f.__code__.co_names:
+            g = f.__globals__.get(n)
+            if inspect.isfunction(g) and g.__module__ == f.__module__:
+                todo.append(g)
+    return "\n\n".join(reversed(parts)), fn.__name__
 
-    init_ranks(rank, 2, init_method, timeout_s=60, threads=1)   # a learner's unmatched collective fails in 60 s
-    out = []
+
+def _load(source, name):
     ns = {"torch": torch, "dist": dist}
+    exec(source, ns)
+    return ns[name]
+
+
+def _my_group(rank):
+    groups = [dist.new_group(g) for g in GROUPS]                  # every rank creates every group
+    return next(g for g, members in zip(groups, GROUPS) if rank in members)
+
+
+def _flags_rank(rank, fn_src, out_dir):
+    from mpcourse.core.distributed import all_reduce_max_
+
+    out = []
     try:
-        exec(source, ns)
-        fn = ns[name]
+        fn = _load(*fn_src)
+        group = _my_group(rank)
         for flags in PATTERNS:
-            t = torch.tensor(flags[rank], dtype=torch.float32)
-            r = fn(t)
-            out.append({"in_place": float(t), "returned": None if r is None else float(r)})
+            t, want = torch.tensor(flags[rank]), all_reduce_max_(torch.tensor(flags[rank]), group)
+            r = fn(t, group)
+            out.append({"in_place": float(t), "returned": None if r is None else float(r), "want": float(want)})
     except Exception as e:  # the learner's error, reported by the grader (not a crash of the job)
         out = f"{type(e).__name__}: {e}"
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _params(rank):
+    g = torch.Generator().manual_seed(rank)
+    return [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))]
+
+
+def _same(a, b) -> bool:
+    """Equal values, NaN equal to NaN (a skipped step's gradients hold NaN where backward put one)."""
+    return a is not None and b is not None and torch.equal(a.isnan(), b.isnan()) \
+        and torch.equal(torch.where(a.isnan(), 0.0, a), torch.where(b.isnan(), 0.0, b))
+
+
+def _run_steps(rank, fn, group, init_scale, steps):
+    """Run ``steps`` with the learner's ``fn`` and with ShardedGradScaler side by side; one record per step."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mine, theirs = _params(rank), _params(rank)
+    opt_mine, opt_theirs = torch.optim.SGD(mine, lr=0.1), torch.optim.SGD(theirs, lr=0.1)
+    oracle = ShardedGradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL, process_group=group)
+    oracle.scale(torch.ones(()))                                  # creates its scale tensor (as the first loss would)
+    scale = torch.tensor(init_scale)                              # fp32 ()
+    tracker = torch.tensor(0, dtype=torch.int32)                  # int32 ()
+    g = torch.Generator().manual_seed(10 + rank)
+    records = []
+    for i, inject in enumerate(steps):
+        grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in mine]   # this step's unscaled grads, fp32
+        for p, q, gr in zip(mine, theirs, grads):
+            p.grad = gr * scale                                   # the scaled gradient backward leaves
+            q.grad = gr * scale
+        if rank in inject:
+            mine[0].grad[0] = theirs[0].grad[0] = inject[rank]    # this rank's scaled gradient overflowed
+        before = [p.detach().clone() for p in mine]
+        flag = fn(opt_mine, scale, tracker, group, growth_interval=GROWTH_INTERVAL)
+        oracle.unscale_(opt_theirs)
+        found = float(sum(v.sum() for v in oracle._per_optimizer_states[id(opt_theirs)]["found_inf_per_device"]
+                          .values()))
+        oracle.step(opt_theirs)
+        oracle.update()
+        records.append({
+            "step": i, "inject": inject,
+            "flag": None if not isinstance(flag, torch.Tensor) else float(flag), "want_flag": float(found > 0),
+            "skipped_want": found > 0, "summed": found,
+            "grads": all(_same(p.grad, q.grad) for p, q in zip(mine, theirs)),
+            "params": all(_same(p.detach(), q.detach()) for p, q in zip(mine, theirs)),
+            "params_moved": [not _same(p.detach(), b) for p, b in zip(mine, before)],
+            "scale": float(scale), "want_scale": oracle.get_scale(),
+            "tracker": int(tracker), "want_tracker": int(oracle._growth_tracker)})
+        with torch.no_grad():
+            for p, q in zip(mine, theirs):                        # the caller zeroes the grads, skipped or not
+                p.grad = q.grad = None
+                p.copy_(q)                                        # start the next step from the oracle's state
+        scale.fill_(oracle.get_scale())
+        tracker.fill_(int(oracle._growth_tracker))
+    return records
+
+
+def _step_rank(rank, fn_src, out_dir):
+    try:
+        fn = _load(*fn_src)
+        group = _my_group(rank)
+        out = {"main": _run_steps(rank, fn, group, INIT_SCALE, STEPS),
+               "low": _run_steps(rank, fn, group, LOW_SCALE, LOW_STEPS)}
+    except Exception as e:  # the learner's error, reported by the grader
+        out = f"{type(e).__name__}: {e}"
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _spawned(rank, init_method, target, fn_src, out_dir):
+    from mpcourse.experiment.distributed import close_ranks, init_ranks
+
+    init_ranks(rank, WORLD, init_method, timeout_s=60, threads=1)   # a learner's unmatched collective fails in 60 s
+    target(rank, fn_src, out_dir)
     close_ranks()
+
+
+def _spawn(target, fn, name):
+    from mpcourse.experiment.distributed import RankFailed, rendezvous, spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            spawn(_spawned, WORLD, (rendezvous(d), target, _sources(fn), d))
+        except RankFailed as e:
+            raise GradingError(f"FAIL {name}: rank {e.rank} of {WORLD} failed ({e.message}); a collective every "
+                               "rank of the group does not make in the same order waits until the timeout")
+        got = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+    for rank, g in enumerate(got):
+        if isinstance(g, str):
+            raise GradingError(f"FAIL {name}: on rank {rank} of {WORLD} it raised {g}")
+    return got
+
+
+def _single_process(name, fn, *args):
+    try:
+        return call(name, fn, *args)
+    except GradingError:
+        raise
+    except Exception as e:
+        raise GradingError(f"FAIL {name}: in a single process (torch.distributed not initialized) it raised "
+                           f"{type(e).__name__}: {e}. Skip the collective when dist.is_initialized() is False "
+                           "or the group has one rank.") from None
 
 
 def check_all_reduce_found_inf(fn) -> None:
     name = "all_reduce_found_inf_"
     t = torch.tensor(1.0)
-    try:
-        r = call(name, fn, t)                                   # single process: a no-op
-    except GradingError:
-        raise
-    except Exception as e:
-        raise GradingError(f"FAIL {name}: in a single process (torch.distributed not initialized) it raised "
-                           f"{type(e).__name__}: {e}. Return the flag unchanged when "
-                           "dist.is_initialized() is False or the group has one rank.") from None
+    r = _single_process(name, fn, t)
     if float(t) != 1.0 or r is None or float(r) != 1.0:
         raise GradingError(f"FAIL {name}: in a single process the flag must stay 1.0 and be returned; got "
                            f"{float(t)} in place and {r!r} returned")
-    from mpcourse.experiment.distributed import rendezvous, spawn
-
-    source = textwrap.dedent(inspect.getsource(fn))
-    with tempfile.TemporaryDirectory() as d:
-        spawn(_rank, 2, (rendezvous(d), source, fn.__name__, d))
-        got = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
-    for rank, g in enumerate(got):
-        if isinstance(g, str):
-            raise GradingError(f"FAIL {name}: on rank {rank} of 2 it raised {g}")
+    got = _spawn(_flags_rank, fn, name)
     for i, flags in enumerate(PATTERNS):
-        want = max(flags)
-        held = [got[r][i]["in_place"] for r in range(2)]
-        if held != [want, want]:
-            hint = ("a SUM counts the overflowing ranks; use op=dist.ReduceOp.MAX" if held == [sum(flags)] * 2
+        held, want = [got[r][i]["in_place"] for r in range(WORLD)], [got[r][i]["want"] for r in range(WORLD)]
+        if held != want:
+            sums = [sum(flags[m] for m in members) for members in GROUPS for _ in members]
+            hint = ("a SUM counts the overflowing ranks; use op=dist.ReduceOp.MAX" if held == sums
+                    else f"every rank now holds {max(flags)}: you reduced over every rank, not over `group`"
+                    if held == [max(flags)] * WORLD
                     else "each rank kept its own flag: all-reduce it" if held == list(flags)
-                    else "every rank must end with the MAX of the flags")
-            raise GradingError(f"FAIL {name}: ranks' flags {flags} became {held} on ranks (0, 1), expected "
-                               f"[{want}, {want}] on both: {hint}")
-        returned = [got[r][i]["returned"] for r in range(2)]
-        if returned != [want, want]:
-            raise GradingError(f"FAIL {name}: flags {flags}: returned {returned}, expected the reduced flag "
-                               "(return the tensor you reduced in place)")
-    verdict(name, f"{len(PATTERNS)} flag patterns on 2 gloo ranks agree on MAX; no-op in one process")
+                    else "every rank must end with the MAX of its group's flags")
+            raise GradingError(f"FAIL {name}: ranks' flags {flags} (groups {GROUPS[0]} and {GROUPS[1]}) became "
+                               f"{held}, expected {want}: {hint}")
+        returned = [got[r][i]["returned"] for r in range(WORLD)]
+        if returned != want:
+            raise GradingError(f"FAIL {name}: flags {flags}: returned {returned}, expected {want} (return the "
+                               "tensor you reduced in place)")
+    verdict(name, f"{len(PATTERNS)} flag patterns on 4 gloo ranks in 2 groups agree with MAX over the group; "
+                  "no-op in one process")
+
+
+def _step_hint(rec, rank) -> str:
+    inject = {r: v for r, v in rec["inject"].items()}
+    other = [r for r in inject if (r < 2) != (rank < 2)]
+    if rec["skipped_want"] is False and not rec["params"] and other and not any(rec["params_moved"]):
+        return (f"rank {rank} skipped because rank {other[0]} (the other group) overflowed: reduce the flag over "
+                "`group`, not over every rank")
+    if rec["skipped_want"] is False and not rec["params"] and not any(rec["params_moved"]):
+        return ("it skipped a step torch takes: check the gradients as backward left them (the scaled values), "
+                "then unscale; with a scale below 1 a finite g can overflow once divided, which torch's check "
+                "does not see")
+    if rec["skipped_want"] and not rec["params"]:
+        return "it stepped although a rank of the group found inf/NaN: skip optimizer.step() when the flag is set"
+    if not rec["grads"]:
+        return "the gradients must end unscaled (g * fp32(1/S)) on every step, skipped or not, as torch's unscale_"
+    if rec["flag"] != rec["want_flag"]:
+        return (f"the returned flag is {rec['flag']} where {rec['summed']:g} ranks of the group overflowed: a SUM "
+                "counts them; use MAX (or clamp) so the flag is 0.0 or 1.0"
+                if rec["flag"] == rec["summed"] else "return the reduced flag, 0.0 or 1.0, the same on every rank")
+    if rec["skipped_want"] and rec["scale"] != rec["want_scale"]:
+        return (f"after an overflow the scale must back off to S * backoff_factor = {rec['want_scale']:g} "
+                f"(and the tracker reset to 0); it is {rec['scale']:g}")
+    return (f"scale {rec['scale']:g}, tracker {rec['tracker']} where torch has {rec['want_scale']:g}, "
+            f"{rec['want_tracker']}: grow by growth_factor after growth_interval clean steps in a row, then reset")
+
+
+def check_distributed_skip_step(fn) -> None:
+    name = "distributed_skip_step_"
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([4.0, float("inf")])
+    scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
+    flag = _single_process(name, fn, torch.optim.SGD([p], lr=1.0), scale, tracker)
+    what = (f"in one process, an inf gradient at scale 4 (got flag {flag!r}, weights {p.detach().tolist()}, "
+            f"scale {float(scale)})")
+    if not torch.equal(p.detach(), torch.ones(2)):
+        raise GradingError(f"FAIL {name}: {what}: it stepped although a rank of the group found inf/NaN: skip "
+                           "optimizer.step() when the flag is set")
+    if float(scale) != 2.0:
+        raise GradingError(f"FAIL {name}: {what}: after an overflow the scale must back off to S * backoff_factor "
+                           "= 2 (and the tracker reset to 0)")
+    if not (isinstance(flag, torch.Tensor) and float(flag) == 1.0):
+        raise GradingError(f"FAIL {name}: {what}: return the flag, a tensor holding 1.0 after an overflow")
+    got = _spawn(_step_rank, fn, name)
+    for run in ("main", "low"):
+        for i in range(len(got[0][run])):
+            for rank in range(WORLD):
+                rec = got[rank][run][i]
+                ok = (rec["grads"] and rec["params"] and rec["flag"] == rec["want_flag"]
+                      and rec["scale"] == rec["want_scale"] and rec["tracker"] == rec["want_tracker"])
+                if not ok:
+                    inj = ", ".join(f"rank {r}: {v:g}" for r, v in rec["inject"].items()) or "none"
+                    raise GradingError(
+                        f"FAIL {name}: step {i} of the run from scale {INIT_SCALE if run == 'main' else LOW_SCALE:g} "
+                        f"(injected: {inj}; groups {GROUPS[0]} and {GROUPS[1]}), on rank {rank}: "
+                        + _step_hint(rec, rank))
+    verdict(name, f"{len(STEPS) + len(LOW_STEPS)} steps on 4 gloo ranks in 2 groups, one-rank and two-rank overflows, "
+                  "a scale below 1: gradients, weights, flag, scale and tracker equal ShardedGradScaler's")
