@@ -112,19 +112,19 @@ def measure(M, K, N, device, repeats) -> dict:
             "speedup": best["high"] / best["low"], "cast_share": best["cast"] / best["low"]}
 
 
-def model_chip(device, repeats) -> dict:
-    """This machine's constants for ``breakeven.linear_times``, measured: GEMM rates at the sweep's largest
-    shape, the casts' bandwidth on a large tensor, and the time of a one-element cast."""
-    M, C = TOKENS[-1], WIDTHS[-1]
-    r = measure(M, C, C, device, repeats)
-    gemm_flops = 3 * 2.0 * M * C * C
+def model_chip(rows: list[dict], device, repeats) -> dict:
+    """This machine's constants for ``breakeven.linear_times``, measured: the two GEMM rates at the sweep's largest
+    shape (from that row, so the model meets the measurement there), the casts' bandwidth on a large tensor,
+    and the time of a one-element cast."""
+    r = max(rows, key=lambda r: r["M"] * r["K"] * r["N"])
+    gemm_flops = 3 * 2.0 * r["M"] * r["K"] * r["N"]
     high_bytes, low_bytes = (4, 2) if device.type == "cpu" else (2, 1)
     t = torch.randn(4096, 4096, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
     tiny = torch.randn(1, device=device, dtype=t.dtype)
     low = torch.bfloat16 if device.type == "cpu" else torch.float8_e4m3fn
     bw = min(_timed(lambda: t.to(low), device) for _ in range(repeats))
     kern = min(_timed(lambda: tiny.to(low), device) for _ in range(max(repeats, 20)))
-    return {"high_flops": gemm_flops / (r["high_s"]), "low_flops": gemm_flops / (r["low_s"] - r["cast_s"]),
+    return {"high_flops": gemm_flops / r["high_s"], "low_flops": gemm_flops / (r["low_s"] - r["cast_s"]),
             "mem_bw": t.numel() * (high_bytes + low_bytes) / bw, "min_kernel_s": kern,
             "high_bytes": high_bytes, "low_bytes": low_bytes}
 
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "machine": machine.describe(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "platform": platform.platform(), "repeats": a.repeats, "tokens": list(TOKENS), "widths": list(WIDTHS),
-        "model_chip": model_chip(device, a.repeats), "rows": rows,
+        "model_chip": model_chip(rows, device, a.repeats), "rows": rows,
     }
     record["seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(a.out)
