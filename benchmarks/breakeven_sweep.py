@@ -21,8 +21,8 @@ machine (``pair`` in the JSON):
 Timing: best of ``--repeats`` runs, the high and the low variant interleaved in every repeat so that both see
 the same load (the machine may be shared: read ratios, not absolute times). The JSON also holds the
 machine record (``mpcourse.experiment.machine.describe``) and the constants a break-even model of this
-machine needs (``model_chip``: the two GEMM rates at the largest shape, the cast bandwidth, the cost of a
-tiny kernel), all measured in the same run. Under three minutes on two CPU cores.
+machine needs (``model_chip``: the two GEMM rates and the casts' bandwidth at the largest shape, the cost of
+a one-element cast), all measured in the same run. Under three minutes on two CPU cores.
 """
 from __future__ import annotations
 
@@ -112,20 +112,26 @@ def measure(M, K, N, device, repeats) -> dict:
             "speedup": best["high"] / best["low"], "cast_share": best["cast"] / best["low"]}
 
 
-def model_chip(rows: list[dict], device, repeats) -> dict:
-    """This machine's constants for ``breakeven.linear_times``, measured: the two GEMM rates at the sweep's largest
-    shape (from that row, so the model meets the measurement there), the casts' bandwidth on a large tensor,
-    and the time of a one-element cast."""
+def tiny_kernel_s(device, repeats) -> float:
+    """The time of a one-element cast: the fixed cost of a kernel (launch, dispatch) on this machine."""
+    tiny = torch.randn(1, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    low = torch.bfloat16 if device.type == "cpu" else torch.float8_e4m3fn
+    return min(_timed(lambda: tiny.to(low), device) for _ in range(max(repeats, 20)))
+
+
+def model_chip(rows: list[dict], kernel_s: float, cpu: bool) -> dict:
+    """This machine's constants for ``breakeven.linear_times``, all from the sweep's own measurements: the two
+    GEMM rates and the casts' bandwidth at the largest shape (so the model meets the measurement there), and
+    the fixed cost of a kernel (``tiny_kernel_s``)."""
     r = max(rows, key=lambda r: r["M"] * r["K"] * r["N"])
     gemm_flops = 3 * 2.0 * r["M"] * r["K"] * r["N"]
-    high_bytes, low_bytes = (4, 2) if device.type == "cpu" else (2, 1)
-    t = torch.randn(4096, 4096, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
-    tiny = torch.randn(1, device=device, dtype=t.dtype)
-    low = torch.bfloat16 if device.type == "cpu" else torch.float8_e4m3fn
-    bw = min(_timed(lambda: t.to(low), device) for _ in range(repeats))
-    kern = min(_timed(lambda: tiny.to(low), device) for _ in range(max(repeats, 20)))
+    high_bytes, low_bytes = (4, 2) if cpu else (2, 1)
+    # bytes each input element moves, as breakeven.linear_times counts them: CPU read + write once (no amax, one
+    # layout); CUDA an amax read, then read + write of two FP8 layouts (its defaults)
+    per_element = high_bytes + low_bytes if cpu else 2 * high_bytes + 2 * low_bytes
+    moved = (r["M"] * r["K"] + r["N"] * r["K"] + r["M"] * r["N"]) * per_element
     return {"high_flops": gemm_flops / r["high_s"], "low_flops": gemm_flops / (r["low_s"] - r["cast_s"]),
-            "mem_bw": t.numel() * (high_bytes + low_bytes) / bw, "min_kernel_s": kern,
+            "mem_bw": moved / r["cast_s"], "min_kernel_s": kernel_s,
             "high_bytes": high_bytes, "low_bytes": low_bytes}
 
 
@@ -159,7 +165,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "machine": machine.describe(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "platform": platform.platform(), "repeats": a.repeats, "tokens": list(TOKENS), "widths": list(WIDTHS),
-        "model_chip": model_chip(rows, device, a.repeats), "rows": rows,
+        "model_chip": model_chip(rows, tiny_kernel_s(device, a.repeats), device.type == "cpu"), "rows": rows,
     }
     record["seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(a.out)

@@ -94,7 +94,14 @@ def test_stored_sweep_is_one_consistent_run():
     assert len(d["rows"]) == len(d["tokens"]) * len(d["widths"])
     for r in d["rows"]:
         assert r["speedup"] == pytest.approx(r["high_s"] / r["low_s"]) and 0 < r["cast_s"] < r["low_s"]
-    assert all(v > 0 for k, v in d["model_chip"].items())
+    mc = d["model_chip"]
+    assert all(v > 0 for v in mc.values())
+    chip = dataclasses.replace(H100_TORCHAO, name="sweep", bf16_flops=mc["high_flops"], fp8_flops=mc["low_flops"],
+                               mem_bw=mc["mem_bw"], gemm_fraction=1.0, mem_fraction=1.0, min_kernel_s=mc["min_kernel_s"])
+    top = max(d["rows"], key=lambda r: r["M"] * r["K"] * r["N"])     # the model meets the measurement there
+    t = linear_times(top["M"], top["K"], top["N"], chip, high_bytes=mc["high_bytes"], low_bytes=mc["low_bytes"],
+                     amax=d["pair"][1] != "bfloat16", layouts=1 if d["pair"][1] == "bfloat16" else 2)
+    assert t["bf16"] / t["fp8"] == pytest.approx(top["speedup"], rel=1e-6)
 
 
 def test_sweep_measures_a_small_shape(tmp_path):
