@@ -70,3 +70,50 @@ def test_model_flops_per_token_by_hand():
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="K must be >= 1"):
         fp8_speedup(16, 0, 16)
+
+
+def test_other_format_pairs_count_their_own_bytes():
+    """FP32 -> BF16 with no scale and one layout (the CPU sweep's pair): 4 B read + 2 B written per element, no
+    amax pass; the defaults stay BF16 -> FP8 with amax and two layouts."""
+    M, K, N = 8192, 8192, 8192
+    t = linear_times(M, K, N, high_bytes=4, low_bytes=2, amax=False, layouts=1)
+    bw = H100_TORCHAO.mem_bw * H100_TORCHAO.mem_fraction
+    assert t["fp8_cast"] == pytest.approx(3 * M * K * 6 / bw)
+    assert linear_times(M, K, N, high_bytes=2, low_bytes=1, amax=True, layouts=2) == linear_times(M, K, N)
+
+
+def test_stored_sweep_is_one_consistent_run():
+    """notebooks/data/11/breakeven-sweep.json (benchmarks/breakeven_sweep.py): every row's speedup is its own
+    high / low time, the casts are a part of the low time, and the machine record says where it ran."""
+    import json
+    from pathlib import Path
+    d = json.loads((Path(__file__).resolve().parent.parent / "notebooks/data/11/breakeven-sweep.json").read_text())
+    assert d["command"].startswith("python benchmarks/breakeven_sweep.py") and d["pair"] in (
+        ["float32", "bfloat16"], ["bfloat16", "float8_e4m3fn"])
+    assert {"capability", "flags", "gemm"} <= set(d["machine"])
+    assert len(d["rows"]) == len(d["tokens"]) * len(d["widths"])
+    for r in d["rows"]:
+        assert r["speedup"] == pytest.approx(r["high_s"] / r["low_s"]) and 0 < r["cast_s"] < r["low_s"]
+    mc = d["model_chip"]
+    assert all(v > 0 for v in mc.values())
+    chip = dataclasses.replace(H100_TORCHAO, name="sweep", bf16_flops=mc["high_flops"], fp8_flops=mc["low_flops"],
+                               mem_bw=mc["mem_bw"], gemm_fraction=1.0, mem_fraction=1.0, min_kernel_s=mc["min_kernel_s"])
+    top = max(d["rows"], key=lambda r: r["M"] * r["K"] * r["N"])     # the model meets the measurement there
+    t = linear_times(top["M"], top["K"], top["N"], chip, high_bytes=mc["high_bytes"], low_bytes=mc["low_bytes"],
+                     amax=d["pair"][1] != "bfloat16", layouts=1 if d["pair"][1] == "bfloat16" else 2)
+    assert t["bf16"] / t["fp8"] == pytest.approx(top["speedup"], rel=1e-6)
+
+
+def test_sweep_measures_a_small_shape(tmp_path):
+    """The benchmark's timing of one shape on this CPU: both variants run, and the casts are timed apart."""
+    import importlib.util
+    from pathlib import Path
+    import torch
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "breakeven_sweep.py"
+    spec = importlib.util.spec_from_file_location("breakeven_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(16, 32, 48, torch.device("cpu"), repeats=2)
+    assert (r["M"], r["K"], r["N"]) == (16, 32, 48) and r["speedup"] > 0 and r["low_s"] > 0
+    high, low, cast = mod.cpu_pair(16, 32, 48, torch.device("cpu"))
+    assert [t.dtype for t in cast()] == [torch.bfloat16] * 3

@@ -203,6 +203,10 @@ EXERCISES: dict[str, Yours] = {
     # --
     "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
+    "11_memory_speed_ablations": Yours(
+        missing="no train-yours cell: its function (bytes_per_parameter) counts memory and takes no part in a "
+                "training step; its check cell measures seven real recipes' live tensors instead"),
+    # --
     "12_capstone": Yours(
         recipes=("underflow", "healthy", "overflow", "optimizer"), functions=("diagnose",),
         bugs={"diagnose": _diagnose_against_the_first_loss}, cell="diagnose_yours"),

@@ -60,8 +60,15 @@ def _mem_s(nbytes: float, chip: Chip) -> float:
     return max(nbytes / (chip.mem_bw * chip.mem_fraction), chip.min_kernel_s)
 
 
-def linear_times(M: int, K: int, N: int, chip: Chip = H100_TORCHAO) -> dict[str, float]:
-    """Seconds of one linear layer's forward + backward: {"bf16", "fp8", "fp8_gemm", "fp8_cast"}."""
+def linear_times(M: int, K: int, N: int, chip: Chip = H100_TORCHAO, *, high_bytes: int = BF16_BYTES,
+                 low_bytes: int = FP8_BYTES, amax: bool = True, layouts: int = 2) -> dict[str, float]:
+    """Seconds of one linear layer's forward + backward: {"bf16", "fp8", "fp8_gemm", "fp8_cast"}.
+
+    The defaults are BF16 against FP8 with tensorwise scaling. The same rule holds for any pair of formats:
+    ``chip.bf16_flops`` is then the higher format's peak and ``chip.fp8_flops`` the lower one's, each input
+    element is ``high_bytes`` before the cast and ``low_bytes`` after, ``amax`` says whether a scale is
+    computed first, and ``layouts`` how many copies the cast writes (e.g. FP32 -> BF16 on a CPU: 4, 2,
+    no amax, one layout)."""
     for name, v in (("M", M), ("K", K), ("N", N)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -70,8 +77,9 @@ def linear_times(M: int, K: int, N: int, chip: Chip = H100_TORCHAO) -> dict[str,
     fp8_gemm = 3 * _gemm_s(gemm, chip.fp8_flops, chip)
     cast = 0.0
     for numel in (M * K, N * K, M * N):                                # x, W, g
-        cast += _mem_s(numel * BF16_BYTES, chip)                       # amax: read bf16
-        cast += _mem_s(numel * (BF16_BYTES + 2 * FP8_BYTES), chip)     # cast: read bf16, write 2 fp8 layouts
+        if amax:
+            cast += _mem_s(numel * high_bytes, chip)                   # amax: read the high-precision tensor
+        cast += _mem_s(numel * (high_bytes + layouts * low_bytes), chip)   # cast: read it, write the layouts
     return {"bf16": bf16, "fp8": fp8_gemm + cast, "fp8_gemm": fp8_gemm, "fp8_cast": cast}
 
 

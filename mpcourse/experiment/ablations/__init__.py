@@ -6,6 +6,7 @@ writes ``OUT/NAME.json`` (strict JSON; every run's per-step log, see ``common.ru
 loads. NAME is one of ``ABLATIONS``:
 
     underflow        (i)   FP16 gradient underflow that harms training; loss scaling rescues it
+    underflow-bf16   (i)   the same multiplier on BF16 recipes with no loss scale (stored apart)
     optimizer-state  (ii)  FP32 optimizer state vs FP32 master weights (why fp16-pure dies)
     op-precision     (iii) softmax, LayerNorm and the loss in low precision vs FP32
     fp8-format       (iv)  FP8 HYBRID (E5M2 gradients) vs E4M3 everywhere
@@ -17,6 +18,7 @@ import importlib
 
 ABLATIONS = {
     "underflow": "underflow",
+    "underflow-bf16": "underflow_bf16",
     "optimizer-state": "optimizer_state",
     "op-precision": "op_precision",
     "fp8-format": "fp8_format",

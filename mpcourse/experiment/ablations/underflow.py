@@ -40,13 +40,14 @@ def scaled_loss_trainer(multiplier: float) -> type[Trainer]:
     return ScaledLossTrainer
 
 
-def run(acfg: AblationConfig) -> dict:
+def run(acfg: AblationConfig, recipes: tuple[str, ...] = RECIPES, ablation: str = "underflow") -> dict:
+    """Every recipe of ``recipes`` at each multiplier of ``MULTIPLIERS``, over the seeds of ``acfg``."""
     runs, base = [], OptimConfig()
     for m in MULTIPLIERS:
         optim = OptimConfig(eps=base.eps * m, grad_clip=base.grad_clip * m)
-        for name in RECIPES:
+        for name in recipes:
             cls = get_recipe(name)
             for r in over_seeds(name, lambda model, optim, cls=cls: cls(model, optim), acfg, optim=optim,
                                 trainer_cls=scaled_loss_trainer(m)):
                 runs.append({**r, "loss_multiplier": m})
-    return {"ablation": "underflow", "loss_multiplier": LOSS_MULTIPLIER, "recipes": list(RECIPES), "runs": runs}
+    return {"ablation": ablation, "loss_multiplier": LOSS_MULTIPLIER, "recipes": list(recipes), "runs": runs}
