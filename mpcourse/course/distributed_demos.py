@@ -15,8 +15,8 @@ Workers (each a few collectives on tensors of a few kilobytes):
   ``amax_reduction_group``).
 * ``reduce``: the mean of the ranks' gradients all-reduced in FP32 or BF16 against an FP64 reference.
 * ``bytes``: bytes per parameter per rank after one step of a small GPT under DDP, ZeRO-1 and FSDP2.
-* ``allgather``: the bytes one all-gather of a weight moves in FP32, BF16 and FP8 (E4M3 payload plus its scale),
-  and whether the FP8 GEMM after it sees the same operand either way.
+
+The FP8 all-gather of section 4 trains a small FSDP2 model; its worker is in ``fp8_all_gather_demo``.
 """
 from __future__ import annotations
 
@@ -111,30 +111,6 @@ def bytes_per_param() -> dict:
                 if torch.is_tensor(v) and v.dim() > 0)
     out[("zero1", "fp32")] = {"weights": 4.0, "grads": 4.0, "master": 0.0, "optimizer": state / n}
     return out
-
-
-def allgather(rows: int = 256, cols: int = 256) -> dict:
-    from mpcourse.core.quant import compute_scale, to_float8
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7)) * 0.02   # (rows, cols) fp32
-    shard = full.chunk(world)[rank]                              # (rows / world, cols) fp32, my rows
-    moved = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        parts = [torch.empty_like(shard, dtype=dtype) for _ in range(world)]
-        dist.all_gather(parts, shard.to(dtype))                  # 4 or 2 B per element
-        moved[name] = sum(p.nbytes for p in parts)
-    parts32 = [torch.empty_like(shard) for _ in range(world)]
-    dist.all_gather(parts32, shard)
-    a = shard.abs().max().reshape(1)
-    dist.all_reduce(a, op=dist.ReduceOp.MAX)                     # one scale for the whole weight
-    scale = compute_scale(a[0], "e4m3")
-    payload = to_float8(shard, "e4m3", scale).data.view(torch.uint8)   # (rows / world, cols) e4m3 bits
-    parts8 = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(parts8, payload)                             # 1 B per element, + the 4-byte scale
-    moved["fp8"] = sum(p.nbytes for p in parts8) + 4
-    after = to_float8(torch.cat(parts32), "e4m3", scale).data.view(torch.uint8)   # gather FP32, then quantize
-    return {**moved, "same_operand": bool(torch.equal(torch.cat(parts8), after))}
 
 
 def _rank(rank, world, init_method, out_dir, worker, args):
