@@ -27,6 +27,29 @@ def test_fp32_trains_bit_for_bit_as_the_unplanted_model():
     assert planted == plain                     # exact: RATIO is a power of two, the parameter is still W
 
 
+def _loss_and_grads(ratio):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    if ratio is not None:
+        plant_outliers(model, ratio)
+    idx = torch.randint(0, 103, (2, 64))
+    _, loss = model(idx, idx.roll(-1, 1))
+    loss.backward()
+    grads = {n.replace("parametrizations.weight.original", "weight"): p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def test_planted_forward_and_gradients_are_bit_for_bit_the_unplanted_ones():
+    loss, grads = _loss_and_grads(None)
+    for ratio in (RATIO, 2.0 ** 24):
+        planted_loss, planted_grads = _loss_and_grads(ratio)
+        assert torch.equal(planted_loss, loss)
+        assert grads.keys() == planted_grads.keys()
+        assert all(torch.equal(planted_grads[n], g) for n, g in grads.items()), ratio
+    _, off = _loss_and_grads(1e6 + 1)            # not a power of two: rounding shows (the test can fail)
+    assert not all(torch.equal(off[n], g) for n, g in grads.items())
+
+
 def test_planted_input_has_outliers_that_per_tensor_e4m3_flushes_and_mx_blocks_keep():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
