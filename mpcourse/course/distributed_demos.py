@@ -83,36 +83,6 @@ def reduce(dtype_names=("fp32", "bf16"), n: int = 1 << 14) -> dict:
     return out
 
 
-def bytes_per_param() -> dict:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.distributed import DataParallelTrainer
-    from mpcourse.experiment.model import GPTConfig
-    from mpcourse.experiment.train import TrainConfig
-
-    cfg = TrainConfig(steps=1, batch_size=4, eval_interval=1000, eval_batches=1,
-                      model=GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=64))
-    corpus = load_corpus(None)
-    out = {}
-    for parallel in ("ddp", "fsdp"):
-        for name in ("fp32", "fp16-master"):
-            t = DataParallelTrainer(name, corpus, cfg, parallel)
-            t.train_step()
-            n = sum(p.numel() for p in t.recipe.model.parameters())
-            out[(parallel, name)] = {k: v / n for k, v in t.memory.items()}
-    # ZeRO-1: DDP replicas, AdamW state sharded by torch's ZeroRedundancyOptimizer
-    t = DataParallelTrainer("fp32", corpus, cfg, "ddp")
-    params = list(t.recipe.model.parameters())
-    t.recipe.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-3)
-    t.train_step()
-    n = sum(p.numel() for p in params)
-    state = sum(v.nbytes for s in t.recipe.optimizer.optim.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    out[("zero1", "fp32")] = {"weights": 4.0, "grads": 4.0, "master": 0.0, "optimizer": state / n}
-    return out
-
-
 def _rank(rank, world, init_method, out_dir, worker, args):
     from mpcourse.experiment.distributed import ranks
 

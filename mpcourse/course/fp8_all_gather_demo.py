@@ -9,8 +9,6 @@ It returns, per way, the loss history and the bytes this rank sent into FSDP2's 
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 
 import torch
@@ -57,18 +55,13 @@ def _train(width: int, steps: int, fp8_all_gather: bool) -> dict:
     return {"losses": losses, "bytes": log.per_step(steps)}
 
 
-def _rank(rank, init_method, out_dir, width, steps):
-    from mpcourse.experiment.distributed import ranks
-
-    with ranks(rank, WORLD, init_method, threads=1):
-        res = {way: _train(width, steps, way == "fp8") for way in ("fp32", "fp8")}
-        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+def both_ways(width: int, steps: int) -> dict:
+    """On each rank: {"fp32" | "fp8": {"losses", "bytes"}}, the FP32 gather first."""
+    return {way: _train(width, steps, way == "fp8") for way in ("fp32", "fp8")}
 
 
 def run(width: int = 256, steps: int = 3) -> list[dict]:
-    """[rank 0's, rank 1's] {"fp32" | "fp8": {"losses", "bytes"}}."""
-    from mpcourse.experiment.distributed import rendezvous, spawn
+    """[rank 0's, rank 1's] {"fp32" | "fp8": {"losses", "bytes"}}, on ranks spawned by ``distributed_demos.run``."""
+    from .distributed_demos import run as run_on_ranks
 
-    with tempfile.TemporaryDirectory() as d:
-        spawn(_rank, WORLD, (rendezvous(d), d, width, steps))
-        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_on_ranks(both_ways, WORLD, width, steps)
