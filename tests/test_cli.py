@@ -97,6 +97,7 @@ def test_out_that_is_a_file_fails_before_training(tmp_path, capsys):
     (["--steps", "abc"], "argument --steps: must be a positive integer"),
     (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
 ])
+@pytest.mark.slow
 def test_what_a_person_sees(args, msg):
     proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", *args],
                           capture_output=True, text=True, timeout=120)
@@ -121,6 +122,7 @@ def test_a_file_that_is_not_a_notebook_is_one_line_exit_2(tmp_path, content, cap
     assert err.startswith("mpcourse grade: error:") and "not a Jupyter notebook" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_grade_of_a_non_notebook_as_a_person_sees_it(tmp_path):
     f = tmp_path / "README.md"
     f.write_text("# not a notebook\n")

@@ -101,6 +101,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.slow
 def test_killing_the_parent_ends_its_workers():
     """SIGKILL runs no clean-up in the parent: the workers notice they are orphans and exit on their own."""
     parent = subprocess.Popen([sys.executable, "-c", _LONG_JOB], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

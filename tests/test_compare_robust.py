@@ -61,6 +61,7 @@ def test_training_threads_sets_one_thread_and_restores_the_callers_count():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_a_rows_bits_do_not_depend_on_jobs_company_or_process(corpus, tmp_path):
     """fp16-dynamic alone in this process (jobs=1) on a 2-thread torch, then beside fp32 in two workers, then as the
     learner's row (the solution's update_scale) trained in this process after the workers: one history."""
@@ -100,6 +101,7 @@ def test_not_implemented_yet_comes_after_the_table_not_between_progress_bars(cor
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.slow
 def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_path, jobs):
     # fp8-block's 1x128 tiles need token counts in multiples of 128: 4 x 16 = 64 tokens fail, fp32 finishes
     cfg = dataclasses.replace(CFG, model=dataclasses.replace(SMALL, n_embd=128))
@@ -112,6 +114,7 @@ def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_pa
     assert payload["failed"][0]["error"].startswith("ValueError: ") and "128" in payload["failed"][0]["error"]
 
 
+@pytest.mark.slow
 def test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest(tmp_path, capsys, monkeypatch):
     from mpcourse.experiment import compare as compare_module
     real = compare_module.train

@@ -14,6 +14,7 @@ def test_the_graders_rule_passes_its_own_grader_and_a_constant_does_not():
         check_diagnose(lambda log: "healthy")
 
 
+@pytest.mark.slow
 def test_the_fresh_runs_show_the_cause_they_were_built_for():
     for name, s in SETTINGS.items():
         log = fresh_log(name)

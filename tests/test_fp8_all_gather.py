@@ -128,6 +128,7 @@ def seen():
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_shards_cast_with_the_global_scale_gather_the_one_process_cast(seen):
     ref = _one_process_cast(_weight())
     for r in seen:
@@ -160,6 +161,7 @@ def test_fp8_all_gather_bytes_per_rank(seen):
 
 
 # ---------------------------------------------------------------------------------------------- stored for lesson 10
+@pytest.mark.slow
 def test_stored_reduce_dtype_runs_are_what_the_command_gives():
     """``notebooks/data/10/reduce-dtype-fp32-params.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
     its command; the command's first two steps on 2 ranks, re-run here, give the stored losses bit for bit (one

@@ -271,6 +271,7 @@ def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
     assert {("blocks.0.attn.qkv", role) for role in ("activation", "weight", "output_grad", "weight_grad")} <= got
 
 
+@pytest.mark.slow
 def test_data_parallel_modes_refuse_it_with_the_reason(tmp_path):
     import subprocess
     import sys

@@ -48,6 +48,7 @@ def save_stale(nb, path):
     nbformat.write(nb, path)
 
 
+@pytest.mark.slow
 def test_correct_notebook_with_stale_outputs_passes_and_is_not_modified(tmp_path):
     path = tmp_path / "99_double.ipynb"                                          # outside the repository
     save_stale(learner_notebook("    return 2 * x"), path)
@@ -59,6 +60,7 @@ def test_correct_notebook_with_stale_outputs_passes_and_is_not_modified(tmp_path
     assert path.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_wrong_notebook_gives_the_one_line_verdict(tmp_path, capsys):
     path = tmp_path / "99_double.ipynb"
     nbformat.write(learner_notebook("    return x + 2"), path)
@@ -72,6 +74,7 @@ def test_wrong_notebook_gives_the_one_line_verdict(tmp_path, capsys):
     assert "GradingError" in capsys.readouterr().out.split("cell 4", 1)[1]      # traceback shown
 
 
+@pytest.mark.slow
 def test_a_stub_is_reported_where_it_raised(tmp_path):
     path = tmp_path / "99_double.ipynb"
     nbformat.write(learner_notebook("    raise NotImplementedError('exercise: replace this line')"), path)

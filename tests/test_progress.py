@@ -39,6 +39,7 @@ def test_one_process_bar_of_a_diverged_run_ends_at_100_percent(closed_bars):
     assert closed_bars[1][:2] == (4, 4) and "diverged" not in closed_bars[1][2]
 
 
+@pytest.mark.slow
 def test_pool_bar_counts_a_diverged_runs_remaining_steps_as_done(closed_bars):
     tasks = [Task("fp16-pure", CFG), Task("fp32", CFG)]
     results = run_pool(tasks, load_corpus(), jobs=2, threads=1, progress=True)

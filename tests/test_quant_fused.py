@@ -645,6 +645,7 @@ def test_the_kernels_leave_their_tensors_resizable():
         assert t.untyped_storage().size() == 0
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_torch_rules():
     """Inside ``torch.compile``'s tracing the kernels step aside (``fused.active()`` is False there): a compiled
     function that quantizes gives the kernels' bits without tracing into them."""

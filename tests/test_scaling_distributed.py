@@ -154,6 +154,7 @@ def _failing_worker(rank, init_method):
         dist.barrier()                        # rank 0 waits here for a rank that is gone
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_at_once_not_after_the_timeout():
     """``ranks`` closes the group only on success: the failing rank exits at once (no barrier on its error
     path), and ``spawn`` ends the other rank and names the failure, long before the 120 s timeout."""

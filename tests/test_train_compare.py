@@ -109,12 +109,14 @@ def test_cli_compare_writes_table_json_and_plot(tmp_path):
     (["--recipes", "fp32,nope"], "unknown recipe"),
     (["--steps", "0"], "positive integer"),
 ])
+@pytest.mark.slow
 def test_cli_errors_name_the_fix(args, msg):
     proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and msg in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_lists_recipes():
     proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
