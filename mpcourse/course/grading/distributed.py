@@ -25,8 +25,8 @@ Several functions in one job (the tests' planted bugs): ``grade_all_reduce_found
 Each function first runs in this process (one that fails there never reaches the ranks); the others run on the
 same four ranks one after the other, each in fresh process groups, with an all-gather over every rank between
 two functions (the fence: no rank starts the next function before all have finished this one). A rank that
-raises is the function's fault, judged like any other result; its partners' collective fails after
-``GROUP_TIMEOUT_S``, well inside the default group's ``RANK_TIMEOUT_S`` that bounds the fence. A job that
+raises is the function's fault (the verdict names the earliest error on any rank); its partners' collective fails after
+``GROUP_TIMEOUT_S``, well inside the default group's ``WORLD_TIMEOUT_S`` that bounds the fence. A job that
 fails as a whole (a rank that dies, a fence broken by a function's unmatched collective on the default group)
 is graded again function by function, each in its own job, so each gets its own verdict.
 
@@ -55,8 +55,8 @@ from . import GradingError, call, verdict
 WORLD, GROUPS = 4, ([0, 1], [2, 3])
 #: seconds: the default group (and the fence between two functions) waits for a missing rank this long; a
 #: learner's unmatched collective on the default group (one that ignores ``group``) fails after it
-RANK_TIMEOUT_S = 60.0
-#: seconds: a collective in a function's own group that a rank never makes fails after this (< RANK_TIMEOUT_S)
+WORLD_TIMEOUT_S = 60.0
+#: seconds: a collective in a function's own group that a rank never makes fails after this (< WORLD_TIMEOUT_S)
 GROUP_TIMEOUT_S = 30.0
 #: flags of ranks 0..3, per pattern
 PATTERNS = [(0.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
@@ -194,7 +194,7 @@ def _spawned(rank, init_method, on_rank, sources, out_dir, group_timeout_s):
     fence; writes ``<rank>.pt``: per function its records or ``Raised``."""
     from mpcourse.experiment.distributed import close_ranks, init_ranks
 
-    init_ranks(rank, WORLD, init_method, timeout_s=RANK_TIMEOUT_S, threads=1)
+    init_ranks(rank, WORLD, init_method, timeout_s=WORLD_TIMEOUT_S, threads=1)
     out = []
     for k, source in enumerate(sources):
         group = _my_group(rank, group_timeout_s)
