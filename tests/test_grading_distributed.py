@@ -1,14 +1,21 @@
 """The lesson-10 graders: the library's rules pass, planted wrong ones fail with a hint naming the fault.
 
 Each check spawns four gloo ranks in two groups; the oracle is FSDP's ShardedGradScaler run beside the function.
+The planted bugs of a check are graded in one job (``grade_*``, a module-scoped fixture), then each test reads its
+function's verdict; the reference's PASS line comes from ``check_*`` replaying its ranks' records of that job.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from mpcourse.core.distributed import all_reduce_max_
 from mpcourse.course.grading import GradingError
-from mpcourse.course.grading.distributed import check_all_reduce_found_inf, check_distributed_skip_step
+from mpcourse.course.grading import distributed
+from mpcourse.course.grading.distributed import (check_all_reduce_found_inf, check_distributed_skip_step,
+                                                 grade_all_reduce_found_inf, grade_distributed_skip_step)
+from mpcourse.experiment.distributed import RankFailed
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -38,6 +45,16 @@ def unconditional(found_inf, group=None):
 
 def kept(found_inf, group=None):
     return found_inf
+
+
+def raises_on_rank_1(found_inf, group=None):
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("planted: only rank 1 raises")        # rank 0 waits in the all-reduce until its timeout
+    return reference(found_inf, group)
+
+
+def stub(found_inf, group=None):
+    raise NotImplementedError
 
 
 def _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reduce,
@@ -101,7 +118,52 @@ def step_no_backoff(optimizer, scale, growth_tracker, group=None, growth_factor=
                  back_off=False)
 
 
-def test_reference_passes(capsys):
+#: seconds: how long rank 0 waits for rank 1 in ``raises_on_rank_1`` (the grader's default is 30)
+SHORT_GROUP_TIMEOUT_S = 5.0
+#: graded in one job; ``raises_on_rank_1`` before the others shows a rank's error spoils only its own verdict
+FLAG_FNS = [reference, raises_on_rank_1, summed, kept, world, unconditional]
+STEP_FNS = [step_reference, step_world, step_summed, step_unscale_first, step_anyway, step_no_backoff]
+
+
+def _graded(grade, fns, **module_values):
+    """``grade(fns)`` in one job; the verdicts per function and ``replay(fn)``: a ``_spawn`` that gives back
+    ``fn``'s records of that job (to run ``check_*(fn)`` again without spawning)."""
+    jobs = []
+
+    def recording(on_rank, sources):
+        got = real_spawn(on_rank, sources)
+        jobs.append((sources, got))
+        return got
+
+    real_spawn = distributed._spawn
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distributed, "_spawn", recording)
+        for name, value in module_values.items():
+            mp.setattr(distributed, name, value)
+        verdicts = dict(zip(fns, grade(fns)))
+    assert len(jobs) == 1, "the batch was graded in more than one job (the fallback ran)"
+    sources, got = jobs[0]
+
+    def replay(fn):
+        k = sources.index(distributed._sources(fn))
+        return lambda on_rank, wanted: [[per_rank[k]] for per_rank in got]
+    return SimpleNamespace(verdicts=verdicts, replay=replay)
+
+
+@pytest.fixture(scope="module")
+def flag_job():
+    return _graded(grade_all_reduce_found_inf, FLAG_FNS, GROUP_TIMEOUT_S=SHORT_GROUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def step_job():
+    return _graded(grade_distributed_skip_step, STEP_FNS)
+
+
+@pytest.mark.slow                                  # the fixture spawns four gloo ranks
+def test_reference_passes(flag_job, monkeypatch, capsys):
+    assert flag_job.verdicts[reference] is None
+    monkeypatch.setattr(distributed, "_spawn", flag_job.replay(reference))
     check_all_reduce_found_inf(reference)
     assert capsys.readouterr().out.startswith("PASS all_reduce_found_inf_")
 
@@ -111,23 +173,74 @@ def test_library_helper_agrees_with_the_grader_rule():
     assert all_reduce_max_(t) is t and float(t) == 1.0          # one process: no-op
 
 
-@pytest.mark.slow                                  # spawns four gloo ranks; test_reference_passes stays in the fast lane
+@pytest.mark.slow
 @pytest.mark.parametrize("bad, message", [(summed, "SUM"), (kept, "kept its own flag"), (world, "not over `group`"),
                                           (unconditional, "single process")])
-def test_planted_bugs_fail(bad, message):
+def test_planted_bugs_fail(flag_job, bad, message):
+    error = flag_job.verdicts[bad]
+    assert isinstance(error, GradingError) and error.args[0].startswith("FAIL all_reduce_found_inf_")
     with pytest.raises(GradingError, match=message):
-        check_all_reduce_found_inf(bad)
+        raise error
 
 
 @pytest.mark.slow
-def test_stub_fails():
-    def stub(found_inf, group=None):
-        raise NotImplementedError
+def test_a_rank_that_raises_fails_its_function_only(flag_job):
+    """rank 1 raises, rank 0 waits in the all-reduce until its group's timeout: the verdict names rank 1's error
+    (the first), and the functions graded after it on the same ranks get their own verdicts (the tests above)."""
+    error = flag_job.verdicts[raises_on_rank_1]
+    assert isinstance(error, GradingError)
+    assert "on rank 1 of 4 it raised ValueError: planted: only rank 1 raises" in str(error)
+
+
+def test_stub_fails():                             # fails in one process: spawns nothing
     with pytest.raises(GradingError, match="not implemented"):
         check_all_reduce_found_inf(stub)
 
 
-def test_skip_step_reference_passes(capsys):
+def test_a_failed_job_is_graded_again_function_by_function(monkeypatch):
+    """A job that fails as a whole (a rank dies) is graded again one job per function: each its own verdict; a
+    function that fails in one process never reaches the ranks. A fake ``_spawn``: each function's records are
+    made up (a rank holding its own flag, or the group's MAX), a function named ``dies`` kills rank 2."""
+    def good(found_inf, group=None):
+        return found_inf
+
+    def bad(found_inf, group=None):
+        return found_inf
+
+    def dies(found_inf, group=None):
+        return found_inf
+
+    def records(name, rank):
+        """Per pattern: the group's MAX (``good``) or the rank's own flag (``bad``), in place and returned."""
+        out = []
+        for flags in distributed.PATTERNS:
+            want = max(flags[m] for m in next(g for g in distributed.GROUPS if rank in g))
+            held = want if name == "good" else flags[rank]
+            out.append({"in_place": held, "returned": held, "want": want})
+        return out
+
+    jobs = []
+
+    def fake_spawn(on_rank, sources):
+        names = [name for _, name in sources]
+        jobs.append(names)
+        if "dies" in names:
+            raise RankFailed(2, "exited with code 3")
+        return [[records(name, rank) for name in names] for rank in range(distributed.WORLD)]
+
+    monkeypatch.setattr(distributed, "_spawn", fake_spawn)
+    verdicts = grade_all_reduce_found_inf([good, stub, dies, bad])
+    assert jobs == [["good", "dies", "bad"], ["good"], ["dies"], ["bad"]]
+    assert verdicts[0] is None
+    assert "not implemented" in str(verdicts[1])
+    assert "rank 2 of 4 failed (exited with code 3)" in str(verdicts[2])
+    assert "each rank kept its own flag" in str(verdicts[3])
+
+
+@pytest.mark.slow
+def test_skip_step_reference_passes(step_job, monkeypatch, capsys):
+    assert step_job.verdicts[step_reference] is None
+    monkeypatch.setattr(distributed, "_spawn", step_job.replay(step_reference))
     check_distributed_skip_step(step_reference)
     assert capsys.readouterr().out.startswith("PASS distributed_skip_step_")
 
@@ -140,6 +253,8 @@ def test_skip_step_reference_passes(capsys):
     (step_anyway, "it stepped although"),
     (step_no_backoff, "back off"),
 ])
-def test_skip_step_planted_bugs_fail(bad, message):
+def test_skip_step_planted_bugs_fail(step_job, bad, message):
+    error = step_job.verdicts[bad]
+    assert isinstance(error, GradingError) and error.args[0].startswith("FAIL distributed_skip_step_")
     with pytest.raises(GradingError, match=message):
-        check_distributed_skip_step(bad)
+        raise error

@@ -19,23 +19,45 @@ After every step the gradients (unscaled), the parameters, the scale, the tracke
 the oracle's bit for bit. torch's scaler all-reduces the flag with SUM and then asks only "nonzero?"; the
 contract here returns the flag itself, so it must be 0.0 or 1.0 (MAX, or a clamped SUM).
 
+Several functions in one job (the tests' planted bugs): ``grade_all_reduce_found_inf(fns)`` and
+``grade_distributed_skip_step(fns)`` return one verdict per function, ``None`` (it passes) or the
+``GradingError`` that ``check_*`` would raise; ``check_*(fn)`` is the one-function case plus the PASS line.
+Each function first runs in this process (one that fails there never reaches the ranks); the others run on the
+same four ranks one after the other, each in fresh process groups, with an all-gather over every rank between
+two functions (the fence: no rank starts the next function before all have finished this one). A rank that
+raises is the function's fault (the verdict names the earliest error on any rank); its partners' collective fails after
+``GROUP_TIMEOUT_S``, well inside the default group's ``WORLD_TIMEOUT_S`` that bounds the fence. A job that
+fails as a whole (a rank that dies, a fence broken by a function's unmatched collective on the default group)
+is graded again function by function, each in its own job, so each gets its own verdict.
+
 The learner's functions travel to the ranks as source text (a function defined in a notebook cannot be imported
 by a spawned process): the graded function and every function of its own module it calls by name (its
-``all_reduce_found_inf_``), exec'd with ``torch`` and ``dist`` = ``torch.distributed`` provided.
+``all_reduce_found_inf_``), exec'd in a namespace of its own with ``torch`` and ``dist`` = ``torch.distributed``.
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
 import tempfile
 import textwrap
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from mpcourse.core.distributed import all_reduce_max_
+
 from . import GradingError, call, verdict
 
 WORLD, GROUPS = 4, ([0, 1], [2, 3])
+#: seconds: the default group (and the fence between two functions) waits for a missing rank this long; a
+#: learner's unmatched collective on the default group (one that ignores ``group``) fails after it
+WORLD_TIMEOUT_S = 60.0
+#: seconds: a collective in a function's own group that a rank never makes fails after this (< WORLD_TIMEOUT_S)
+GROUP_TIMEOUT_S = 30.0
 #: flags of ranks 0..3, per pattern
 PATTERNS = [(0.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
             (1.0, 0.0, 0.0, 1.0)]
@@ -45,6 +67,16 @@ INIT_SCALE, GROWTH_INTERVAL = 2.0**10, 2
 #: a second run with the scale below 1: a finite gradient whose unscaled value overflows FP32
 LOW_SCALE, LOW_STEPS = 0.5, [{2: 3e38}, {}]
 
+
+class Raised(NamedTuple):
+    """What a rank records when the learner's function raised there: when (``time.monotonic``, one clock for
+    every process of the machine) and ``Type: message``."""
+
+    at: float
+    message: str
+
+
+# ---- on the ranks -------------------------------------------------------------------------------------------
 
 def _sources(fn) -> tuple[str, str]:
     """The source of ``fn`` and of the functions of its module it calls by name (recursively); its name."""
@@ -68,25 +100,21 @@ def _load(source, name):
     return ns[name]
 
 
-def _my_group(rank):
-    groups = [dist.new_group(g) for g in GROUPS]                  # every rank creates every group
+def _my_group(rank, timeout_s):
+    """Fresh groups {0, 1} and {2, 3} (every rank creates every group, in the same order); this rank's."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = [dist.new_group(g, timeout=timeout) for g in GROUPS]
     return next(g for g, members in zip(groups, GROUPS) if rank in members)
 
 
-def _flags_rank(rank, fn_src, out_dir):
-    from mpcourse.core.distributed import all_reduce_max_
-
+def _flags_rank(rank, fn, group) -> list:
+    """``fn`` beside ``all_reduce_max_`` on every flag pattern; one record per pattern."""
     out = []
-    try:
-        fn = _load(*fn_src)
-        group = _my_group(rank)
-        for flags in PATTERNS:
-            t, want = torch.tensor(flags[rank]), all_reduce_max_(torch.tensor(flags[rank]), group)
-            r = fn(t, group)
-            out.append({"in_place": float(t), "returned": None if r is None else float(r), "want": float(want)})
-    except Exception as e:  # the learner's error, reported by the grader (not a crash of the job)
-        out = f"{type(e).__name__}: {e}"
-    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    for flags in PATTERNS:
+        t, want = torch.tensor(flags[rank]), all_reduce_max_(torch.tensor(flags[rank]), group)
+        r = fn(t, group)
+        out.append({"in_place": float(t), "returned": None if r is None else float(r), "want": float(want)})
+    return out
 
 
 def _params(rank):
@@ -144,39 +172,114 @@ def _run_steps(rank, fn, group, init_scale, steps):
     return records
 
 
-def _step_rank(rank, fn_src, out_dir):
-    try:
-        fn = _load(*fn_src)
-        group = _my_group(rank)
-        out = {"main": _run_steps(rank, fn, group, INIT_SCALE, STEPS),
-               "low": _run_steps(rank, fn, group, LOW_SCALE, LOW_STEPS)}
-    except Exception as e:  # the learner's error, reported by the grader
-        out = f"{type(e).__name__}: {e}"
-    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+def _step_rank(rank, fn, group) -> dict:
+    """``fn`` beside ShardedGradScaler: the run from INIT_SCALE and the run from LOW_SCALE."""
+    return {"main": _run_steps(rank, fn, group, INIT_SCALE, STEPS),
+            "low": _run_steps(rank, fn, group, LOW_SCALE, LOW_STEPS)}
 
 
-def _spawned(rank, init_method, target, fn_src, out_dir):
+def _fence(k: int) -> None:
+    """Wait until every rank has finished function ``k``: an all-gather of ``k`` on the default group (the one a
+    function that ignores ``group`` uses). A function that left that group out of step (a collective one rank
+    did not make) makes it fail or gather something else: RuntimeError, and the rank fails."""
+    got = [torch.full((2,), -1, dtype=torch.int64) for _ in range(WORLD)]
+    dist.all_gather(got, torch.tensor([WORLD, k]))
+    if any(g.tolist() != [WORLD, k] for g in got):
+        raise RuntimeError(f"the ranks are out of step after function {k}: a collective on the default group "
+                           "was not made by every rank")
+
+
+def _spawned(rank, init_method, on_rank, sources, out_dir, group_timeout_s):
+    """One rank: every function of ``sources`` in turn, ``on_rank(rank, fn, group)`` in fresh groups, then the
+    fence; writes ``<rank>.pt``: per function its records or ``Raised``."""
     from mpcourse.experiment.distributed import close_ranks, init_ranks
 
-    init_ranks(rank, WORLD, init_method, timeout_s=60, threads=1)   # a learner's unmatched collective fails in 60 s
-    target(rank, fn_src, out_dir)
+    init_ranks(rank, WORLD, init_method, timeout_s=WORLD_TIMEOUT_S, threads=1)
+    out = []
+    for k, source in enumerate(sources):
+        group = _my_group(rank, group_timeout_s)
+        try:
+            out.append(on_rank(rank, _load(*source), group))
+        except Exception as e:  # the learner's error, judged by the parent (not a failure of the job)
+            out.append(Raised(time.monotonic(), f"{type(e).__name__}: {e}"))
+        _fence(k)
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     close_ranks()
 
 
-def _spawn(target, fn, name):
-    from mpcourse.experiment.distributed import RankFailed, rendezvous, spawn
+def _spawn(on_rank, sources) -> list[list]:
+    """Run the functions of ``sources`` (``_sources``' pairs) in one job of WORLD ranks; per rank, per function,
+    what ``_spawned`` recorded. Raises RankFailed when a rank fails."""
+    from mpcourse.experiment.distributed import rendezvous, spawn
 
     with tempfile.TemporaryDirectory() as d:
-        try:
-            spawn(_spawned, WORLD, (rendezvous(d), target, _sources(fn), d))
-        except RankFailed as e:
-            raise GradingError(f"FAIL {name}: rank {e.rank} of {WORLD} failed ({e.message}); a collective every "
-                               "rank of the group does not make in the same order waits until the timeout")
-        got = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
-    for rank, g in enumerate(got):
-        if isinstance(g, str):
-            raise GradingError(f"FAIL {name}: on rank {rank} of {WORLD} it raised {g}")
-    return got
+        spawn(_spawned, WORLD, (rendezvous(d), on_rank, sources, d, GROUP_TIMEOUT_S))
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+# ---- in the grader's process ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Check:
+    """One grader: ``one_process(fn)`` and ``judge(got)`` (``got``: per rank, ``on_rank``'s records) raise
+    GradingError; ``on_rank(rank, fn, group)`` runs on the ranks; ``passed`` is the PASS line's detail."""
+
+    name: str
+    one_process: Callable
+    on_rank: Callable
+    judge: Callable
+    passed: str
+
+
+def _error(check_fn, *args) -> GradingError | None:
+    """``check_fn(*args)``'s GradingError, or None when it returns."""
+    try:
+        check_fn(*args)
+    except GradingError as e:
+        return e
+    return None
+
+
+def _judge(check: _Check, got: list) -> None:
+    """The first error raised on a rank (the earliest: its partners then fail waiting), else ``check.judge``."""
+    raised = sorted((g.at, rank, g.message) for rank, g in enumerate(got) if isinstance(g, Raised))
+    if raised:
+        _, rank, message = raised[0]
+        raise GradingError(f"FAIL {check.name}: on rank {rank} of {WORLD} it raised {message}")
+    check.judge(got)
+
+
+def _on_ranks(check: _Check, fns: list) -> list[GradingError | None]:
+    """Verdicts of ``fns`` graded on the ranks in one job; if the job fails, each in its own job."""
+    from mpcourse.experiment.distributed import RankFailed
+
+    if not fns:
+        return []
+    try:
+        got = _spawn(check.on_rank, [_sources(fn) for fn in fns])
+    except RankFailed as e:
+        if len(fns) > 1:
+            return [v for fn in fns for v in _on_ranks(check, [fn])]
+        return [GradingError(f"FAIL {check.name}: rank {e.rank} of {WORLD} failed ({e.message}); a collective every "
+                             "rank of the group does not make in the same order waits until the timeout")]
+    return [_error(_judge, check, [per_rank[k] for per_rank in got]) for k in range(len(fns))]
+
+
+def _grade(check: _Check, fns) -> list[GradingError | None]:
+    """One verdict per function: the one-process check, then those that pass it on the ranks, in one job."""
+    fns = list(fns)
+    verdicts = [_error(check.one_process, fn) for fn in fns]
+    todo = [i for i, v in enumerate(verdicts) if v is None]
+    for i, v in zip(todo, _on_ranks(check, [fns[i] for i in todo])):
+        verdicts[i] = v
+    return verdicts
+
+
+def _check(check: _Check, fn) -> None:
+    error = _grade(check, [fn])[0]
+    if error is not None:
+        raise error
+    verdict(check.name, check.passed)
 
 
 def _single_process(name, fn, *args):
@@ -190,14 +293,19 @@ def _single_process(name, fn, *args):
                            "or the group has one rank.") from None
 
 
-def check_all_reduce_found_inf(fn) -> None:
-    name = "all_reduce_found_inf_"
+# ---- all_reduce_found_inf_ ------------------------------------------------------------------------------------
+
+def _flags_one_process(fn) -> None:
+    name = FLAGS.name
     t = torch.tensor(1.0)
     r = _single_process(name, fn, t)
     if float(t) != 1.0 or r is None or float(r) != 1.0:
         raise GradingError(f"FAIL {name}: in a single process the flag must stay 1.0 and be returned; got "
                            f"{float(t)} in place and {r!r} returned")
-    got = _spawn(_flags_rank, fn, name)
+
+
+def _judge_flags(got) -> None:
+    name = FLAGS.name
     for i, flags in enumerate(PATTERNS):
         held, want = [got[r][i]["in_place"] for r in range(WORLD)], [got[r][i]["want"] for r in range(WORLD)]
         if held != want:
@@ -213,8 +321,40 @@ def check_all_reduce_found_inf(fn) -> None:
         if returned != want:
             raise GradingError(f"FAIL {name}: flags {flags}: returned {returned}, expected {want} (return the "
                                "tensor you reduced in place)")
-    verdict(name, f"{len(PATTERNS)} flag patterns on 4 gloo ranks in 2 groups agree with MAX over the group; "
-                  "no-op in one process")
+
+
+FLAGS = _Check("all_reduce_found_inf_", _flags_one_process, _flags_rank, _judge_flags,
+               f"{len(PATTERNS)} flag patterns on 4 gloo ranks in 2 groups agree with MAX over the group; "
+               "no-op in one process")
+
+
+def grade_all_reduce_found_inf(fns) -> list[GradingError | None]:
+    """``check_all_reduce_found_inf``'s verdict for each of ``fns`` (None: passes), the ranks' part in one job."""
+    return _grade(FLAGS, fns)
+
+
+def check_all_reduce_found_inf(fn) -> None:
+    _check(FLAGS, fn)
+
+
+# ---- distributed_skip_step_ -----------------------------------------------------------------------------------
+
+def _step_one_process(fn) -> None:
+    name = SKIP_STEP.name
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([4.0, float("inf")])
+    scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
+    flag = _single_process(name, fn, torch.optim.SGD([p], lr=1.0), scale, tracker)
+    what = (f"in one process, an inf gradient at scale 4 (got flag {flag!r}, weights {p.detach().tolist()}, "
+            f"scale {float(scale)})")
+    if not torch.equal(p.detach(), torch.ones(2)):
+        raise GradingError(f"FAIL {name}: {what}: it stepped although a rank of the group found inf/NaN: skip "
+                           "optimizer.step() when the flag is set")
+    if float(scale) != 2.0:
+        raise GradingError(f"FAIL {name}: {what}: after an overflow the scale must back off to S * backoff_factor "
+                           "= 2 (and the tracker reset to 0)")
+    if not (isinstance(flag, torch.Tensor) and float(flag) == 1.0):
+        raise GradingError(f"FAIL {name}: {what}: return the flag, a tensor holding 1.0 after an overflow")
 
 
 def _step_hint(rec, rank) -> str:
@@ -242,23 +382,7 @@ def _step_hint(rec, rank) -> str:
             f"{rec['want_tracker']}: grow by growth_factor after growth_interval clean steps in a row, then reset")
 
 
-def check_distributed_skip_step(fn) -> None:
-    name = "distributed_skip_step_"
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.tensor([4.0, float("inf")])
-    scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
-    flag = _single_process(name, fn, torch.optim.SGD([p], lr=1.0), scale, tracker)
-    what = (f"in one process, an inf gradient at scale 4 (got flag {flag!r}, weights {p.detach().tolist()}, "
-            f"scale {float(scale)})")
-    if not torch.equal(p.detach(), torch.ones(2)):
-        raise GradingError(f"FAIL {name}: {what}: it stepped although a rank of the group found inf/NaN: skip "
-                           "optimizer.step() when the flag is set")
-    if float(scale) != 2.0:
-        raise GradingError(f"FAIL {name}: {what}: after an overflow the scale must back off to S * backoff_factor "
-                           "= 2 (and the tracker reset to 0)")
-    if not (isinstance(flag, torch.Tensor) and float(flag) == 1.0):
-        raise GradingError(f"FAIL {name}: {what}: return the flag, a tensor holding 1.0 after an overflow")
-    got = _spawn(_step_rank, fn, name)
+def _judge_steps(got) -> None:
     for run in ("main", "low"):
         for i in range(len(got[0][run])):
             for rank in range(WORLD):
@@ -268,8 +392,20 @@ def check_distributed_skip_step(fn) -> None:
                 if not ok:
                     inj = ", ".join(f"rank {r}: {v:g}" for r, v in rec["inject"].items()) or "none"
                     raise GradingError(
-                        f"FAIL {name}: step {i} of the run from scale {INIT_SCALE if run == 'main' else LOW_SCALE:g} "
-                        f"(injected: {inj}; groups {GROUPS[0]} and {GROUPS[1]}), on rank {rank}: "
-                        + _step_hint(rec, rank))
-    verdict(name, f"{len(STEPS) + len(LOW_STEPS)} steps on 4 gloo ranks in 2 groups, one-rank and two-rank overflows, "
-                  "a scale below 1: gradients, weights, flag, scale and tracker equal ShardedGradScaler's")
+                        f"FAIL {SKIP_STEP.name}: step {i} of the run from scale "
+                        f"{INIT_SCALE if run == 'main' else LOW_SCALE:g} (injected: {inj}; groups {GROUPS[0]} and "
+                        f"{GROUPS[1]}), on rank {rank}: " + _step_hint(rec, rank))
+
+
+SKIP_STEP = _Check("distributed_skip_step_", _step_one_process, _step_rank, _judge_steps,
+                   f"{len(STEPS) + len(LOW_STEPS)} steps on 4 gloo ranks in 2 groups, one-rank and two-rank "
+                   "overflows, a scale below 1: gradients, weights, flag, scale and tracker equal ShardedGradScaler's")
+
+
+def grade_distributed_skip_step(fns) -> list[GradingError | None]:
+    """``check_distributed_skip_step``'s verdict for each of ``fns`` (None: passes), the ranks' part in one job."""
+    return _grade(SKIP_STEP, fns)
+
+
+def check_distributed_skip_step(fn) -> None:
+    _check(SKIP_STEP, fn)
