@@ -30,6 +30,10 @@ the median of the timed repeats (``benchmarks/bench_fp8_linear.time_fwd_bwd``).
     python benchmarks/gpu_suite.py --dry-run        # tiny shapes on the CPU in seconds (also automatic
                                                     # when no CUDA GPU is found); CPU numbers mean nothing
 
+The GPU run's shapes and repeats are ``GPU_PLAN``; the dry run's (``DRY_PLAN``) only go through every code path
+once: one size, one training step a recipe, torch.compile with the "eager" backend and static shapes, the
+pytest subprocess without the installed plugins.
+
 Runs from a plain copy of the repository (it puts the repository on ``sys.path``), needs no nbval, no
 torchao and no network.
 """
@@ -74,8 +78,9 @@ DRY_PLAN = dict(
     gemm_n=128, gemm_iters=3, gemm_warmup=1,
     linear_iters=1, linear_warmup=1, linear_row_s=5, compile_row_s=5,   # two calls: the second hits the cache
     compile_backend="eager",  # dynamo's trace of every recipe, not the C++ compiler
-    compile_dynamic=False,    # static shapes: tracing symbolic shapes (sympy) tripled the section's time
-    gpt=dict(n_embd=128, n_head=2, n_layer=1, block_size=16, batch=8),  # 128 tokens, widths of 128: every block recipe fits
+    compile_dynamic=False,    # static shapes: tracing the recompiles with symbolic shapes took half the time
+    gpt=dict(n_embd=128, n_head=2, n_layer=1, block_size=16, batch=8),  # 128 tokens, widths of 128: every
+                                                                        # block recipe fits
     train_iters=1, train_warmup=0, train_row_s=5,  # one step a recipe: the trainer's first (memory-counting) step
     train_autocast_rows=1,    # the wrapper's path once: the first fp8-* recipe inside torch.autocast(bf16)
     pytest_plugins=False,     # PYTEST_DISABLE_PLUGIN_AUTOLOAD=1: importing nbval, hypothesis, ... took most of it
@@ -306,8 +311,8 @@ def linear_rows(suite: Suite, section: str, sizes, compile_: bool, iters: int, w
         x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
         flops = 3 * 2 * n ** 3
         bf16_s, y_ref = None, None
-        for label, module, is_fp8, region in bench.candidates(n, device, recipes, compile_, backend,
-                                                                      dynamic=dynamic):
+        rows = bench.candidates(n, device, recipes, compile_, backend, dynamic=dynamic)
+        for label, module, is_fp8, region in rows:
             if suite.remaining() < per_row_s:
                 print(f"   budget: stop {section} before {label} at n={n}")
                 suite.results["meta"]["skipped_sections"].append(f"{section}: {label} n={n} and later")
@@ -346,8 +351,8 @@ def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s:
     """ms per training step of the course's GPT for each recipe: the trainer's own step
     (``Trainer.train_step``: one batch of the embedded corpus, forward in the recipe's context, backward, the
     recipe's step, zero_grad), timed after ``warmup`` steps; ``+ torch.autocast(bf16)`` rows wrap the forward
-    in BF16 autocast as TE is usually run on GPUs (the first ``autocast_rows`` fp8 recipes; None: all). Each step reads its loss back (the trainer's record), so a
-    CUDA step ends synchronised."""
+    in BF16 autocast as TE is usually run on GPUs (the first ``autocast_rows`` fp8 recipes; None: all). Each
+    step reads its loss back (the trainer's record), so a CUDA step ends synchronised."""
     from mpcourse.experiment.data import load_corpus
     from mpcourse.experiment.model import GPTConfig
     from mpcourse.experiment.recipes import RECIPES
