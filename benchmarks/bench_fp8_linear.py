@@ -132,8 +132,9 @@ def torchao_linear(base: nn.Linear):
 
 
 def candidates(n: int, device: torch.device, recipes: dict, compile_: bool, backend: str = "inductor",
-               with_torchao: bool = True):
-    """(label, module, is_fp8, inside fp8_autocast) for BF16, every recipe in ``recipes``, and torchao."""
+               with_torchao: bool = True, dynamic: bool | None = None):
+    """(label, module, is_fp8, inside fp8_autocast) for BF16, every recipe in ``recipes``, and torchao;
+    ``compile_``: each module under ``torch.compile(backend=backend, dynamic=dynamic)``."""
     base = nn.Linear(n, n, bias=False, device=device, dtype=torch.bfloat16)
     rows = [("bf16 nn.Linear", base, False, False)]
     for name, recipe in recipes.items():
@@ -142,7 +143,7 @@ def candidates(n: int, device: torch.device, recipes: dict, compile_: bool, back
     if ao is not None:
         rows.append(("torchao Float8Linear (tensorwise)", ao, True, False))
     if compile_:
-        rows = [(label + " +compile", torch.compile(m, backend=backend), fp8, region)
+        rows = [(label + " +compile", torch.compile(m, backend=backend, dynamic=dynamic), fp8, region)
                 for label, m, fp8, region in rows]
     return rows
 

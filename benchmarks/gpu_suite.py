@@ -30,6 +30,10 @@ the median of the timed repeats (``benchmarks/bench_fp8_linear.time_fwd_bwd``).
     python benchmarks/gpu_suite.py --dry-run        # tiny shapes on the CPU in seconds (also automatic
                                                     # when no CUDA GPU is found); CPU numbers mean nothing
 
+The GPU run's shapes and repeats are ``GPU_PLAN``; the dry run's (``DRY_PLAN``) only go through every code path
+once: one size, one training step a recipe, torch.compile with the "eager" backend and static shapes, the
+pytest subprocess without the installed plugins.
+
 Runs from a plain copy of the repository (it puts the repository on ``sys.path``), needs no nbval, no
 torchao and no network.
 """
@@ -57,10 +61,30 @@ import torch.nn as nn  # noqa: E402
 
 import bench_fp8_linear as bench  # noqa: E402
 
-GPU_SIZES = (1024, 4096, 8192)
-DRY_SIZES = (128,)   # the smallest size every granularity takes (1x128 tiles, 128x128 blocks)
-GPT_GPU = dict(n_embd=2048, n_head=16, n_layer=4, block_size=512, batch=16)     # vocab: the corpus's
-GPT_DRY = dict(n_embd=128, n_head=2, n_layer=1, block_size=16, batch=8)   # 128 tokens, widths of 128: every block recipe fits
+# Every shape, repeat count and per-row budget of a run, the GPU run and the CPU dry run side by side. The dry run
+# only has to go through every code path once, as cheaply as it can: its numbers mean nothing.
+GPU_PLAN = dict(
+    sizes=(1024, 4096, 8192),                     # M = K = N of the linear sweep
+    gemm_n=8192, gemm_iters=10, gemm_warmup=3,
+    linear_iters=20, linear_warmup=5, linear_row_s=15, compile_row_s=60,
+    compile_backend="inductor", compile_dynamic=None,  # torch.compile's default (dynamic shapes after a recompile)
+    gpt=dict(n_embd=2048, n_head=16, n_layer=4, block_size=512, batch=16),   # vocab: the corpus's
+    train_iters=3, train_warmup=2, train_row_s=25,
+    train_autocast_rows=None,                     # every fp8-* recipe also inside torch.autocast(bf16)
+    pytest_plugins=True,                          # the installed pytest plugins load as usual
+)
+DRY_PLAN = dict(
+    sizes=(128,),        # the smallest size every granularity takes (1x128 tiles, 128x128 blocks)
+    gemm_n=128, gemm_iters=3, gemm_warmup=1,
+    linear_iters=1, linear_warmup=1, linear_row_s=5, compile_row_s=5,   # two calls: the second hits the cache
+    compile_backend="eager",  # dynamo's trace of every recipe, not the C++ compiler
+    compile_dynamic=False,    # static shapes: tracing the recompiles with symbolic shapes took half the time
+    gpt=dict(n_embd=128, n_head=2, n_layer=1, block_size=16, batch=8),  # 128 tokens, widths of 128: every
+                                                                        # block recipe fits
+    train_iters=1, train_warmup=0, train_row_s=5,  # one step a recipe: the trainer's first (memory-counting) step
+    train_autocast_rows=1,    # the wrapper's path once: the first fp8-* recipe inside torch.autocast(bf16)
+    pytest_plugins=False,     # PYTEST_DISABLE_PLUGIN_AUTOLOAD=1: importing nbval, hypothesis, ... took most of it
+)
 TRAIN_RECIPES = ("fp32", "bf16-autocast", "torch-amp-bf16")  # then every fp8-* recipe of the registry
 
 
@@ -189,15 +213,19 @@ def parse_junit(path: str) -> dict:
     return counts
 
 
-def section_tests(suite: Suite, paths: list, timeout_s: float) -> None:
+def section_tests(suite: Suite, paths: list, timeout_s: float, plugins: bool = True) -> None:
+    """``plugins=False``: without the installed pytest plugins (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``)."""
     xml = os.path.join(suite.out_dir, "gpu_tests.xml")
     # -o addopts= drops the project's nbval options; a test module whose imports are missing on the GPU
     # machine (nbformat for the notebook tests) must not stop the GPU-marked tests of the other modules.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
            "--continue-on-collection-errors", f"--junitxml={xml}", *paths]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if not plugins:
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     t0 = time.monotonic()
-    info = {"command": " ".join(cmd[1:]), "timeout_s": round(timeout_s)}
+    info = {"command": ("" if plugins else "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 ") + " ".join(cmd[1:]),
+            "timeout_s": round(timeout_s)}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         info["returncode"] = proc.returncode
@@ -274,7 +302,7 @@ def section_gemm(suite: Suite, n: int, iters: int, warmup: int) -> None:
 
 
 def linear_rows(suite: Suite, section: str, sizes, compile_: bool, iters: int, warmup: int,
-                per_row_s: float, backend: str) -> None:
+                per_row_s: float, backend: str, dynamic: bool | None = None) -> None:
     device = suite.device
     bf16_peak, fp8_peak = bench.peaks(device)
     recipes = bench.fp8_recipes()
@@ -283,7 +311,8 @@ def linear_rows(suite: Suite, section: str, sizes, compile_: bool, iters: int, w
         x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
         flops = 3 * 2 * n ** 3
         bf16_s, y_ref = None, None
-        for label, module, is_fp8, region in bench.candidates(n, device, recipes, compile_, backend):
+        rows = bench.candidates(n, device, recipes, compile_, backend, dynamic=dynamic)
+        for label, module, is_fp8, region in rows:
             if suite.remaining() < per_row_s:
                 print(f"   budget: stop {section} before {label} at n={n}")
                 suite.results["meta"]["skipped_sections"].append(f"{section}: {label} n={n} and later")
@@ -317,12 +346,13 @@ def linear_rows(suite: Suite, section: str, sizes, compile_: bool, iters: int, w
             torch.cuda.empty_cache()
 
 
-def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s: float) -> None:
+def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s: float,
+                    autocast_rows: int | None = None) -> None:
     """ms per training step of the course's GPT for each recipe: the trainer's own step
     (``Trainer.train_step``: one batch of the embedded corpus, forward in the recipe's context, backward, the
     recipe's step, zero_grad), timed after ``warmup`` steps; ``+ torch.autocast(bf16)`` rows wrap the forward
-    in BF16 autocast as TE is usually run on GPUs. Each step reads its loss back (the trainer's record), so a
-    CUDA step ends synchronised."""
+    in BF16 autocast as TE is usually run on GPUs (the first ``autocast_rows`` fp8 recipes; None: all). Each
+    step reads its loss back (the trainer's record), so a CUDA step ends synchronised."""
     from mpcourse.experiment.data import load_corpus
     from mpcourse.experiment.model import GPTConfig
     from mpcourse.experiment.recipes import RECIPES
@@ -338,7 +368,8 @@ def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s:
     batch = cfg["batch"]
     gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "vocab_size")})
     names = [n for n in TRAIN_RECIPES if n in RECIPES] + [n for n in RECIPES if n.startswith("fp8")]
-    variants = [(n, False) for n in names] + [(n, True) for n in names if n.startswith("fp8")]
+    amp_names = [n for n in names if n.startswith("fp8")][:autocast_rows]
+    variants = [(n, False) for n in names] + [(n, True) for n in amp_names]
     tokens = batch * gcfg.block_size
     tcfg = TrainConfig(steps=warmup + iters + 1, batch_size=batch, eval_interval=10 ** 9, model=gcfg,
                        device=device.type)
@@ -465,9 +496,8 @@ def main(argv=None) -> int:
     dry = not cuda
     device = torch.device("cuda" if cuda else "cpu")
     suite = Suite(args.out, args.budget_s, dry, device)
-    sizes = args.sizes or (DRY_SIZES if dry else GPU_SIZES)
-    iters, warmup = (1, 1) if dry else (20, 5)
-    backend = "eager" if dry else "inductor"  # the dry run checks the compile path, not the C++ compiler
+    plan = DRY_PLAN if dry else GPU_PLAN
+    sizes = args.sizes or plan["sizes"]
 
     def watchdog():
         print(f"[{suite.elapsed():6.1f}s] budget watchdog: writing partial results and exiting", flush=True)
@@ -485,25 +515,28 @@ def main(argv=None) -> int:
     if "tests" not in args.skip:
         with suite.section("tests", 30) as ok:
             if ok:
-                section_tests(suite, args.tests_path, min(args.tests_timeout_s, max(10.0, suite.remaining() - 120)))
+                section_tests(suite, args.tests_path, min(args.tests_timeout_s, max(10.0, suite.remaining() - 120)),
+                              plugins=plan["pytest_plugins"])
     if "gemm" not in args.skip:
         with suite.section("gemm", 15) as ok:
             if ok:
-                section_gemm(suite, 128 if dry else 8192, iters=3 if dry else 10, warmup=1 if dry else 3)
+                section_gemm(suite, plan["gemm_n"], iters=plan["gemm_iters"], warmup=plan["gemm_warmup"])
     if "linear" not in args.skip:
         with suite.section("linear", 20) as ok:
             if ok:
-                linear_rows(suite, "linear", sizes, False, iters, warmup, per_row_s=5 if dry else 15, backend=backend)
+                linear_rows(suite, "linear", sizes, False, plan["linear_iters"], plan["linear_warmup"],
+                            per_row_s=plan["linear_row_s"], backend=plan["compile_backend"])
     if "train" not in args.skip:
         with suite.section("train", 30) as ok:
             if ok:
-                train_step_rows(suite, GPT_DRY if dry else GPT_GPU, iters=1 if dry else 3, warmup=1 if dry else 2,
-                                per_row_s=5 if dry else 25)
+                train_step_rows(suite, plan["gpt"], iters=plan["train_iters"], warmup=plan["train_warmup"],
+                                per_row_s=plan["train_row_s"], autocast_rows=plan["train_autocast_rows"])
     if "linear_compile" not in args.skip:
         with suite.section("linear_compile", 30) as ok:
             if ok:
-                linear_rows(suite, "linear_compile", sorted(sizes, reverse=True), True, iters, warmup,
-                            per_row_s=5 if dry else 60, backend=backend)
+                linear_rows(suite, "linear_compile", sorted(sizes, reverse=True), True, plan["linear_iters"],
+                            plan["linear_warmup"], per_row_s=plan["compile_row_s"], backend=plan["compile_backend"],
+                            dynamic=plan["compile_dynamic"])
     timer.cancel()
     suite.write(complete=True)
     print(f"[{suite.elapsed():6.1f}s] done: {os.path.join(args.out, 'gpu_suite.md')}")
