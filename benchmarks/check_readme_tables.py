@@ -21,6 +21,12 @@ numbers, never in the layout.
     python benchmarks/check_readme_tables.py --list                          # the README's tables, numbered
     python benchmarks/check_readme_tables.py --table "compare --quick" --run # rerun the quick table's command
     python benchmarks/check_readme_tables.py --table "compare --quick" --results mpcourse-out-quick/results.json
+    python benchmarks/check_readme_tables.py --spread --results mpcourse-out/results.json   # a default run, any CPU
+
+``--spread``: a one-seed run on any CPU against the 3-seed table (``--table``, default the ``--seeds 0,1,2`` table
+at the default settings): each recipe's val and gap% must lie within ``SPREAD_K`` standard deviations of the
+three seeds' mean (plus half a unit of the printed last digit), and a recipe that diverges on every seed
+(``nan``) must diverge too.
 
 Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, README, fresh);
 2 bad input (no such table, an unreadable results.json), one line naming the fix.
@@ -152,6 +158,39 @@ def differences(table: Table, header: list[str], rows: dict[str, list[str]], whi
     return out
 
 
+SEEDS_COMMAND = "mpcourse compare --seeds 0,1,2"
+SPREAD_K = 2.0                   # how many of the 3 seeds' standard deviations a fresh one-seed value may be away
+SPREAD_COLUMNS = {"val": 0.0005, "gap%": 0.05}     # column -> half a unit of its printed last digit
+
+
+def _mean_std(cell: str) -> tuple[float, float] | None:
+    """``"2.398+-0.039"`` -> (2.398, 0.039); a diverged cell (``nan``, ``nan@1 (3/3)``) -> None."""
+    if "+-" not in cell:
+        return None
+    mean, std = cell.split("+-")
+    return float(mean), float(std)
+
+
+def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], k: float = SPREAD_K) -> list[str]:
+    """One line per value of a one-seed run (``header``, ``rows``) outside ``table``'s mean +- k std (3 seeds)."""
+    out = []
+    for name, cells in table.rows.items():
+        if name not in rows:
+            out.append(f"{name}: not in the fresh run")
+            continue
+        for col, half_unit in SPREAD_COLUMNS.items():
+            band, fresh = _mean_std(cells[table.header.index(col)]), rows[name][header.index(col)]
+            if band is None:                              # diverged on every seed: it must diverge here too
+                if not fresh.startswith("nan"):
+                    out.append(f"{name} {col}: every seed diverged, the fresh run gives {fresh}")
+                continue
+            mean, std = band
+            value = float(fresh.split("@")[0])
+            if not abs(value - mean) <= k * std + half_unit:   # NaN fails too
+                out.append(f"{name} {col}: {fresh} is outside {mean:g} +- {k:g} x {std:g}")
+    return out
+
+
 def run_command(command: str, out: Path) -> dict:
     """Run a README command (``mpcourse compare ...``) with ``--out out --no-progress``; its results.json."""
     words = shlex.split(command)
@@ -174,12 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--results", type=Path, default=None, help="a results.json written by the table's command")
     src.add_argument("--run", action="store_true", help="run the table's command now (minutes) and use its results")
     p.add_argument("--columns", choices=("deterministic", "memory", "all"), default="deterministic")
+    p.add_argument("--spread", action="store_true",
+                   help="check a one-seed --results against the 3-seed table's mean +- 2 std (any CPU)")
     a = p.parse_args(argv)
     try:
         tables = readme_tables(a.readme.read_text())
     except OSError as e:
         print(f"check_readme_tables: error: --readme {a.readme}: {e.strerror}", file=sys.stderr)
         return 2
+    if a.spread and a.table is None:                  # the seeds table at the default settings
+        a.table = next((t.command for t in tables if _command("$ " + t.command) == SEEDS_COMMAND), None)
     if a.list or a.table is None:
         for t in tables:
             print(f"line {t.line}: {t.command} ({len(t.rows)} rows)")
@@ -208,9 +251,27 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     header, rows = fresh_table(payload)
-    diffs = differences(table, header, rows, a.columns)
     cpu = payload.get("environment", {}).get("cpu", {})
     where = f" (fresh run on {cpu.get('capability')}, {cpu.get('gemm')})" if cpu else ""
+    if a.spread:
+        if not any("+-" in c for row in table.rows.values() for c in row):
+            print(f"check_readme_tables: error: --spread needs a --seeds table; {table.command!r} is not one",
+                  file=sys.stderr)
+            return 2
+        if len({r.get("seed", 0) for r in payload["results"]}) != 1:
+            print("check_readme_tables: error: --spread checks a one-seed run; this results.json has several seeds",
+                  file=sys.stderr)
+            return 2
+        outside = outside_spread(table, header, rows)
+        if outside:
+            print(f"line {table.line} `{table.command}`: {len(outside)} value(s) outside the spread{where}:")
+            for d in outside:
+                print(f"  {d}")
+            return 1
+        print(f"line {table.line} `{table.command}`: all {len(table.rows)} recipes' val and gap% lie within "
+              f"mean +- {SPREAD_K:g} std{where}")
+        return 0
+    diffs = differences(table, header, rows, a.columns)
     if diffs:
         print(f"README line {table.line} `{table.command}`: {len(diffs)} cell(s) differ{where}:")
         for d in diffs:

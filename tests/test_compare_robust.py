@@ -259,3 +259,29 @@ def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tm
               for ln in table.splitlines()]
     assert check_with("\n".join(slower)) == 0
     assert check.main(["--readme", str(readme), "--table", "no such command", "--results", results]) == 2
+
+
+def test_spread_check_passes_inside_and_names_what_lies_outside():
+    """``check_readme_tables --spread``: a one-seed value within mean +- 2 std (plus half a printed unit) of the
+    3-seed table passes, one beyond fails naming recipe and column; a recipe that diverged on every seed must
+    diverge in the fresh run too; the default --spread table is the docs' default-settings seeds table."""
+    check = _check_script()
+    seeds = check.Table("mpcourse compare --seeds 0,1,2", ["recipe", "val", "gap%"],
+                        {"fp32": ["fp32", "2.398+-0.039", "+0.0+-0.0"],
+                         "bf16-pure": ["bf16-pure", "2.396+-0.046", "-0.1+-0.3"],
+                         "fp16-pure": ["fp16-pure", "nan@1 (3/3)", "nan"]}, 1)
+    head = ["recipe", "train", "val", "gap%"]
+    fresh = {"fp32": ["fp32", "2.6", "2.437", "+0.0"], "bf16-pure": ["bf16-pure", "2.6", "2.470", "-0.6"],
+             "fp16-pure": ["fp16-pure", "nan", "nan@1", "nan"]}
+    assert check.outside_spread(seeds, head, fresh) == []         # 2.437 - 2.398 = 0.039 <= 2 x 0.039
+    fresh["fp32"][2] = "2.477"                                     # 0.079 > 2 x 0.039 + 0.0005
+    fresh["bf16-pure"][3] = "+0.6"                                 # 0.7 > 2 x 0.3 + 0.05
+    fresh["fp16-pure"][2] = "2.500"
+    assert check.outside_spread(seeds, head, fresh) == [
+        "fp32 val: 2.477 is outside 2.398 +- 2 x 0.039", "bf16-pure gap%: +0.6 is outside -0.1 +- 2 x 0.3",
+        "fp16-pure val: every seed diverged, the fresh run gives 2.500"]
+    fresh["fp32"][2] = "nan@3"
+    assert "fp32 val: nan@3 is outside" in check.outside_spread(seeds, head, fresh)[0]
+    tables = check.readme_tables((ROOT / "docs" / "results.md").read_text())
+    chosen = [t for t in tables if check._command("$ " + t.command) == check.SEEDS_COMMAND]
+    assert len(chosen) == 1 and len(chosen[0].rows) == 19 and "+-" in chosen[0].rows["fp32"][2]
