@@ -132,7 +132,10 @@ def _fp8_all_gather_case():
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
             if way != "16-bit":
-                convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=way == "fp8"))
+                # emulate: FP8 GEMMs in FP32 arithmetic; torch._scaled_mm on the CPU needs oneDNN's FP8 kernels,
+                # which AVX2-only CPUs (and the AVX2 path forced with DNNL_MAX_CPU_ISA) do not have
+                convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=way == "fp8",
+                                                                            emulate=True))
             policy = MixedPrecisionPolicy(param_dtype=torch.float16 if way == "16-bit" else None)
             for layer in model[::2]:
                 fully_shard(layer, mp_policy=policy)

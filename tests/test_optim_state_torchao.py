@@ -205,15 +205,25 @@ def test_bad_arguments_name_the_fix(bad, msg):
                     reason="torch.compile on CPU needs a C++ compiler")
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_step_matches_torchaos_compiled_optimizer(fmt):
+    """Against torchao's optimizer as shipped (its step compiled by inductor for this CPU). Where the compiled step
+    disagrees with torchao's own eager step (the block scales of the first step: seen with the AVX2 path forced on
+    an AVX-512 CPU, where a compiled block max comes out below the block's largest value), the comparison says
+    nothing about this library, so the test skips naming the ISA; the eager comparison above holds everywhere."""
     p0 = torch.randn(64, 128, generator=torch.Generator().manual_seed(8))
-    ours, theirs = p0.clone().requires_grad_(), p0.clone().requires_grad_()
+    ours, theirs, eager = (p0.clone().requires_grad_() for _ in range(3))
     opt, ref = BlockQuantizedAdamW([ours], lr=1e-2, fmt=fmt), TORCHAO[fmt]([theirs], lr=1e-2)
-    for g in _grads((64, 128), 4, seed=9):
-        ours.grad, theirs.grad = g.clone(), g.clone()
+    ref_eager = TORCHAO[fmt]([eager], lr=1e-2)
+    for i, g in enumerate(_grads((64, 128), 4, seed=9)):
+        ours.grad, theirs.grad, eager.grad = g.clone(), g.clone(), g.clone()
         opt.step()
         ref.step()
         m_codes, m_scale, v_codes, v_scale = _our_state(opt.state[ours])
         t_m_codes, t_m_scale, t_v_codes, t_v_scale = _their_state(ref.state[theirs])
+        if i == 0:
+            _torchao_eager_step(ref_eager, eager)
+            if not torch.equal(_their_state(ref_eager.state[eager])[1], t_m_scale):
+                pytest.skip(f"torchao's compiled step disagrees with its own eager step on this CPU "
+                            f"(inductor, {torch.backends.cpu.get_cpu_capability()})")
         for a, b in ((m_scale, t_m_scale), (v_scale, t_v_scale)):
             torch.testing.assert_close(a, b, rtol=2.5e-7, atol=0)              # 1-2 units in the last place
         for a, b in ((m_codes, t_m_codes), (v_codes, t_v_codes)):
