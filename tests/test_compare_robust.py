@@ -283,5 +283,7 @@ def test_spread_check_passes_inside_and_names_what_lies_outside():
     fresh["fp32"][2] = "nan@3"
     assert "fp32 val: nan@3 is outside" in check.outside_spread(seeds, head, fresh)[0]
     tables = check.readme_tables((ROOT / "docs" / "results.md").read_text())
-    chosen = [t for t in tables if check._command("$ " + t.command) == check.SEEDS_COMMAND]
-    assert len(chosen) == 1 and len(chosen[0].rows) == 19 and "+-" in chosen[0].rows["fp32"][2]
+    for native in (False, True):                    # one default-settings seeds table per CPU kind
+        chosen = [t for t in tables if t.command == check.spread_table(tables, native)]
+        assert len(chosen) == 1 and len(chosen[0].rows) == 19 and "+-" in chosen[0].rows["fp32"][2]
+        assert ("ATEN_CPU_CAPABILITY=avx2" in chosen[0].command) != native
