@@ -11,10 +11,12 @@ with the parts the learner writes between nbgrader-style markers::
 
 ``exercises/NN_name.ipynb`` is *generated* from it: each marked block becomes
 ``raise NotImplementedError(...)`` under a ``# YOUR CODE HERE`` line, at the same indentation, and
-everything else (markdown, docstrings, check cells and the *stored outputs*, i.e. the PASS verdicts a
-correct solution prints) is kept. So nbval grades a completed exercise against the same outputs as
-the solution, and a shipped exercise fails its checks. Cells tagged ``check`` call graders from
-``mpcourse.course.grading``.
+everything else (markdown, docstrings, and the stored outputs of the lesson's own cells) is kept. No
+answer is given away: a cell that runs the learner's code stores **no output** in the exercise (no
+``PASS`` verdict, no value the learner's function should return). "Runs the learner's code" is
+transitive: a cell that names a function or class the learner writes, or a name assigned by such a
+cell (``q = block_quantize(x)`` in one cell, ``print(q)`` in the next). A shipped exercise fails its
+checks. Cells tagged ``check`` call graders from ``mpcourse.course.grading``.
 
 Prints are allowed where the learner works: in the exercise, every cell that holds learner code (a
 marked block), every check cell, and every cell that calls a function or class the learner writes is
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import keyword
 import re
 import sys
 from pathlib import Path
@@ -70,6 +73,40 @@ def strip_solutions(source: str) -> str:
 IGNORE_OUTPUT = "nbval-ignore-output"
 TRAIN_YOURS = "train-yours"      # the last cell: trains the GPT with the learner's functions (course.yours)
 _DEFINED = re.compile(r"^(?:def|class)\s+(\w+)", re.M)     # the names a solution cell defines
+# names a cell binds at its top level: `a = ...`, `a, b = ...`, `a += ...`, `for a, b in ...`, `with ... as a`,
+# `def a` / `class a`, `import a` / `from m import a` (a statement at the start of a line, any indentation)
+_BOUND = re.compile(r"^[ \t]*(?:for\s+([\w\s,()]+?)\s+in\b|([\w\s,()]+?)\s*(?:[-+*/%@&|^]|//|\*\*)?=(?!=)"
+                    r"|(?:def|class)\s+(\w+)|with\b.*\bas\s+(\w+))", re.M)
+
+
+def _bound_names(source: str) -> set[str]:
+    """Names a cell assigns (a conservative reading: enough to follow a learner's value from cell to cell)."""
+    names = set()
+    for m in _BOUND.finditer(source):
+        names.update(n for n in re.findall(r"\w+", next(g for g in m.groups() if g))
+                     if not n.isdigit() and not keyword.iskeyword(n))
+    return names
+
+
+def _uses(names: set[str]):
+    return re.compile(r"\b(" + "|".join(map(re.escape, sorted(names))) + r")\b") if names else None
+
+
+def runs_learner_code(cells) -> list[bool]:
+    """Per cell: whether it runs the learner's code (a marked block, a check cell, the train-yours cell,
+    or a cell that names a learner's function or a value one of those cells computed; see the module
+    docstring). The exercise stores no output for these."""
+    learner = {m for c in cells if c.cell_type == "code" and BEGIN in c.source for m in _DEFINED.findall(c.source)}
+    tainted, flags = set(learner), []
+    for cell in cells:
+        tags = cell.metadata.get("tags", []) if cell.cell_type == "code" else []
+        uses = _uses(tainted)
+        runs = cell.cell_type == "code" and (BEGIN in cell.source or "check" in tags or TRAIN_YOURS in tags
+                                             or (uses is not None and bool(uses.search(cell.source))))
+        if runs:
+            tainted |= _bound_names(cell.source) - {"_", "__"}
+        flags.append(runs)
+    return flags
 
 
 def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -80,18 +117,15 @@ def make_exercise(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """
     nb = copy.deepcopy(solution)
     marked = checks = 0
-    learner_names = {m for cell in nb.cells if cell.cell_type == "code" and BEGIN in cell.source
-                     for m in _DEFINED.findall(cell.source)}
-    uses = re.compile(r"\b(" + "|".join(map(re.escape, sorted(learner_names))) + r")\b") if learner_names else None
-    for cell in nb.cells:
+    for cell, runs in zip(nb.cells, runs_learner_code(nb.cells)):
         if cell.cell_type != "code":
             continue
         is_check = "check" in cell.metadata.get("tags", [])
-        trains = TRAIN_YOURS in cell.metadata.get("tags", [])
-        if BEGIN in cell.source or is_check or trains or (uses is not None and uses.search(cell.source)):
+        if runs:
             tags = cell.metadata.setdefault("tags", [])
             if IGNORE_OUTPUT not in tags:
                 tags.append(IGNORE_OUTPUT)
+            cell.outputs, cell.execution_count = [], None      # no answer given away
         if BEGIN in cell.source:
             cell.source = strip_solutions(cell.source)
             marked += 1
