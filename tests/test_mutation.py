@@ -1,0 +1,31 @@
+"""The check cells of lessons 09-12 reject at least 98% of learner-plausible wrong versions of every
+exercise function (``tests/mutants/``; harness: ``tests/mutation.py``)."""
+import importlib
+
+import pytest
+
+from mutation import run_mutant
+
+LESSONS = {   # module in tests/mutants -> solution notebook
+}
+
+
+def _cases():
+    for mod, notebook in LESSONS.items():
+        mutants = importlib.import_module(f"mutants.{mod}").MUTANTS
+        yield pytest.param(notebook, mutants, id=mod)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook,mutants", list(_cases()))
+def test_check_cells_reject_the_mutants(notebook, mutants):
+    assert run_mutant(notebook, "", None) is None, f"the solution {notebook} fails its own check cells"
+    survivors, total = [], 0
+    for name, versions in mutants.items():
+        assert len(versions) >= 5, f"{name}: too few mutants to measure its grader"
+        for label, source in versions:
+            total += 1
+            if run_mutant(notebook, name, source) is None:
+                survivors.append(f"{name}: {label}")
+    rejected = 1 - len(survivors) / total
+    assert rejected >= 0.98, f"{len(survivors)} of {total} mutants pass the check cells: {survivors}"
