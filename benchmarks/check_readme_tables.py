@@ -23,10 +23,14 @@ numbers, never in the layout.
     python benchmarks/check_readme_tables.py --table "compare --quick" --results mpcourse-out-quick/results.json
     python benchmarks/check_readme_tables.py --spread --results mpcourse-out/results.json   # a default run, any CPU
 
-``--spread``: a one-seed run on any CPU against the 3-seed table (``--table``, default the ``--seeds 0,1,2`` table
-at the default settings measured on the run's CPU kind: BF16 GEMMs native or emulated): each recipe's val and gap% must lie within ``SPREAD_K`` standard deviations of the
-three seeds' mean (plus half a unit of the printed last digit), and a recipe that diverges on every seed
-(``nan``) must diverge too.
+``--spread``: a one-seed run on any CPU against a seeds table (``--table``; default the ``--seeds`` table at the
+default settings measured on the run's CPU kind, read from the table's comment ``gemm: bfloat16 native|emulated,
+float16 native|emulated`` and from ``results.json``'s ``environment.cpu.gemm``; where no table of that kind exists,
+the one with the same BF16 kind, and the verdict says so). Each recipe's val and gap% must lie inside the 95%
+prediction interval for one more seed, ``mean +- t(0.975, n-1) * sqrt(1 + 1/n) * std`` over the table's n seeds
+(plus half a unit of the printed last digit): with 3 seeds that is 4.97 std, with 5 seeds 3.04 (a plain "2 std"
+from 3 seeds is far too narrow: the std itself is that uncertain). A recipe that diverges on every seed (``nan``)
+must diverge too.
 
 Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, README, fresh);
 2 bad input (no such table, an unreadable results.json), one line naming the fix.
@@ -56,6 +60,7 @@ class Table:
     header: list[str]
     rows: dict[str, list[str]]
     line: int                      # 1-based line of the command in the README
+    kind: dict = dataclasses.field(default_factory=dict)   # a seeds table's CPU kind (``table_kind``)
 
 
 def _cells(line: str, starts: list[int]) -> list[str]:
@@ -103,7 +108,8 @@ def readme_tables(text: str) -> list[Table]:
                 if _command(ln).startswith("mpcourse compare") and k + 2 < len(block) and block[k + 1].startswith("recipe ") \
                         and block[k + 2].strip() and set(block[k + 2]) <= {"-", " "}:
                     header, rows = parse_table(block[k + 1:])
-                    out.append(Table(ln[2:].split("#")[0].strip(), header, rows, i + 2 + k))
+                    command, _, comment = ln[2:].partition("#")
+                    out.append(Table(command.strip(), header, rows, i + 2 + k, table_kind(comment, command)))
             i = j + 1
         else:
             i += 1
@@ -158,8 +164,34 @@ def differences(table: Table, header: list[str], rows: dict[str, list[str]], whi
     return out
 
 
-SEEDS_COMMAND = "mpcourse compare --seeds 0,1,2"
-SPREAD_K = 2.0                   # how many of the 3 seeds' standard deviations a fresh one-seed value may be away
+SEEDS_COMMAND = "mpcourse compare --seeds "      # a seeds table at the default settings: this and the seed list
+# Student's t, 0.975 quantile, by degrees of freedom (any statistics table; scipy.stats.t.ppf(0.975, df) in the test)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def spread_k(n: int) -> float:
+    """How many standard deviations of n seeds one more seed may lie from their mean: the 95% prediction
+    interval of a normal sample, ``t(0.975, n-1) * sqrt(1 + 1/n)``."""
+    if n < 2:
+        raise ValueError("a spread needs at least two seeds")
+    return T_975.get(n - 1, 1.96) * (1 + 1 / n) ** 0.5
+
+
+def n_seeds(command: str) -> int:
+    """The number of seeds of a ``--seeds a,b,c`` command."""
+    words = command.split()
+    return len(words[words.index("--seeds") + 1].split(","))
+
+
+def table_kind(comment: str, command: str) -> dict[str, str]:
+    """A seeds table's CPU kind, ``{"bfloat16": "native"|"emulated", "float16": ...}``, from its comment's
+    ``gemm: bfloat16 X, float16 Y``; a table forced onto the AVX2 path emulates both."""
+    import re
+
+    kind = dict(re.findall(r"\b(bfloat16|float16) (native|emulated)\b", comment))
+    if "ATEN_CPU_CAPABILITY=avx2" in command:
+        kind = {"bfloat16": "emulated", "float16": "emulated"}
+    return kind
 SPREAD_COLUMNS = {"val": 0.0005, "gap%": 0.05}     # column -> half a unit of its printed last digit
 
 
@@ -171,8 +203,10 @@ def _mean_std(cell: str) -> tuple[float, float] | None:
     return float(mean), float(std)
 
 
-def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], k: float = SPREAD_K) -> list[str]:
-    """One line per value of a one-seed run (``header``, ``rows``) outside ``table``'s mean +- k std (3 seeds)."""
+def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], k: float | None = None) -> list[str]:
+    """One line per value of a one-seed run (``header``, ``rows``) outside ``table``'s mean +- k std (k: the
+    prediction interval of ``spread_k`` for the table's number of seeds)."""
+    k = spread_k(n_seeds(table.command)) if k is None else k
     out = []
     for name, cells in table.rows.items():
         if name not in rows:
@@ -187,17 +221,24 @@ def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], 
             mean, std = band
             value = float(fresh.split("@")[0])
             if not abs(value - mean) <= k * std + half_unit:   # NaN fails too
-                out.append(f"{name} {col}: {fresh} is outside {mean:g} +- {k:g} x {std:g}")
+                out.append(f"{name} {col}: {fresh} is outside {mean:g} +- {k:.2f} x {std:g}")
     return out
 
 
-def spread_table(tables: list[Table], native_bf16: bool) -> str | None:
-    """The command of the ``--seeds 0,1,2`` table at the default settings measured on the CPU kind of a run: BF16
-    GEMMs native (no AVX2 forcing in its command) or emulated (the AVX2 path); None when there is none."""
-    seeds = [t for t in tables if _command("$ " + t.command) == SEEDS_COMMAND]
-    kind = [t for t in seeds if ("ATEN_CPU_CAPABILITY=avx2" in t.command) != native_bf16]
-    pick = kind or seeds
-    return pick[0].command if pick else None
+def _is_seeds_table(t: Table) -> bool:
+    words = _command("$ " + t.command).split()
+    return " ".join(words[:3]) + " " == SEEDS_COMMAND and len(words) == 4
+
+
+def spread_table(tables: list[Table], gemm: dict[str, str]) -> tuple[str | None, bool]:
+    """(the command of the default-settings seeds table measured on the CPU kind ``gemm`` of a run, whether its
+    kind matches exactly). Fallback: the same BF16 kind (the rows BF16 moves), then any; (None, False): none."""
+    seeds = [t for t in tables if _is_seeds_table(t)]
+    want = {d: gemm.get(d, "emulated") for d in ("bfloat16", "float16")}
+    exact = [t for t in seeds if t.kind == want]
+    near = [t for t in seeds if t.kind.get("bfloat16") == want["bfloat16"]]
+    pick = exact or near or seeds
+    return (pick[0].command, bool(exact)) if pick else (None, False)
 
 
 def run_command(command: str, out: Path) -> dict:
@@ -223,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--run", action="store_true", help="run the table's command now (minutes) and use its results")
     p.add_argument("--columns", choices=("deterministic", "memory", "all"), default="deterministic")
     p.add_argument("--spread", action="store_true",
-                   help="check a one-seed --results against the 3-seed table's mean +- 2 std (any CPU)")
+                   help="check a one-seed --results against a seeds table's 95%% prediction interval (any CPU)")
     a = p.parse_args(argv)
     try:
         tables = readme_tables(a.readme.read_text())
@@ -235,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             gemm = json.loads(a.results.read_text()).get("environment", {}).get("cpu", {}).get("gemm", {})
         except (OSError, ValueError):
             gemm = {}                                 # reported below, where the results are read
-        a.table = spread_table(tables, gemm.get("bfloat16", "emulated") == "native")
+        a.table, exact_kind = spread_table(tables, gemm)
+        if a.table is not None and not exact_kind:
+            print(f"check_readme_tables: note: no seeds table was measured on this CPU kind ({gemm}); "
+                  "using the nearest one", file=sys.stderr)
     if a.list or a.table is None:
         for t in tables:
             print(f"line {t.line}: {t.command} ({len(t.rows)} rows)")
@@ -277,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         outside = outside_spread(table, header, rows)
         return _report(f"line {table.line} `{table.command}`: ", outside, f"value(s) outside the spread{where}",
-                       f"all {len(table.rows)} recipes' val and gap% lie within mean +- {SPREAD_K:g} std{where}")
+                       f"all {len(table.rows)} recipes' val and gap% lie within mean +- "
+                       f"{spread_k(n_seeds(table.command)):.2f} std ({n_seeds(table.command)} seeds){where}")
     return _report(f"README line {table.line} `{table.command}`: ", differences(table, header, rows, a.columns),
                    f"cell(s) differ{where}",
                    f"{len(table.rows)} rows agree in {', '.join(columns_to_check(header, a.columns))}{where}")

@@ -262,28 +262,54 @@ def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tm
 
 
 def test_spread_check_passes_inside_and_names_what_lies_outside():
-    """``check_readme_tables --spread``: a one-seed value within mean +- 2 std (plus half a printed unit) of the
-    3-seed table passes, one beyond fails naming recipe and column; a recipe that diverged on every seed must
-    diverge in the fresh run too; the default --spread table is the docs' default-settings seeds table."""
+    """``check_readme_tables --spread``: a one-seed value inside the seeds table's 95% prediction interval (plus half
+    a printed unit) passes, one beyond fails naming recipe and column; a recipe that diverged on every seed must
+    diverge in the fresh run too."""
     check = _check_script()
     seeds = check.Table("mpcourse compare --seeds 0,1,2", ["recipe", "val", "gap%"],
                         {"fp32": ["fp32", "2.398+-0.039", "+0.0+-0.0"],
                          "bf16-pure": ["bf16-pure", "2.396+-0.046", "-0.1+-0.3"],
                          "fp16-pure": ["fp16-pure", "nan@1 (3/3)", "nan"]}, 1)
+    k = check.spread_k(3)                                          # 4.303 * sqrt(4/3) = 4.97
     head = ["recipe", "train", "val", "gap%"]
     fresh = {"fp32": ["fp32", "2.6", "2.437", "+0.0"], "bf16-pure": ["bf16-pure", "2.6", "2.470", "-0.6"],
              "fp16-pure": ["fp16-pure", "nan", "nan@1", "nan"]}
-    assert check.outside_spread(seeds, head, fresh) == []         # 2.437 - 2.398 = 0.039 <= 2 x 0.039
-    fresh["fp32"][2] = "2.477"                                     # 0.079 > 2 x 0.039 + 0.0005
-    fresh["bf16-pure"][3] = "+0.6"                                 # 0.7 > 2 x 0.3 + 0.05
+    assert check.outside_spread(seeds, head, fresh) == []
+    fresh["fp32"][2] = f"{2.398 + k * 0.039 + 0.001:.3f}"         # just beyond the interval
+    fresh["bf16-pure"][3] = f"{-0.1 + k * 0.3 + 0.1:+.1f}"
     fresh["fp16-pure"][2] = "2.500"
     assert check.outside_spread(seeds, head, fresh) == [
-        "fp32 val: 2.477 is outside 2.398 +- 2 x 0.039", "bf16-pure gap%: +0.6 is outside -0.1 +- 2 x 0.3",
+        f"fp32 val: {fresh['fp32'][2]} is outside 2.398 +- {k:.2f} x 0.039",
+        f"bf16-pure gap%: {fresh['bf16-pure'][3]} is outside -0.1 +- {k:.2f} x 0.3",
         "fp16-pure val: every seed diverged, the fresh run gives 2.500"]
     fresh["fp32"][2] = "nan@3"
     assert "fp32 val: nan@3 is outside" in check.outside_spread(seeds, head, fresh)[0]
+
+
+def test_spread_is_the_prediction_interval_of_students_t():
+    """k(n) = t(0.975, n-1) * sqrt(1 + 1/n), against scipy's t distribution (the oracle)."""
+    stats = pytest.importorskip("scipy.stats")
+    check = _check_script()
+    for n in range(2, 12):
+        assert check.spread_k(n) == pytest.approx(stats.t.ppf(0.975, n - 1) * (1 + 1 / n) ** 0.5, rel=2e-4)
+    with pytest.raises(ValueError):
+        check.spread_k(1)
+
+
+def test_spread_table_is_the_one_of_the_runs_cpu_kind():
+    """Every CPU kind a seeds table in docs/results.md was measured on is found for a run of that kind; a kind
+    with no table of its own falls back to the table with the same BF16 kind and says it is not exact."""
+    check = _check_script()
     tables = check.readme_tables((ROOT / "docs" / "results.md").read_text())
-    for native in (False, True):                    # one default-settings seeds table per CPU kind
-        chosen = [t for t in tables if t.command == check.spread_table(tables, native)]
-        assert len(chosen) == 1 and len(chosen[0].rows) == 19 and "+-" in chosen[0].rows["fp32"][2]
-        assert ("ATEN_CPU_CAPABILITY=avx2" in chosen[0].command) != native
+    seeds = [t for t in tables if check._is_seeds_table(t)]
+    assert len(seeds) >= 2 and all(t.kind for t in seeds)
+    for t in seeds:
+        command, exact = check.spread_table(tables, t.kind)
+        assert exact and [u for u in seeds if u.command == command][0].kind == t.kind
+        assert len(t.rows) == 19 and "+-" in t.rows["fp32"][2]
+    kinds = [t.kind for t in seeds]
+    for bf16 in ("native", "emulated"):
+        for fp16 in ("native", "emulated"):
+            command, exact = check.spread_table(tables, {"bfloat16": bf16, "float16": fp16})
+            assert command is not None
+            assert exact == ({"bfloat16": bf16, "float16": fp16} in kinds)
