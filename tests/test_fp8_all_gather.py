@@ -3,7 +3,8 @@
 Oracles: the one-process cast of the whole weight (``to_float8(W, e4m3, compute_scale(max|W|))``) for the rule, and
 the FSDP2 run that all-gathers FP32 and casts after the gather for the training run: with current scaling both
 give the same E4M3 weight and scale, so the loss history must be equal bit for bit (tolerance 0). One spawn of
-two gloo ranks (file rendezvous) runs every distributed case.
+two gloo ranks (file rendezvous) runs every distributed case; one spawn of three ranks runs the uneven ones again
+(FSDP2 pads a short shard to the first rank's rows, and a layer with fewer rows than ranks leaves a rank empty).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, compute_scale, to_float8
-from mpcourse.core.quant.fsdp_fp8 import FP8AllGatherWeight, enable_fp8_all_gather, quantize_shard_for_all_gather
+from mpcourse.core.quant.fsdp_fp8 import (FP8AllGatherWeight, enable_fp8_all_gather, pad_rows, padded_shard_rows,
+                                          quantize_shard_for_all_gather)
 from mpcourse.experiment.cli import main
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -51,6 +53,34 @@ def test_the_wrapped_weight_behaves_as_its_fp32_tensor():
     assert torch.equal(w._tensor, _weight() * 2.0) and type(w + 1) is torch.Tensor
 
 
+def test_an_empty_shard_casts_to_an_empty_shard_with_the_scale_of_amax_0():
+    """A rank holding no rows (fewer rows than ranks): amax 0, the scale current scaling gives amax 0 (1.0), no NaN."""
+    q = quantize_shard_for_all_gather(torch.empty(0, 32), "e4m3")
+    assert q.data.shape == (0, 32) and q.data.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.scale_inv, compute_scale(torch.tensor(0.0), 448.0).reciprocal())
+    assert torch.equal(q.scale_inv, torch.tensor(1.0))
+
+
+def test_padded_rows_are_fsdp2s_padded_sharded_size():
+    """Oracle: FSDP2's own chunking (``_chunk_with_empty``; its padded sharded size is the first chunk's)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    for world in range(1, 6):
+        for rows in range(0, 14):
+            chunks = _chunk_with_empty(torch.empty(rows, 2), world, dim=0)
+            assert padded_shard_rows(rows, world) == chunks[0].shape[0] >= max(c.shape[0] for c in chunks)
+    assert padded_shard_rows(128, 3) == 43 and padded_shard_rows(2, 3) == 1
+
+
+def test_pad_rows_appends_zero_rows():
+    d = torch.arange(1, 13, dtype=torch.uint8).reshape(3, 4)
+    p = pad_rows(d, 5)
+    assert p.shape == (5, 4) and torch.equal(p[:3], d) and not p[3:].any()
+    assert pad_rows(d, 3) is d and pad_rows(d[:0], 2).shape == (2, 4)
+    with pytest.raises(ValueError, match="cannot be padded"):
+        pad_rows(d, 2)
+
+
 def test_delayed_scaling_is_refused():
     model = torch.nn.Sequential(Float8Linear(8, 8, recipe=DelayedScaling()))
     with pytest.raises(ValueError, match="current per-tensor scaling"):
@@ -84,22 +114,22 @@ def _rule_case():
 
     rule = quantize_shard_for_all_gather(shard, "e4m3")
     layer = Float8Linear(32, 64, bias=False, recipe=CurrentScaling())
-    (hook_data,), (hook_scale_inv, dtype) = FP8AllGatherWeight(shard, layer).fsdp_pre_all_gather(mesh, None, None,
-                                                                                                   None, None)
+    (hook_data,), (hook_scale_inv, dtype, rows) = FP8AllGatherWeight(shard, layer).fsdp_pre_all_gather(
+        mesh, w.shape, w.stride(), None, None)
     local = to_float8(shard, "e4m3", compute_scale(shard.abs().amax(), 448.0))     # planted bug: no MAX all-reduce
     return {"rule": gathered(rule.data.view(torch.uint8)), "rule_scale_inv": rule.scale_inv,
             "hook": gathered(hook_data), "hook_scale_inv": hook_scale_inv, "dtype": dtype,
             "local": gathered(local.data.view(torch.uint8))}
 
 
-def _training_case():
+def _training_case(batch_size: int = 4, steps: int = 3):
     from mpcourse.experiment.data import load_corpus
     from mpcourse.experiment.distributed import DataParallelTrainer
     from mpcourse.experiment.model import GPTConfig
     from mpcourse.experiment.parallel import local
     from mpcourse.experiment.train import TrainConfig
 
-    cfg = TrainConfig(steps=3, batch_size=4, eval_interval=1000, eval_batches=1,
+    cfg = TrainConfig(steps=steps, batch_size=batch_size, eval_interval=1000, eval_batches=1,
                       model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64))
     corpus, out = load_corpus(None), {}
     for flag in (False, True):
@@ -112,20 +142,104 @@ def _training_case():
     return out
 
 
+#: out_features of the three layers of ``_Uneven``: 128 rows (43, 43, 42 on 3 ranks), 5 rows (3, 2 on 2 ranks;
+#: 2, 2, 1 on 3), 2 rows (1, 1, 0 on 3 ranks: an empty shard)
+UNEVEN_ROWS = (128, 5, 2)
+
+
+class _Uneven(torch.nn.Module):
+    """Three FP8 layers side by side on the same (B, 32) input, outputs concatenated: (B, 135)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Float8Linear(32, n, recipe=CurrentScaling()) for n in UNEVEN_ROWS)
+        with torch.no_grad():                     # each weight's amax in its last rows (the short or empty rank's)
+            for m in self.layers:
+                m.weight[-1, 3] = 0.9
+
+    def forward(self, x):
+        return torch.cat([m(x) for m in self.layers], dim=-1)
+
+
+def _uneven_case(world: int, steps: int = 2):
+    """``_Uneven`` under FSDP2, FP32 all-gather then FP8 all-gather, ``steps`` SGD steps: what each layer's
+    forward sees (the gathered FP32 weight, or the gathered FP8 bytes and scale), the outputs, the input gradients
+    and this rank's shard of every parameter's gradient, per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mpcourse.experiment.parallel import local
+
+    rank, out = dist.get_rank(), {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = _Uneven()
+        if flag:
+            enable_fp8_all_gather(model)
+        for m in model.layers:
+            fully_shard(m)
+        fully_shard(model)
+        gathered = []
+
+        def see(m, args):                         # after FSDP2's all-gather: the unsharded weight of this layer
+            w = m.weight
+            if hasattr(w, "fp8_all_gathered"):
+                w8 = w.fp8_all_gathered()
+                gathered.append((w8.data.view(torch.uint8).clone(), w8.scale_inv.clone(), tuple(w.shape)))
+            else:
+                gathered.append(w.detach().clone())
+
+        for m in model.layers:
+            m.register_forward_pre_hook(see)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(4 * steps, 32, generator=torch.Generator().manual_seed(10 + rank))   # this rank's rows
+        run = {"seen": [], "y": [], "dx": [], "grads": []}
+        for s in range(steps):
+            gathered.clear()
+            xs = x[4 * s: 4 * s + 4].clone().requires_grad_(True)
+            y = model(xs)
+            (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+            run["seen"].append(list(gathered))
+            run["y"].append(y.detach().clone())
+            run["dx"].append(xs.grad.clone())
+            run["grads"].append([local(p.grad).clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        out[flag] = run
+    return out
+
+
 def _worker(rank, init_method, out_dir):
     from mpcourse.experiment.distributed import ranks
 
     with ranks(rank, WORLD, init_method, threads=1):
-        torch.save({"rule": _rule_case(), "train": _training_case()}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save({"rule": _rule_case(), "train": _training_case(), "uneven": _uneven_case(WORLD)},
+                   os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _worker3(rank, init_method, out_dir):
+    from mpcourse.experiment.distributed import ranks
+
+    with ranks(rank, 3, init_method, threads=1):
+        torch.save({"train": _training_case(batch_size=6, steps=2), "uneven": _uneven_case(3)},
+                   os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _spawned(worker, world):
+    from mpcourse.experiment.distributed import rendezvous, spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        spawn(worker, world, (rendezvous(d), d))
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def seen():
-    from mpcourse.experiment.distributed import rendezvous, spawn
+    return _spawned(_worker, WORLD)
 
-    with tempfile.TemporaryDirectory() as d:
-        spawn(_worker, WORLD, (rendezvous(d), d))
-        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+@pytest.fixture(scope="module")
+def seen3():
+    return _spawned(_worker3, 3)
 
 
 @pytest.mark.slow
@@ -158,6 +272,47 @@ def test_fp8_all_gather_bytes_per_rank(seen):
         n8 = fp8["fp8_elements"]
         assert n8 > 0 and fp8["sent"] == fp32["sent"] - 3 * n8
         assert fp8["amax_all_reduce"] > 0 and fp32["fp8_elements"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- uneven and empty shards
+def _check_uneven(seen_ranks):
+    """Every layer's forward saw, at every step, the one-process cast of the FP32 weight the FP32 all-gather gave
+    that step (the whole weight's scale, data of its full shape); outputs, input gradients and gradient shards
+    equal the FP32 all-gather run's bit for bit."""
+    for r in seen_ranks:
+        fp32, fp8 = r["uneven"][False], r["uneven"][True]
+        for step in range(len(fp32["y"])):
+            assert len(fp8["seen"][step]) == len(fp32["seen"][step]) == len(UNEVEN_ROWS)
+            for w, (data, scale_inv, shape) in zip(fp32["seen"][step], fp8["seen"][step]):
+                ref = _one_process_cast(w)
+                assert shape == tuple(w.shape) and data.shape == w.shape
+                assert torch.equal(data, ref.data.view(torch.uint8)) and torch.equal(scale_inv, ref.scale_inv)
+            assert torch.equal(fp8["y"][step], fp32["y"][step])
+            assert torch.equal(fp8["dx"][step], fp32["dx"][step])
+            assert all(torch.equal(a, b) for a, b in zip(fp8["grads"][step], fp32["grads"][step]))
+        assert [w.shape[0] for w in fp32["seen"][0]] == list(UNEVEN_ROWS)
+        assert not torch.equal(fp32["seen"][0][0], fp32["seen"][1][0])          # the step changed the weights
+
+
+@pytest.mark.slow
+def test_uneven_shards_gather_the_one_process_cast_on_2_ranks(seen):
+    _check_uneven(seen)                   # 5 rows: 3 and 2
+
+
+@pytest.mark.slow
+def test_uneven_and_empty_shards_gather_the_one_process_cast_on_3_ranks(seen3):
+    _check_uneven(seen3)                  # 128 rows: 43, 43, 42; 5: 2, 2, 1; 2: 1, 1, 0 (an empty shard)
+
+
+@pytest.mark.slow
+def test_fp8_all_gather_trains_bit_for_bit_on_3_ranks(seen3):
+    """The GPT (n_embd 64: 64 and 256 rows, uneven on 3 ranks) trains as with the FP32 all-gather, bit for bit."""
+    for r in seen3:
+        fp32, fp8 = r["train"][False], r["train"][True]
+        assert fp8["wrapped"] == 4 and fp8["losses"] == fp32["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fp8["weights"], fp32["weights"]))
+        assert fp8["bytes"]["sent"] < fp32["bytes"]["sent"] and fp8["bytes"]["fp32"] == fp32["bytes"]["sent"]
+    assert seen3[0]["train"][True]["losses"] == seen3[2]["train"][True]["losses"]
 
 
 # ---------------------------------------------------------------------------------------------- stored for lesson 10

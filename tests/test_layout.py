@@ -181,6 +181,7 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.scaling.check:check_and_unscale_", "mpcourse.core.bf16:stochastic_round_bf16",
                "mpcourse.core.bf16:kahan_add_", "mpcourse.core.formats:round_to",
                "mpcourse.core.quant.fsdp_fp8:quantize_shard_for_all_gather",
+               "mpcourse.core.quant.fsdp_fp8:padded_shard_rows", "mpcourse.core.quant.fsdp_fp8:pad_rows",
                # low-precision optimizer state (torchao's AdamWFp8 / AdamW8bit as rules)
                "mpcourse.core.optim_fp8:quantize_fp8_state", "mpcourse.core.optim_fp8:dequantize_fp8_state",
                "mpcourse.core.optim_int8:dynamic_map", "mpcourse.core.optim_int8:quantize_int8_state",

@@ -37,7 +37,8 @@ reduce-scatters its gradients. Per recipe:
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
   the all-gather; with ``fp8_all_gather`` (``--fp8-all-gather``, ``fp8-current`` only) each rank casts its
   shard to E4M3 with the whole weight's scale and the ranks gather the FP8 bytes instead: the same FP8
-  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.fsdp_fp8``).
+  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.fsdp_fp8``; a weight whose rows
+  do not divide among the ranks has its FP8 shards padded to FSDP2's padded sharded size, as the FP32 ones are).
   ``AllGatherLog`` counts what each rank sends into FSDP2's all-gathers (every FSDP2 run).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
@@ -247,7 +248,8 @@ class AllGatherLog:
     """What this rank sends into FSDP2's all-gathers while the model trains (evaluation's are not counted).
 
     ``calls``: one dict per all-gather: ``bytes`` (of the input this rank sends), ``dtype``, ``fp8_elements``
-    (how many of those bytes are FP8 weight elements, recorded by ``FP8AllGatherWeight.fsdp_pre_all_gather``)."""
+    (how many of those bytes are FP8 weight elements, recorded by ``FP8AllGatherWeight.fsdp_pre_all_gather``;
+    both count a short shard's padding rows, which FSDP2 sends as it sends an FP32 shard's)."""
 
     def __init__(self, model: nn.Module):
         self.model, self.calls, self.fp8_pending = model, [], []

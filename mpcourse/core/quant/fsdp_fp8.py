@@ -12,9 +12,25 @@ all-gather and the ranks exchange 1 byte per element plus one FP32 scale. The ru
 
 Since MAX is exact and the cast is elementwise, the gathered E4M3 weight and its scale are bit for bit those of
 casting the gathered FP32 weight: the GEMMs, hence the losses, do not change; only the bytes on the wire do.
+
 This is torchao's ``enable_fsdp_float8_all_gather`` (``torchao/float8/fsdp_utils.py``: its weight wrapper's
 ``fsdp_pre_all_gather`` casts the shard with a MAX-all-reduced amax, ``fsdp_post_all_gather`` wraps the gathered
 bytes and the scale in a tensor its ``Float8Linear`` consumes as the ready FP8 weight).
+
+Uneven shards (``padded_shard_rows``, ``pad_rows``). FSDP2 shards dim 0 as ``torch.chunk`` does: the first ranks
+hold ceil(rows / N) rows, the last ones fewer, or none when the weight has fewer rows than ranks (128 rows on 3
+ranks: 43, 43, 42; 2 rows on 3 ranks: 1, 1, 0). Its all-gather needs inputs of one size, so it keeps every FP32
+shard padded with zero rows to ceil(rows / N) (``_fsdp_param.py``: the padded sharded size is
+``chunks[0].size()``) and, for a parameter whose local tensor has the two hooks, requires
+``fsdp_pre_all_gather`` to return inputs of that padded size itself (its ``all_gather_inputs`` checks it on the
+short ranks; the 5-argument signature passes ``outer_size``, the unsharded shape, for this). So each rank pads
+its E4M3 rows with zero bytes to ceil(rows / N), and ``fsdp_post_all_gather`` keeps the first ``rows`` of the
+N * ceil(rows / N) gathered ones: the short ranks are the last ones, so the padding is the gathered tail. An
+empty shard contributes amax 0 to the MAX (an amax is >= 0, so it changes nothing) and casts to an empty shard.
+Here the course departs from torchao 0.18: its weight wrapper's ``fsdp_pre_all_gather(mesh)`` keeps the
+1-argument signature, which FSDP2 does not check, and returns the unpadded shard, so its FP8 all-gather assumes
+rows divisible by the world size. No option keeps that: on even shards both send the same bytes, and on uneven
+ones the unpadded shard cannot be gathered.
 
 How FSDP2 is extended (torch.distributed.fsdp ``fully_shard`` docs; the contract is in
 ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): when the local tensor of a sharded parameter has the
@@ -61,6 +77,23 @@ def quantize_shard_for_all_gather(shard: torch.Tensor, fp8_format, *, use_power_
     return to_float8(shard, fp8_format, scale)     # elementwise: the rows of to_float8(weight, ., scale)
 
 
+def padded_shard_rows(rows: int, world: int) -> int:
+    """The rows of every rank's all-gather input when FSDP2 shards ``rows`` rows over ``world`` ranks: ceil(rows /
+    world), the first (largest) ``torch.chunk`` (``_fsdp_param.py``'s padded sharded size, dim 0)."""
+    return -(-rows // world)
+
+
+def pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
+    """``data`` (r, ...) with zero rows appended up to (rows, ...); ``data`` itself when r == rows."""
+    if data.shape[0] == rows:
+        return data
+    if data.shape[0] > rows:
+        raise ValueError(f"a shard of {data.shape[0]} rows cannot be padded to {rows}")
+    out = data.new_zeros((rows, *data.shape[1:]))
+    out[: data.shape[0]] = data
+    return out
+
+
 #: ops whose result is still the wrapped weight (views, copies, FSDP2's sharding ops): torchao's list
 _KEEP_WRAPPED = {torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
                  torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
@@ -105,23 +138,27 @@ class FP8AllGatherWeight(torch.Tensor):
         return f"FP8AllGatherWeight({self._tensor!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """(uint8 view of this shard's FP8 data, (rows, K)), metadata (its scale_inv, FP8 dtype)."""
+        """((uint8 view of this shard's FP8 data, padded with zero rows to ``padded_shard_rows``),), metadata
+        (its scale_inv, FP8 dtype, the unsharded rows ``outer_size[0]``). Collective over ``mesh``'s group."""
         q = self._layer.quantizers["weight"]           # CurrentQuantizer: the layer's bound amax, scale and cast
         amax = q.amax(self._tensor).reshape(1)         # (1,) fp32, this shard
         all_reduce_max_(amax, mesh.get_group())        # the whole weight's amax
         amax = apply_amax_epsilon(amax[0], q.recipe.amax_epsilon)
         w8 = q.cast(self._tensor, q.fmt, q.scale(amax, fp8_max(q.fmt)))
+        rows = outer_size[0]
+        data = pad_rows(w8.data.view(torch.uint8), padded_shard_rows(rows, mesh.size()))   # (ceil(rows/N), K)
         record = getattr(self._layer, "all_gather_record", None)
         if record is not None:
-            record.append(w8.data.numel())             # FP8 elements this rank sends
-        return (w8.data.view(torch.uint8),), (w8.scale_inv, w8.data.dtype)
+            record.append(data.numel())                # FP8 elements this rank sends, padding included
+        return (data,), (w8.scale_inv, w8.data.dtype, rows)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        (data,), (scale_inv, dtype) = outputs, metadata    # data: (N, K) uint8, every rank's rows
+        (data,), (scale_inv, dtype, rows) = outputs, metadata   # data: (N * ceil(rows/N), K) uint8, padded
         if out is not None:                               # FSDP2 refilled out's data in place: the new scale
             out._scale_inv = scale_inv
             return None
-        return GatheredFloat8Weight(data, dtype, scale_inv, param_dtype), (data,)
+        # the weight: the first ``rows`` rows (the padding is the tail); FSDP2 frees and reallocates the whole buffer
+        return GatheredFloat8Weight(data[:rows], dtype, scale_inv, param_dtype), (data,)
 
 
 class GatheredFloat8Weight(torch.Tensor):
@@ -181,5 +218,6 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["quantize_shard_for_all_gather", "FP8AllGatherWeight", "GatheredFloat8Weight", "enable_fp8_all_gather",
+__all__ = ["quantize_shard_for_all_gather", "padded_shard_rows", "pad_rows", "FP8AllGatherWeight",
+           "GatheredFloat8Weight", "enable_fp8_all_gather",
            "fp8_all_gather_recipes_error"]
