@@ -11,6 +11,7 @@ behavioural oracle tests (torch.autocast run side by side) run on every version.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -392,6 +393,133 @@ def test_every_table_op_is_reachable_from_python():
     for device in ("cpu", "cuda"):
         missing = {policy.base_name(e) for e in _entries(policy.TABLES[device])} - names
         assert missing <= internal, missing
+
+
+# ------------------------------------------------------------------ grouped GEMMs (a course addition)
+# torch._grouped_mm (F.grouped_mm is its Python wrapper) is in none of torch 2.13's autocast tables: under
+# torch.autocast an FP32 activation meeting BF16 expert weights raises a dtype mismatch (an open PyTorch bug,
+# "torch._grouped_mm is not autocast-compatible"). The course's tables give it bmm's policy (policy.ADDITIONS).
+# On CPU, torch 2.13 runs it for float32, bfloat16 and float16 (its fallback loops over mm_out / calls
+# bmm_out); a 2-D operand needs int32 offsets, two 3-D operands take none; strides must be multiples of 16 bytes.
+GROUPED = {
+    # (G, M, K) @ (G, K, N): a batched GEMM, no offsets
+    "3d@3d": (lambda x, w: torch._grouped_mm(x, w), ((3, 8, 16), (3, 16, 24))),
+    # the MoE forward: tokens (T, K) in groups ending at offs, expert weights (G, N, K) read as (G, K, N)
+    "2d@3d offs": (lambda x, w: F.grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([3, 7, 12], dtype=torch.int32)),
+                   ((12, 16), (3, 24, 16))),
+}
+
+
+def _grouped_inputs(shapes, device="cpu"):
+    (xs, ws) = shapes
+    return [leaf(xs, 11, torch.float32, device), leaf(ws, 12, torch.bfloat16, device)]   # FP32 input, BF16 weights
+
+
+def _by_hand(fn, low):
+    return lambda x, w: fn(x.to(low), w.to(low))
+
+
+def _torch_lists_grouped_mm():
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", k)
+               for k in ("AutocastCPU", "AutocastCUDA"))
+
+
+def test_grouped_mm_has_the_policy_of_bmm():
+    """The lookup, on every torch: _grouped_mm takes mm/bmm's lower_precision_fp on both device types as a course
+    addition; torch's own tables (``course_additions=False``) leave it unlisted; F.grouped_mm is stepped into."""
+    for dev in ("cpu", "cuda"):
+        assert policy.policy_for(dev, "_grouped_mm") == policy.policy_for(dev, "bmm") == policy.LOWER_PRECISION_FP
+        assert policy.policy_for(dev, "_grouped_mm", course_additions=False) is None
+        assert policy.policy_for(dev, "bmm", course_additions=False) == policy.LOWER_PRECISION_FP
+        assert "_grouped_mm" in policy.ops_with_policy(dev, policy.LOWER_PRECISION_FP)
+        assert "_grouped_mm" not in policy.TABLES[dev][policy.LOWER_PRECISION_FP]      # the transcription stays torch's
+    assert mpa.op_name(torch._grouped_mm) == "_grouped_mm" and mpa.op_name(F.grouped_mm) is None
+
+
+def test_course_additions_are_not_in_torchs_tables():
+    """Each addition fills a gap of the installed torch: when torch registers an autocast kernel for one, this fails
+    and the addition goes (the transcribed table then lists the op)."""
+    require_transcribed_torch()
+    for dev, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        registered = {policy.base_name(e) for e in _registered(key)}
+        for entries in policy.ADDITIONS[dev].values():
+            for entry in entries:
+                assert policy.base_name(entry) not in registered and hasattr(torch.ops.aten, entry)
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(GROUPED), ids=list(GROUPED))
+def test_grouped_mm_fp32_input_bf16_weights_cpu(case, low):
+    """FP32 input, BF16 weights under the course's autocast('cpu'): output in the region's dtype, bits and
+    gradients equal to the same call on inputs cast by hand; the forward equals torch.autocast's own bmm / per-group
+    mm on the same inputs (the op's CPU fallback is those GEMMs). torch.autocast on the same _grouped_mm call
+    raises while torch lists no autocast kernel for it: recorded here, the reason the course adds it."""
+    fn, shapes = GROUPED[case]
+    make = functools.partial(_grouped_inputs, shapes)
+    out, grads = run_case(autocast("cpu", dtype=low), fn, make)
+    assert out[0] != "raised", f"the course's autocast raised {out[1]}"
+    assert out[0].dtype == low and [g.dtype for g in grads] == [torch.float32, torch.bfloat16]
+    ref_out, ref_grads = run_case(contextlib.nullcontext(), _by_hand(fn, low), make)
+    assert same(out, ref_out) and same(grads, ref_grads)
+    # torch.autocast's own casts, through ops its table lists
+    x, w = make("cpu")
+    with torch.autocast("cpu", dtype=low):
+        if case == "3d@3d":
+            ops = torch.bmm(x, w)
+        else:
+            ends = [0, 3, 7, 12]
+            ops = torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(zip(ends, ends[1:]))])
+    assert same(out[0], ops)
+    torch_out, _ = run_case(torch.autocast("cpu", dtype=low), fn, make)
+    if _torch_lists_grouped_mm():
+        assert same(torch_out, out)               # torch fixed its gap: the course must then agree bit for bit
+    else:
+        assert torch_out == ("raised", RuntimeError), "torch.autocast ran _grouped_mm on mixed dtypes"
+
+
+def test_course_additions_false_runs_torchs_tables():
+    """``autocast(..., course_additions=False)``: torch's tables exactly. The mixed call raises as under
+    torch.autocast; an all-FP32 call runs in FP32, bit for bit torch.autocast's, where the course's table casts it."""
+    fn, shapes = GROUPED["3d@3d"]
+    make = functools.partial(_grouped_inputs, shapes)
+    assert run_case(autocast("cpu", course_additions=False), fn, make)[0] == ("raised", RuntimeError)
+    fp32 = lambda d: [t.detach().float().requires_grad_() for t in make(d)]           # noqa: E731
+    out, grads = run_case(autocast("cpu", course_additions=False), fn, fp32)
+    ref_out, ref_grads = run_case(torch.autocast("cpu"), fn, fp32)
+    assert out[0].dtype == torch.float32 and same(out, ref_out) and same(grads, ref_grads)
+    assert run_case(autocast("cpu"), fn, fp32)[0][0].dtype == torch.bfloat16
+    with autocast("cpu", course_additions=False):
+        with autocast("cpu"):                     # None: an inner region keeps the enclosing setting
+            assert run_case(contextlib.nullcontext(), fn, make)[0] == ("raised", RuntimeError)
+        with autocast("cpu", course_additions=True):
+            assert run_case(contextlib.nullcontext(), fn, make)[0][0].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="course_additions"):
+        autocast("cpu", course_additions="no")
+
+
+def test_grouped_mm_under_the_cuda_list(fake_cuda):
+    """The CUDA table's addition, on CPU tensors counted as CUDA: FP32 x BF16 runs in the region's FP16."""
+    fn, shapes = GROUPED["2d@3d offs"]
+    make = functools.partial(_grouped_inputs, shapes)
+    out, grads = run_case(autocast("cuda"), fn, make)
+    ref_out, ref_grads = run_case(contextlib.nullcontext(), _by_hand(fn, torch.float16), make)
+    assert out[0].dtype == torch.float16 and same(out, ref_out) and same(grads, ref_grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(GROUPED), ids=list(GROUPED))
+def test_grouped_mm_fp32_input_bf16_weights_cuda(case, low):
+    """On a GPU: the same call as inputs cast by hand, bit for bit (bf16 takes the grouped kernel on SM90+,
+    fp16 the fallback), and torch.autocast('cuda') raising while torch lists no kernel for it."""
+    fn, shapes = GROUPED[case]
+    make = functools.partial(_grouped_inputs, shapes, device="cuda")
+    out, grads = run_case(autocast("cuda", dtype=low), fn, make, "cuda")
+    ref_out, ref_grads = run_case(contextlib.nullcontext(), _by_hand(fn, low), make, "cuda")
+    assert out[0].dtype == low and same(out, ref_out) and same(grads, ref_grads)
+    torch_out, _ = run_case(torch.autocast("cuda", dtype=low), fn, make, "cuda")
+    assert same(torch_out, out) if _torch_lists_grouped_mm() else torch_out == ("raised", RuntimeError)
 
 
 # ---------------------------------------------------------------------------- whole-model oracle

@@ -4,7 +4,8 @@
   torch 2.13, whose cache is keyed by the tensor alone;
 * the library's own modules (``Float8Linear``) see the course's autocast as they see torch's;
 * the RNN family refuses with a clear error instead of differing silently;
-* ``torch.utils.checkpoint`` (reentrant and not) recomputes under the course's autocast state;
+* ``torch.utils.checkpoint`` (reentrant and not) recomputes under the course's autocast state (its
+  ``course_additions`` setting included);
 * ``custom_fwd``/``custom_bwd`` across the two autocasts.
 """
 from __future__ import annotations
@@ -200,6 +201,23 @@ def test_checkpoint_matches_torch_autocast_with_its_checkpoint():
         y.float().sum().backward()
         out[name] = (y, x.grad, w1.grad, w2.grad)
     for a, b in zip(out["course"], out["torch"]):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recomputes_with_torchs_tables_when_asked(reentrant):
+    # course_additions=False: the grouped GEMM of FP32 inputs runs in FP32 (torch's tables); the recompute, run
+    # after the region exited, must too (with the course's table it would run in BF16)
+    out = {}
+    for ckpt in (False, True):
+        x, w = leaf((2, 4, 8), 1), leaf((2, 8, 8), 2)
+        f = lambda x: F.gelu(torch._grouped_mm(x, w))          # noqa: E731
+        with autocast("cpu", course_additions=False):
+            y = checkpoint(f, x, use_reentrant=reentrant) if ckpt else f(x)
+        y.square().sum().backward()
+        out[ckpt] = (y, x.grad, w.grad)
+    assert out[True][0].dtype is torch.float32
+    for a, b in zip(out[True], out[False]):
         assert bits_equal(a, b)
 
 

@@ -82,3 +82,78 @@ def test_bad_edge_arguments():
         edge_blocks_filter(0)
     with pytest.raises(ValueError, match="last"):
         edge_blocks_filter(4, 0, -1)
+
+
+# ------------------------------------------------------------------ a filter naming what the model lacks
+def _kinds(model):
+    return {fqn: type(m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _wide_model():
+    # weights (N, K) = (2048, 64): tensorwise converts them (N > 1024), so a filter that fails to keep one
+    # high is visible; "lm_head" is the head's name here, as in HF models (torchtitan: "output")
+    return nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(64, 2048, bias=False) for _ in range(2)]),
+                          "lm_head": nn.Linear(64, 2048, bias=False)})
+
+
+def test_edge_filter_with_an_absent_container_is_refused_before_any_conversion():
+    from mpcourse.experiment.recipes.fp8 import keep_linear_in_fp8
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    before = _kinds(model)
+    f = all_of(keep_linear_in_fp8, edge_blocks_filter(3, 0, 1, container="layers"))   # the GPT names it "blocks"
+    with pytest.raises(ValueError, match=r"container 'layers'.*matches no module.*'blocks' \(3 blocks\)"):
+        convert_to_float8_training(model, module_filter_fn=f, recipe=NVFP4BlockScaling())
+    assert _kinds(model) == before and all(t is nn.Linear for t in before.values())     # nothing converted
+    with pytest.raises(ValueError, match="container 'layers'"):
+        split_by_filter(model, f)
+
+
+def test_edge_filter_container_path_may_be_dotted():
+    model = nn.Sequential()
+    model.add_module("model", nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])}))
+    converted, kept = split_by_filter(model, edge_blocks_filter(3, 0, 1, container="model.layers"))
+    assert converted == ["model.layers.0", "model.layers.1"] and kept == ["model.layers.2"]
+    with pytest.raises(ValueError, match=r"its block containers are: 'model\.layers' \(3 blocks\)"):
+        split_by_filter(model, edge_blocks_filter(3, 0, 1, container="layers.model"))
+
+
+def test_edge_filter_with_fewer_blocks_than_the_model_is_refused():
+    # n_blocks=3 on 5 blocks: "the last block" would be block 2, and blocks 3, 4 (beyond n_blocks) stay high
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=5, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match=r"n_blocks=3.*'blocks'.*block 4.*n_blocks=5"):
+        split_by_filter(model, edge_blocks_filter(3, 0, 1))
+
+
+def test_small_gemm_filter_naming_an_absent_module_is_refused_before_any_conversion():
+    model = _wide_model()
+    with pytest.raises(ValueError, match=r"filter_fqns names 'output', which matches no nn\.Linear of the model; "
+                                         r"its nn\.Linear layers are: layers\.\{0\.\.1\}, lm_head"):
+        convert_to_float8_training(model, module_filter_fn=small_gemm_filter("tensorwise", ["lm_head", "output"]),
+                                   recipe=NVFP4BlockScaling())
+    assert all(t is nn.Linear for t in _kinds(model).values())                          # nothing converted
+    with pytest.raises(ValueError, match="'output'"):
+        split_by_filter(model, all_of(lambda m, f: True, small_gemm_filter("rowwise", ["output"])))
+
+
+def test_small_gemm_filter_with_present_names_converts_as_torchao():
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    model = _wide_model()
+    for fqns in (["lm_head"], ["head"], ["layers.1"], []):        # substrings of fqns, as torchao matches them
+        theirs = utils._auto_filter_for_recipe("tensorwise", filter_fqns=fqns)
+        want = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and theirs(m, f)]
+        assert split_by_filter(model, small_gemm_filter("tensorwise", fqns))[0] == want
+    convert_to_float8_training(model, module_filter_fn=small_gemm_filter("tensorwise", ["head"]),
+                               recipe=NVFP4BlockScaling())
+    assert _kinds(model) == {"layers.0": Float8Linear, "layers.1": Float8Linear, "lm_head": nn.Linear}
+
+
+def test_small_gemm_filter_refuses_a_bare_string():
+    with pytest.raises(TypeError, match=r"\['output'\]"):
+        small_gemm_filter("tensorwise", "output")
+
+
+def test_summarize_fqns_folds_numbered_siblings():
+    from mpcourse.core.quant.module_filter import summarize_fqns
+    assert summarize_fqns(["blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "head"]) == "blocks.{0..2}.fc, head"
+    assert summarize_fqns(["a.0.x", "a.2.x", "a.1.e.3", "a.5.x"]) == "a.{0,2,5}.x, a.1.e.3"
+    assert summarize_fqns([]) == "none"

@@ -3,7 +3,7 @@
 Public API (semantics of ``torch.autocast``, ``torch.amp.custom_fwd``/``custom_bwd``, torch 2.13):
 
 * ``autocast(device_type, dtype=None, enabled=True, cache_enabled=None)``: context manager and
-  decorator (``mode.py``).
+  decorator (``mode.py``); ``course_additions=False`` applies torch's tables alone (below).
 * ``custom_fwd(device_type=..., cast_inputs=None)`` / ``custom_bwd(device_type=...)`` for
   torch.autograd.Function (``custom.py``).
 * Queries: ``is_autocast_enabled(device_type)``, ``get_autocast_dtype(device_type)``,
@@ -14,7 +14,8 @@ Public API (semantics of ``torch.autocast``, ``torch.amp.custom_fwd``/``custom_b
 * ``no_autocast(device_type)``: neither autocast casts inside (``mode.py``).
 * ``torch.utils.checkpoint`` inside a region recomputes under the region's state (``checkpoint.py``).
 * The policy as data: ``policy.TABLES["cpu"|"cuda"][policy]``, ``policy_for(device_type, op)``,
-  ``op_name(callable)`` (``policy.py``, transcribed from aten/src/ATen/autocast_mode.{h,cpp}).
+  ``op_name(callable)`` (``policy.py``, transcribed from aten/src/ATen/autocast_mode.{h,cpp}), and where the
+  course departs from them, ``policy.ADDITIONS`` (the grouped GEMM ``torch._grouped_mm`` in ``bmm``'s policy).
 """
 from . import checkpoint as _checkpoint
 from . import policy

@@ -8,9 +8,10 @@ the reentrant variant silently (other gradients), the non-reentrant one with a m
 
 What this module does: when this package's autocast has a region open at the ``checkpoint`` call,
 the function handed to the recompute is wrapped so that it re-enters the state of that moment
-(enabled flag and dtype per device type, ``cache_enabled``), exactly as torch does for its own
-state. The recompute then makes the same casts and the gradients are bit-identical to the run
-without checkpointing. Both code paths are covered, whatever name the caller imported:
+(enabled flag and dtype per device type, ``cache_enabled``, the learner's functions,
+``course_additions``), exactly as torch does for its own state. The recompute then makes the same
+casts and the gradients are bit-identical to the run without checkpointing. Both code paths are
+covered, whatever name the caller imported:
 
 * reentrant (``use_reentrant=True``): ``checkpoint`` calls the module global ``CheckpointFunction``;
   it is replaced by a subclass whose ``forward`` stores the wrapped function as ``ctx.run_function``.
@@ -39,7 +40,8 @@ def _replaying(fn):
     if STATE.nesting == 0:
         return fn
     saved = [(dev, STATE.enabled[dev], STATE.dtype[dev]) for dev in _DEVICE_TYPES]
-    cache_enabled, given = STATE.cache_enabled, {"cast_args": STATE.cast_args, "cached_cast": STATE.cached_cast}
+    cache_enabled, given = STATE.cache_enabled, {"cast_args": STATE.cast_args, "cached_cast": STATE.cached_cast,
+                                                 "course_additions": STATE.course_additions}
 
     @functools.wraps(fn)
     def replay(*args, **kwargs):

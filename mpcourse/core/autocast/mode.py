@@ -30,6 +30,10 @@ Eligible inputs: floating tensors of the op's device type, never float64. ``out=
 methods (``add_``) are not in the tables and run unchanged. The device type whose table applies is
 that of the call's first tensor (the dispatcher picks a key from all of them; same for one device).
 
+Beyond torch's tables: ``policy.ADDITIONS`` (``torch._grouped_mm`` / ``F.grouped_mm`` take ``bmm``'s policy,
+where torch.autocast lists them nowhere and a mixed-dtype call raises); ``autocast(..., course_additions=False)``
+applies torch's tables alone. ``policy.py`` says why.
+
 Refused: the RNN family (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells) raises
 NotImplementedError inside an enabled region (``policy.UNSUPPORTED`` says why): torch.autocast casts
 inside their C++ code, out of a Python mode's reach, and FP32 would differ silently.
@@ -248,8 +252,9 @@ class AutocastMode(TorchFunctionMode):
         t = _first_tensor(args, kwargs)
         device_type = None if t is None else _device_type(t)
         policy = rule.get(device_type) if enabled.get(device_type) else None
-        if policy is None:
-            return func(*args, **kwargs)
+        if policy is None or (not STATE.course_additions and policy is not _REFUSE
+                              and policy_for(device_type, op_name(func), course_additions=False) is None):
+            return func(*args, **kwargs)              # unlisted, or a course addition with torch's tables asked for
         return _apply(policy, func, args, kwargs, device_type)
 
 
@@ -309,10 +314,14 @@ class autocast:
             returns is checked (``seams.check_cast``: dtype, shape, a cast of the current value, autograd
             history). Called for every cast of an eligible tensor while ``cache_enabled``. None = keep the
             enclosing region's.
+        course_additions: apply the course's additions to torch's tables (``policy.ADDITIONS``: the grouped GEMM
+            ``torch._grouped_mm`` in ``bmm``'s policy), the default; False: torch's tables alone, as
+            ``torch.autocast`` (a mixed-dtype grouped GEMM then raises there too). None = keep the enclosing
+            region's.
 
     Raises:
         ValueError: ``device_type`` is not a string or not "cpu"/"cuda".
-        TypeError: ``dtype`` is not a torch.dtype.
+        TypeError: ``dtype`` is not a torch.dtype, or ``course_additions`` not a bool or None.
         RuntimeError: ``torch.autocast`` is active for the same device type (the two would cast
             twice; exit one), or CUDA bf16 on a GPU without bf16 support.
 
@@ -321,7 +330,8 @@ class autocast:
     """
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
-                 cache_enabled: bool | None = None, *, cast_args=None, cached_cast=None):
+                 cache_enabled: bool | None = None, *, cast_args=None, cached_cast=None,
+                 course_additions: bool | None = None):
         if not isinstance(device_type, str):
             raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
         _check_device_type(device_type)
@@ -335,6 +345,9 @@ class autocast:
                 raise TypeError(f"{fname} must be a function with lesson 05's signature, got {f!r}")
         self._cast_args = STATE.cast_args if cast_args is None else cast_args
         self._cached_cast = STATE.cached_cast if cached_cast is None else cached_cast
+        if course_additions is not None and not isinstance(course_additions, bool):
+            raise TypeError(f"course_additions must be True, False or None, got {course_additions!r}")
+        self._course_additions = course_additions
         if enabled and device_type == "cuda":
             if not torch.cuda.is_available():
                 warnings.warn("CUDA is not available. Disabling mpcourse autocast.", stacklevel=2)
@@ -354,9 +367,12 @@ class autocast:
             raise RuntimeError(f"torch.autocast({self.device!r}) is active: mpcourse.core.autocast would cast a "
                                "second time. Use one of the two for a region, not both.")
         st, dev = STATE, self.device
-        self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast))
+        self._saved.append((st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast,
+                            st.course_additions))
         st.enabled[dev], st.dtype[dev], st.cache_enabled = self._enabled, self.fast_dtype, self._cache_enabled
         st.cast_args, st.cached_cast = self._cast_args, self._cached_cast
+        if self._course_additions is not None:
+            st.course_additions = self._course_additions
         st.nesting += 1
         if st.mode is None:
             st.mode = AutocastMode()
@@ -374,7 +390,8 @@ class autocast:
                 raise RuntimeError("a TorchFunctionMode entered inside mpcourse.core.autocast is still "
                                    "active at the region's exit; exit it inside the region")
             mode.__exit__(exc_type, exc_val, exc_tb)
-        st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast = self._saved.pop()
+        (st.enabled[dev], st.dtype[dev], st.cache_enabled, st.cast_args, st.cached_cast,
+         st.course_additions) = self._saved.pop()
         return False
 
     def _copy(self) -> "autocast":

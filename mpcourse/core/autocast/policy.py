@@ -44,6 +44,29 @@ type that is not float64. Only out-of-place ops are listed: ``add_``, ``out=`` v
 Composites: some Python-visible ops are not registered but are C++ compositions that call a listed
 op; ``torch.autocast`` (a dispatcher key) sees the inner call, a Python mode sees only the outer one.
 ``COMPOSITES`` maps those we handle to the listed op whose policy applies; see ``mode.py``.
+
+Where the course's table departs from torch's: ``ADDITIONS``, ops torch 2.13 lists for no device type but the
+course gives a policy, one entry so far.
+
+* ``_grouped_mm`` (``torch._grouped_mm``; ``F.grouped_mm`` is its Python wrapper): the grouped GEMM of
+  mixture-of-experts layers, one GEMM per expert over a jagged slice of the tokens. The course gives it the
+  policy of ``mm``/``bmm``, ``lower_precision_fp``, on both device types: it *is* those GEMMs (on CPU, and on
+  a GPU without the grouped kernel, ATen's fallback runs ``mm_out`` per group, or ``bmm_out`` for two 3-D
+  operands; ``aten/src/ATen/native/GroupedMMUtils.h``). torch.autocast leaves it unlisted, so it runs on its
+  inputs' dtypes, and the usual mix under autocast, an FP32 activation (a norm's output) meeting BF16 expert
+  weights, raises a dtype mismatch: an open PyTorch bug ("torch._grouped_mm is not autocast-compatible";
+  MoE code works around it by casting the input to the weights' dtype by hand). Under the course's autocast the call
+  runs as those hand-made casts would (tested bit for bit, and against torch.autocast's own ``bmm``/``mm`` on
+  the same inputs). Two consequences to know: inputs that are all FP32 are cast too (torch runs them in FP32),
+  and a cast to a 2-byte dtype halves the byte strides, which the op wants in multiples of 16 bytes (an FP32
+  operand with 4 columns passes, its BF16 copy does not: pad K and N to multiples of 8). On CPU, torch 2.13
+  runs it for float32, bfloat16 and float16; a 2-D operand needs int32 offsets (``offs``), two 3-D operands
+  take none; ``out_dtype`` must equal the first operand's dtype.
+
+torch's behaviour stays reachable: ``policy_for(..., course_additions=False)`` looks up torch's tables alone,
+and ``autocast(..., course_additions=False)`` applies them (the mixed-dtype grouped GEMM then raises as under
+``torch.autocast``). ``TABLES`` itself stays the transcription of torch's registrations (the table tests
+compare it with them); a test fails when torch registers an autocast kernel for an addition, which then goes.
 """
 from __future__ import annotations
 
@@ -157,6 +180,13 @@ COMPOSITES = {
     },
 }
 
+# The course's additions to torch's tables (see the module docstring): device type -> {policy: entries}. Each entry
+# is an aten op with no autocast kernel in torch 2.13 (tests/test_autocast.py checks that it still has none).
+ADDITIONS = {
+    "cpu": {LOWER_PRECISION_FP: _ops("_grouped_mm")},
+    "cuda": {LOWER_PRECISION_FP: _ops("_grouped_mm")},
+}
+
 # Known gaps, documented rather than guessed: composites whose inner calls depend on the arguments.
 # torch.einsum on CPU reaches bmm only when two operands share a summed index ("bij,bjk->bik" runs in
 # BF16, "i,j->ij" stays FP32, and indices summed out of one operand are summed in FP32 before the
@@ -188,19 +218,26 @@ def _index(table: dict) -> dict[str, str]:
     return index
 
 
-# Policy by base op name, per device type: what mode.py looks up (all overloads share a policy).
-POLICY_BY_NAME = {dev: _index(table) for dev, table in TABLES.items()}
+# Policy by base op name, per device type: torch's (the tables and their composites), and the course's (those
+# plus ADDITIONS), which mode.py looks up (all overloads share a policy).
+TORCH_POLICY_BY_NAME = {dev: _index(table) for dev, table in TABLES.items()}
 for _dev, _composites in COMPOSITES.items():
     for _name, _inner in _composites.items():
-        POLICY_BY_NAME[_dev].setdefault(_name, POLICY_BY_NAME[_dev][_inner])
+        TORCH_POLICY_BY_NAME[_dev].setdefault(_name, TORCH_POLICY_BY_NAME[_dev][_inner])
+POLICY_BY_NAME = {dev: dict(index) for dev, index in TORCH_POLICY_BY_NAME.items()}
+for _dev, _added in ADDITIONS.items():
+    for _name, _policy in _index(_added).items():
+        if POLICY_BY_NAME[_dev].setdefault(_name, _policy) != _policy:
+            raise AssertionError(f"{_name} is in torch's {_dev} table and in ADDITIONS")
 
 
-def policy_for(device_type: str, op_name: str) -> str | None:
+def policy_for(device_type: str, op_name: str, course_additions: bool = True) -> str | None:
     """The cast policy autocast applies to aten op ``op_name`` on ``device_type``.
 
     Args:
         device_type: ``"cpu"`` or ``"cuda"``.
         op_name: an aten op name, with or without overload (``"softmax"``, ``"softmax.int"``).
+        course_additions: include the course's ``ADDITIONS`` (default); False: torch's tables alone.
 
     Returns:
         One of ``POLICIES``, or None for an unlisted op (it runs in its inputs' dtype).
@@ -210,13 +247,16 @@ def policy_for(device_type: str, op_name: str) -> str | None:
     """
     if device_type not in POLICY_BY_NAME:
         raise ValueError(f"no autocast table for device_type={device_type!r}; use one of {DEVICE_TYPES}")
-    return POLICY_BY_NAME[device_type].get(base_name(op_name))
+    index = POLICY_BY_NAME if course_additions else TORCH_POLICY_BY_NAME
+    return index[device_type].get(base_name(op_name))
 
 
-def ops_with_policy(device_type: str, policy: str) -> tuple[str, ...]:
-    """The table entries (``name[.overload]``) of ``device_type`` under ``policy``, in source order."""
+def ops_with_policy(device_type: str, policy: str, course_additions: bool = True) -> tuple[str, ...]:
+    """The table entries (``name[.overload]``) of ``device_type`` under ``policy``, in source order, then the
+    course's ``ADDITIONS`` under it (``course_additions=False``: torch's table alone)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; use one of {POLICIES}")
     if device_type not in TABLES:
         raise ValueError(f"no autocast table for device_type={device_type!r}; use one of {DEVICE_TYPES}")
-    return TABLES[device_type][policy]
+    added = ADDITIONS[device_type].get(policy, ()) if course_additions else ()
+    return TABLES[device_type][policy] + added

@@ -57,6 +57,7 @@ class _State(threading.local):
         self.cast_args = None       # a cast_args given to autocast (lesson 05), or None: the library's
         self.cached_cast = None     # a cached_cast given to autocast (lesson 05), or None: the library's cache
         self.given_cache: dict = {}  # the dict handed to that cached_cast, emptied at the outermost exit
+        self.course_additions = True  # apply policy.ADDITIONS (False: torch's tables alone)
 
 
 STATE = _State()

@@ -45,7 +45,8 @@ from .blockwise import block_quantize, quantize_fp32_scaled
 from .mx import mx_shared_exponent, quantize_mx
 from .nvfp4 import nvfp4_scales, quantize_nvfp4
 from .engine import learner_functions, quantizers
-from .module_filter import all_of, block_index, edge_blocks_filter, is_small_gemm, small_gemm_filter, split_by_filter
+from .module_filter import (all_of, block_containers, block_index, check_filter, edge_blocks_filter, is_small_gemm,
+                            small_gemm_filter, split_by_filter)
 from .tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
                      fp8_max, quantize, quantize_current, round_down_to_power_of_2, to_float8)
 
@@ -62,5 +63,6 @@ __all__ = [
     "scaled_gemm", "emulated_gemm", "accumulator_model_gemm",
     "Float8RowwiseScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "BLOCK_RECIPES", "token_multiple",
     "PerDirectionBlockScaling",
-    "all_of", "block_index", "edge_blocks_filter", "is_small_gemm", "small_gemm_filter", "split_by_filter",
+    "all_of", "block_containers", "block_index", "check_filter", "edge_blocks_filter", "is_small_gemm",
+    "small_gemm_filter", "split_by_filter",
 ]

@@ -60,6 +60,7 @@ from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from .block_recipes import backward_operand
 from .engine import check_functions, quantizers
+from .module_filter import check_filter
 from .recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from .tensor import Float8Tensor
 
@@ -308,9 +309,12 @@ def convert_to_float8_training(module: nn.Module, *,
       functions: a learner's functions, {exercise's name: function}, for every swapped layer (``engine``).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
-    Raises TypeError for a config of another type, ValueError where config and keywords disagree.
+    Raises TypeError for a config of another type, ValueError where config and keywords disagree, ValueError
+    where ``module_filter_fn`` names a module the model lacks (``module_filter.check_filter``, run once before
+    any layer is swapped, so a refused filter leaves the model as it was).
     """
     recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
+    check_filter(module_filter_fn, module)
 
     def wanted(m: nn.Module, fqn: str) -> bool:
         return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
