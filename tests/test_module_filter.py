@@ -157,3 +157,24 @@ def test_summarize_fqns_folds_numbered_siblings():
     assert summarize_fqns(["blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "head"]) == "blocks.{0..2}.fc, head"
     assert summarize_fqns(["a.0.x", "a.2.x", "a.1.e.3", "a.5.x"]) == "a.{0,2,5}.x, a.1.e.3"
     assert summarize_fqns([]) == "none"
+
+
+def test_the_recipes_head_filter_refuses_a_model_without_its_head():
+    """The FP8 recipes keep ``head`` out of FP8 by name: a model whose head is named otherwise is refused (its
+    output layer would be converted silently), and the course's GPT passes."""
+    import torch.nn as nn
+
+    from mpcourse.core.quant import convert_to_float8_training
+    from mpcourse.experiment.recipes.fp8 import keep_linear_in_fp8
+
+    renamed = nn.Sequential()
+    renamed.add_module("body", nn.Linear(16, 16))
+    renamed.add_module("lm_head", nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"no nn.Linear of that name; its nn.Linear layers are: body, lm_head"):
+        convert_to_float8_training(renamed, module_filter_fn=keep_linear_in_fp8)
+    assert isinstance(renamed.lm_head, nn.Linear) and type(renamed.lm_head) is nn.Linear   # nothing converted
+    named = nn.Sequential()
+    named.add_module("body", nn.Linear(16, 16))
+    named.add_module("head", nn.Linear(16, 16))
+    convert_to_float8_training(named, module_filter_fn=keep_linear_in_fp8)
+    assert type(named.head) is nn.Linear and type(named.body) is not nn.Linear

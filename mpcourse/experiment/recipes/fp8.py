@@ -72,6 +72,18 @@ def keep_linear_in_fp8(module: nn.Module, fqn: str) -> bool:
     return fqn not in HIGH_PRECISION_MODULES
 
 
+def _check_high_precision_modules(model: nn.Module) -> None:
+    """A kept-high name the model lacks would silently convert the layer it meant (a renamed head)."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    missing = [n for n in HIGH_PRECISION_MODULES if n not in linears]
+    if missing:
+        raise ValueError(f"keep_linear_in_fp8 keeps {missing} in high precision, but the model has no nn.Linear of "
+                         f"that name; its nn.Linear layers are: {', '.join(linears)}")
+
+
+keep_linear_in_fp8.check_model = _check_high_precision_modules
+
+
 class QuantizedRecipe(TrainingRecipe):
     """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
     NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
