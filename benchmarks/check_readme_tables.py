@@ -132,7 +132,7 @@ def fresh_table(payload: dict) -> tuple[list[str], dict[str, list[str]]]:
         r = _restore(row)
         r["history"] = [_restore(h) for h in r.get("history", [])]
         by_seed.setdefault(row.get("seed", 0), []).append(RunResult(**{k: v for k, v in r.items() if k in names}))
-    peak = payload.get("peak_flops")
+    peak = payload.get("row_peak_flops", payload.get("peak_flops"))      # per row; older files: one number
     text = (format_table(next(iter(by_seed.values())), peak_flops=peak) if len(by_seed) == 1
             else format_seed_table(by_seed, peak))
     return parse_table(text.splitlines())

@@ -9,12 +9,27 @@ COURSE_COMMANDS = {"lab": "open the course in JupyterLab (lessons, exercises and
                    "site": "build the course as a static website, offline (needs the site extra)"}
 
 
+def unknown_command(word: str, commands: list[str]) -> str:
+    """The one-line error for a word that is no sub-command: every sub-command, and the closest as a guess."""
+    import difflib
+
+    close = difflib.get_close_matches(word, commands, n=1)
+    guess = f"; did you mean {close[0]}?" if close else ""
+    return f"mpcourse: error: unknown command {word!r}{guess} (commands: {', '.join(commands)}; mpcourse --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COURSE_COMMANDS:
         from mpcourse.course.learner import main as course_main
         return course_main(argv)
-    from mpcourse.experiment.cli import main as experiment_main
+    from mpcourse.experiment.cli import build_parser, main as experiment_main
+    if argv and not argv[0].startswith("-"):
+        sub = next(a for a in build_parser()._actions if a.dest == "command")
+        commands = [*sub.choices, *COURSE_COMMANDS]
+        if argv[0] not in commands:
+            print(unknown_command(argv[0], commands), file=sys.stderr)
+            return 2
     if argv in ([], ["-h"], ["--help"]):
         code = 0
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,23 +87,71 @@ def test_quick_preset_and_explicit_flags_win(monkeypatch, tmp_path):
     assert (seen["steps"], seen["batch_size"]) == (TrainConfig.steps, TrainConfig.batch_size)
 
 
-def test_out_that_is_a_file_fails_before_training(tmp_path, capsys):
+def test_out_that_is_a_file_fails_before_training(tmp_path, capsys, monkeypatch):
+    """``--out`` at a file (or under one): one line naming the problem and the fix, exit 2, nothing trained."""
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare",
+                        lambda *a, **k: pytest.fail("trained although --out is a file"))
     f = tmp_path / "taken"
     f.write_text("x")
     assert main(["compare", "--out", str(f)]) == 2
-    assert "--out" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err == f"mpcourse compare: error: --out {f} is a file; give a folder", err
+    assert main(["compare", "--out", str(f / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"mpcourse compare: error: --out {f / 'sub'}: {f} is a file; give a folder", err
+    assert f.read_text() == "x"
+
+
+def test_a_mistyped_command_lists_all_five_and_guesses(capsys):
+    """``mpcourse comapre``: one line naming every sub-command (the experiment's and the course's), with the
+    closest as a guess (difflib); exit 2, no usage block, no traceback."""
+    from mpcourse.cli import main as mpcourse_main
+
+    assert mpcourse_main(["comapre", "--steps", "3"]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mpcourse: error: unknown command 'comapre'"), err
+    assert "did you mean compare?" in err and out.out == ""
+    assert "compare, recipes, lab, grade, site" in err
+    assert mpcourse_main(["xyzzy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "did you mean" not in err and "compare, recipes, lab, grade, site" in err
+
+
+@pytest.mark.parametrize("value,guess", [("fp8-curent", "fp8-current"), ("fp32,bf16-pur", "bf16-pure"),
+                                         ("mxfp8-flor", "mxfp8-floor")])
+def test_a_misspelled_recipe_gets_a_guess_on_one_line(value, guess, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--recipes", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err                          # no usage block above the error
+    assert err.startswith("mpcourse compare: error: argument --recipes: unknown recipe")
+    assert f"did you mean {guess}?" in err
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--stpes", "3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unrecognized arguments: --stpes" in err and "did you mean --steps?" in err
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--steps", "abc"], "argument --steps: must be a positive integer"),
-    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["compare", "--steps", "abc"], "argument --steps: must be a positive integer"),
+    (["compare", "--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["comapre"], "did you mean compare?"),
+    (["compare", "--recipes", "fp8-curent"], "did you mean fp8-current?"),
+    (["compare", "--out", "README.md"], "--out README.md is a file; give a folder"),
 ])
 @pytest.mark.slow
 def test_what_a_person_sees(args, msg):
-    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", *args], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 2 and msg in proc.stderr
     assert "Traceback" not in proc.stderr and "_positive" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.parametrize("content", [b"print('not a notebook')\n", b"{\"a\": 1}", b"\x89PNG\r\n\x1a\n\x00\x00"])

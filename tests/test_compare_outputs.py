@@ -104,3 +104,148 @@ def test_families_and_plot(tmp_path):
     plot_curves(results, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plot_curves([run("fp32", SMOOTH)], tmp_path / "one.png")          # fp32 alone still plots
+
+
+# -- %peak: per GEMM dtype, measured robustly, never printed above 100 -------------------------------------------
+
+def _peak_cells(text):
+    head = text.splitlines()[0].split()
+    i = head.index("%peak")
+    return {line.split()[0]: line.split()[i] for line in text.splitlines()[2:] if line and not line.startswith("-")
+            and line.split()[0] in ("fp32", "bf16-pure", "fp8-delayed")}
+
+
+def test_percent_of_peak_is_per_row_and_never_above_100():
+    """Each row against its own peak (a mapping row -> FLOP/s); a row faster than its peak prints 100.0* and a
+    note naming it, never a number above 100. The hand-made runs reach 1000 x 1.0 = 1000 model FLOP/s."""
+    rows = [run("fp32", SMOOTH), run("bf16-pure", SMOOTH)]
+    text = format_table(rows, peak_flops={"fp32": 4000.0, "bf16-pure": 800.0})
+    assert _peak_cells(text) == {"fp32": "25.0", "bf16-pure": "100.0*"}
+    note = [ln for ln in text.splitlines() if ln.startswith("*")]
+    assert len(note) == 1 and "bf16-pure" in note[0] and "fp32" not in note[0], text
+    assert _peak_cells(format_table(rows, peak_flops={"fp32": 1000.0, "bf16-pure": 1000.0})) == \
+        {"fp32": "100.0", "bf16-pure": "100.0"}                         # exactly the peak: no clamp, no note
+    text = format_table(rows, peak_flops=500.0)                           # one peak for every row (older files)
+    assert _peak_cells(text) == {"fp32": "100.0*", "bf16-pure": "100.0*"}
+    seeds = format_seed_table({0: rows, 1: [run("fp32", SMOOTH), run("bf16-pure", SMOOTH)]},
+                              {"fp32": 2000.0, "bf16-pure": 999.0})
+    assert _peak_cells(seeds) == {"fp32": "50.0", "bf16-pure": "100.0*"}
+    assert all(float(c.rstrip("*")) <= 100 for t in (text, seeds) for c in _peak_cells(t).values())
+
+
+def test_peak_key_rule():
+    """Which peak a row is measured against: on a CPU its GEMM dtype where that dtype's GEMMs run on native units,
+    FP32 where they are emulated (FP32 GEMMs plus one rounding) and for FP8/MX/NVFP4 (computed as FP32 GEMMs of
+    the upcast codes on a CPU); on a GPU the FP8 tensor-core peak for quantized rows, the BF16 one otherwise."""
+    from mpcourse.experiment.speed import peak_key
+
+    native = {"bf16": True, "fp16": True}
+    emulated = {"bf16": True, "fp16": False}            # emulated[dtype]: True where the emulation computes it
+    assert [peak_key(d, "cpu", {"bf16": False, "fp16": False}) for d in ("fp32", "bf16", "fp16", "fp8")] == \
+        ["fp32", "bf16", "fp16", "fp32"]
+    assert [peak_key(d, "cpu", native) for d in ("fp32", "bf16", "fp16", "fp8")] == ["fp32"] * 4
+    assert [peak_key(d, "cpu", emulated) for d in ("fp32", "bf16", "fp16", "fp8")] == ["fp32", "fp32", "fp16", "fp32"]
+    assert [peak_key(d, "cuda", native) for d in ("fp32", "bf16", "fp16", "fp8")] == ["bf16", "bf16", "bf16", "fp8"]
+    with pytest.raises(ValueError, match="gemm dtype"):
+        peak_key("int4", "cpu", native)
+
+
+def test_gemm_peak_is_the_best_of_several_timings_in_its_dtype(monkeypatch):
+    """The peak is 2 n^3 over the shortest of ``repeats`` timed GEMMs (after a warm-up), in the dtype asked for:
+    a slow timing (a busy machine) never lowers it. A fake clock gives known intervals; a dispatch mode sees the
+    GEMMs' operand dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mpcourse.experiment import speed
+
+    intervals = [0.5, 0.25, 0.9, 0.2, 0.3, 0.4, 0.35, 0.6]
+    ticks = iter([t for d in intervals for t in (0.0, d)])
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("mm"):
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    import torch
+    with Record():
+        flops = speed.measure_gemm_peak("bf16", n=8, repeats=len(intervals), clock=lambda: next(ticks))
+    assert flops == 2 * 8 ** 3 / 0.2
+    assert seen and set(seen) == {torch.bfloat16} and len(seen) > len(intervals)      # warm-up, then the timings
+    assert speed.measure_gemm_peak("fp32", n=64, repeats=3) > 0
+
+
+def _gemm_flops_by_dtype(name, corpus):
+    """FLOPs of every matmul in one forward and backward of recipe ``name`` on a small GPT, by operand dtype,
+    recorded by a dispatch mode below the recipe's own regions (autocast, FP8 autocast), emulation off."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mpcourse.core import emulation
+    from mpcourse.experiment.model import GPT, GPTConfig
+    from mpcourse.experiment.recipes import OptimConfig, get_recipe
+
+    flops: dict = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            op = func.__name__.split(".")[0]
+            if op in ("mm", "addmm", "bmm", "baddbmm"):
+                a, b = (args[1], args[2]) if op in ("addmm", "baddbmm") else (args[0], args[1])
+                n = 2 * a.numel() * b.shape[-1]
+                flops[a.dtype] = flops.get(a.dtype, 0) + n
+            return out
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=128, vocab_size=corpus.vocab_size))
+    recipe = get_recipe(name)(model, OptimConfig())
+    x, y = corpus.batch("train", 8, 16, torch.Generator().manual_seed(0))   # 8 x 16 = 128 tokens: every block fits
+    emulation.set_emulation(False)
+    try:
+        with Record():
+            with recipe.forward_context():
+                _, loss = recipe.model(x, y)
+            recipe.backward(loss)
+    finally:
+        emulation.set_emulation(None)
+    return flops
+
+
+@pytest.mark.parametrize("name", sorted(__import__("mpcourse.experiment.recipes", fromlist=["RECIPES"]).RECIPES))
+def test_each_recipes_declared_gemm_dtype_is_what_its_gemms_compute_in(name, corpus):
+    """The oracle for ``gemm_dtype``: the dtype most of a step's matmul FLOPs run in (native kernels) is the one the
+    recipe declares, as a CPU with native units for every dtype would key its peak (FP8 rows: FP32 GEMMs here)."""
+    import torch
+
+    from mpcourse.experiment.recipes import get_recipe
+    from mpcourse.experiment.speed import peak_key
+
+    flops = _gemm_flops_by_dtype(name, corpus)
+    most = max(flops, key=flops.get)
+    want = peak_key(get_recipe(name).gemm_dtype, "cpu", {"bf16": False, "fp16": False})
+    assert {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[most] == want, (name, flops)
+
+
+def test_a_row_above_its_peak_has_the_peak_measured_again(corpus, tmp_path):
+    """run_compare: a row faster than its peak makes it measure that dtype's peak again (the better of the two
+    counts); a row below its peak measures nothing; a row still above after that prints 100.0* with the note."""
+    from mpcourse.experiment.compare import run_compare
+    from mpcourse.experiment.model import GPTConfig
+
+    cfg = TrainConfig(steps=2, batch_size=4, eval_interval=2, eval_batches=1,
+                      model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    for start, again, cell in [(1.0, 1e30, "0.0"), (1.0, 2.0, "100.0*"), (1e30, None, "0.0")]:
+        calls, lines = [], []
+
+        def remeasure(key, again=again):
+            calls.append(key)
+            return again
+        run_compare(["fp32"], corpus, cfg, tmp_path, progress=False, echo=lines.append, peak_flops={"fp32": start},
+                    remeasure_peak=remeasure)
+        assert calls == ([] if again is None else ["fp32"])
+        assert _peak_cells(lines[0]) == {"fp32": cell}
+        assert ("*: ran faster than the peak" in lines[0]) == cell.endswith("*")
+        stored = json.loads((tmp_path / "results.json").read_text())
+        assert stored["peak_flops"] == {"fp32": max(start, again or 0)} == {"fp32": stored["row_peak_flops"]["fp32"]}

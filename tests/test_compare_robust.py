@@ -5,10 +5,13 @@
   functions: every run trains on ``TRAINING_THREADS`` intra-op threads (``mpcourse.experiment.threads``). The
   oracle is the run itself under another placement: equality, bit for bit.
 - ``--with`` prints one verdict line per recipe after the table (not between progress bars).
-- A run that fails keeps every finished row in ``results.json``, names the failed one (``failed``) and the CLI
-  exits 1; ``--seeds`` writes the table's mean and std (``seed_summary``, checked against ``statistics``);
+- A run that fails, or is interrupted (Ctrl-C, in this process or in the workers), keeps every finished row in
+  ``results.json``, names the others (``failed``) and the CLI exits 1 (130); a run in which nothing finished writes
+  nothing; ``--seeds`` writes the table's mean and std (``seed_summary``, checked against ``statistics``);
   ``results.json`` records the CPU's kind (checked against torch's own query and a synthetic ``/proc/cpuinfo``).
-- ``--quick`` writes to its own folder, and a run says when it overwrites another's results.
+- The default run writes ``mpcourse-out/``, ``--quick`` alone ``mpcourse-out-quick/``, any other run a folder of
+  its own named after its flags (so a side run never replaces the main results); a run says where at its start and
+  end, and says that it overwrote an earlier ``results.json`` only after it did.
 - The notebooks' "train with your code" cells assert a verdict instead of storing machine-dependent losses.
 """
 from __future__ import annotations
@@ -177,19 +180,219 @@ def test_results_json_records_the_cpu_kind(corpus, tmp_path):
     assert set(cpu["flags"]) <= set(machine.RELEVANT_FLAGS)
 
 
+def _fake_run(seen, write=True):
+    """A stand-in for run_compare that records its folder and writes a one-row results.json there."""
+    def fake(recipes, corpus, cfg, out, **kw):
+        seen.update(out=out, recipes=recipes)
+        if write:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps({"results": [{}], "config": {"steps": cfg.steps,
+                                                                                      "batch_size": cfg.batch_size}}))
+    return fake
+
+
 def test_quick_has_its_own_folder_and_an_overwrite_is_said(monkeypatch, tmp_path, capsys):
     seen = {}
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare",
-                        lambda recipes, corpus, cfg, out, **kw: seen.update(out=out))
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen))
+    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "--quick"]) == 0 and seen["out"] == QUICK_OUT
-    assert "overwrites" not in capsys.readouterr().out
-    assert main(["compare", "--recipes", "fp32"]) == 0 and seen["out"] == Path("mpcourse-out")
+    assert "overwrote" not in capsys.readouterr().out
+    assert main(["compare", "--jobs", "1"]) == 0 and seen["out"] == Path("mpcourse-out")
     (tmp_path / "mpcourse-out" / "results.json").write_text(json.dumps(
         {"results": [{}] * 3, "config": {"steps": 80, "batch_size": 16}}))
-    assert main(["compare", "--recipes", "fp32"]) == 0
-    said = [ln for ln in capsys.readouterr().out.splitlines() if "overwrites" in ln]
-    assert len(said) == 1 and "3 rows, 80 steps" in said[0]
+    assert main(["compare", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = [ln for ln in out if "overwrote" in ln]
+    assert len(said) == 1 and "3 rows, 80 steps" in said[0] and out.index(said[0]) == len(out) - 1
+
+
+# (flags, folder): a flag at its default value, --jobs, --no-progress and --dist-timeout change nothing; any other
+# change is named in the folder, flag=value joined by +, in --help's order
+FOLDERS = [
+    ([], "mpcourse-out"),
+    (["--jobs", "1", "--no-progress", "--dist-timeout", "9"], "mpcourse-out"),
+    (["--steps", "80", "--batch-size", "16", "--seed", "0", "--seeds", "0", "--lr", "0.003", "--min-lr-ratio", "0.1",
+      "--device", "cpu", "--preset", "small", "--nproc", "1"], "mpcourse-out"),
+    (["--recipes", ",".join(__import__("mpcourse.experiment.recipes", fromlist=["x"]).default_recipes())],
+     "mpcourse-out"),
+    (["--quick"], "mpcourse-out-quick"),
+    (["--quick", "--steps", "50", "--batch-size", "8"], "mpcourse-out-quick"),
+    (["--recipes", "mxfp8-floor"], "mpcourse-out-runs/recipes=mxfp8-floor"),
+    (["--recipes", "fp32,mxfp8-floor", "--steps", "8", "--batch-size", "2"],
+     "mpcourse-out-runs/recipes=fp32,mxfp8-floor+steps=8+batch-size=2"),
+    (["--quick", "--recipes", "fp32"], "mpcourse-out-runs/recipes=fp32+quick"),
+    (["--quick", "--steps", "80"], "mpcourse-out-runs/quick+steps=80"),
+    (["--seeds", "0,1,2"], "mpcourse-out-runs/seeds=0,1,2"),
+    (["--seed", "3"], "mpcourse-out-runs/seed=3"),
+    (["--lr", "3e-4", "--min-lr-ratio", "1"], "mpcourse-out-runs/lr=0.0003+min-lr-ratio=1"),
+    (["--recipes", "mxfp8-floor", "--with", "solutions/09_finer_grained_scaling.ipynb"],
+     "mpcourse-out-runs/recipes=mxfp8-floor+with=09_finer_grained_scaling"),
+    (["--with", "a/04_x.ipynb", "--with", "b/06_y.ipynb"], "mpcourse-out-runs/with=04_x,06_y"),
+    (["--inspect", "5", "--preset", "large", "--batch-size", "32"], "mpcourse-out-runs/preset=large+inspect=5"),
+    (["--recipes", "mxfp8-floor", "--out", "mine"], "mine"),
+]
+
+
+@pytest.mark.parametrize("flags,folder", FOLDERS)
+def test_a_run_other_than_the_default_never_writes_into_the_default_folder(flags, folder, monkeypatch, tmp_path,
+                                                                            capsys):
+    seen = {}
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen))
+    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.learner.load_functions", lambda nb: {})
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", *flags]) == 0
+    assert seen["out"] == Path(folder)
+    out = capsys.readouterr().out.splitlines()
+    first = next(i for i, ln in enumerate(out) if ln.startswith("results go to "))
+    assert out[first].startswith(f"results go to {folder}/") and first < 6           # said at the start ...
+    assert out[-1].startswith(f"wrote {folder}/results.json")                      # ... and at the end
+
+
+def test_a_data_parallel_run_has_its_own_folder_too(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def fake(job, nproc):
+        seen["out"] = job.out
+        job.out.mkdir(parents=True)
+        (job.out / "results.json").write_text("{}")
+        return [{"recipe": "fp32"}]
+    monkeypatch.setattr("mpcourse.experiment.distributed.run_distributed_compare", fake)
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--recipes", "fp32", "--nproc", "2", "--parallel", "fsdp", "--reduce-dtype", "bf16",
+                 "--steps", "2", "--batch-size", "4"]) == 0
+    folder = "mpcourse-out-runs/recipes=fp32+steps=2+batch-size=4+nproc=2+parallel=fsdp+reduce-dtype=bf16"
+    assert seen["out"] == Path(folder)
+    out = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith(f"results go to {folder}/") for ln in out[:4]) and out[-1].startswith(f"wrote {folder}/")
+
+
+def test_a_long_run_name_is_shortened_the_same_way_every_time(monkeypatch, tmp_path):
+    from mpcourse.experiment.recipes import RECIPES
+    seen, names = {}, []
+    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen, write=False))
+    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["compare", "--recipes", ",".join(reversed(list(RECIPES)))]) == 0
+        names.append(seen["out"])
+    other = main(["compare", "--recipes", ",".join(list(RECIPES)[1:])]) == 0 and seen["out"]
+    assert names[0] == names[1] != other
+    assert names[0].parent == Path("mpcourse-out-runs") and len(names[0].name) <= 80
+    assert names[0].name.startswith("recipes=" + list(RECIPES)[-1])
+
+
+def _default_folder_with_a_full_run(root: Path) -> dict[str, bytes]:
+    main_out = root / "mpcourse-out"
+    main_out.mkdir()
+    (main_out / "results.json").write_text(json.dumps({"results": [{}] * 19, "config": {"steps": 80,
+                                                                                        "batch_size": 16}}))
+    (main_out / "loss_curves.png").write_bytes(b"\x89PNG the main run's plot")
+    return {p.name: p.read_bytes() for p in main_out.iterdir()}
+
+
+def test_a_side_run_keeps_the_default_runs_results(monkeypatch, tmp_path, capsys):
+    """The issue's case, trained for real on a tiny budget: the default folder holds a 19-row run; a run of one
+    recipe writes its own folder, and says where at the start and at the end; the default folder is untouched.
+    Run again, it overwrites its own folder and says so, once, after the run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    before = _default_folder_with_a_full_run(tmp_path)
+    flags = ["compare", "--recipes", "fp32", "--steps", "2", "--batch-size", "2", "--jobs", "1", "--no-progress"]
+    assert main(flags) == 0
+    side = Path("mpcourse-out-runs/recipes=fp32+steps=2+batch-size=2")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mpcourse-out").iterdir()} == before
+    assert [r["recipe"] for r in _rows(tmp_path / side).values()] == ["fp32"]
+    out = capsys.readouterr().out
+    assert f"results go to {side}/" in out and f"wrote {side}/results.json" in out and "overwrote" not in out
+    assert main(flags) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = [ln for ln in out if "overwrote" in ln]
+    assert len(said) == 1 and str(side) in said[0] and "1 rows, 2 steps x 2" in said[0]
+    assert out.index(said[0]) > next(i for i, ln in enumerate(out) if ln.startswith("recipe "))
+
+
+def test_a_run_that_writes_nothing_claims_nothing_and_deletes_nothing(monkeypatch, tmp_path, capsys):
+    """Every run failing (nothing finished), or a --with notebook that does not load: the earlier results stay as
+    they were, no "overwrote" note, and a side run leaves no empty folder behind."""
+    from mpcourse.experiment import compare as compare_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    before = _default_folder_with_a_full_run(tmp_path)
+
+    def planted(name, *args, **kwargs):
+        raise ValueError(f"planted failure in {name}")
+    monkeypatch.setattr(compare_module, "train", planted)
+    assert main(["compare", "--jobs", "1", "--no-progress"]) == 1
+    out = capsys.readouterr()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mpcourse-out").iterdir()} == before
+    assert "overwrote" not in out.out + out.err and "Traceback" not in out.err
+    assert "no run finished: nothing written" in out.err and "mpcourse-out/results.json" not in out.out
+    bad = tmp_path / "mine.ipynb"
+    bad.write_text("not a notebook")
+    assert main(["compare", "--recipes", "fp32", "--with", str(bad), "--jobs", "1", "--no-progress"]) == 2
+    assert main(["compare", "--recipes", "fp32", "--steps", "2", "--jobs", "1", "--no-progress"]) == 1
+    out = capsys.readouterr()
+    assert "overwrote" not in out.out + out.err
+    assert not (tmp_path / "mpcourse-out-runs").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mpcourse-out").iterdir()} == before
+
+
+def test_an_interrupted_run_keeps_the_finished_rows(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second of three recipes: results.json holds the first row and names the other two as
+    interrupted; run_compare raises an interrupt that carries the finished rows; the CLI exits 130 with one line."""
+    from mpcourse.experiment import compare as compare_module
+    from mpcourse.experiment.compare import CompareInterrupted
+
+    real = compare_module.train
+
+    def planted(name, *args, **kwargs):
+        if name == "bf16-pure":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(compare_module, "train", planted)
+    with pytest.raises(KeyboardInterrupt) as err:
+        run_compare(["fp32", "bf16-pure", "fp16-master"], corpus, CFG, tmp_path / "a", progress=False,
+                    echo=lambda *_: None)
+    assert isinstance(err.value, CompareInterrupted) and [r.recipe for r in err.value.results] == ["fp32"]
+    payload = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert [r["recipe"] for r in payload["results"]] == ["fp32"] and payload["interrupted"] is True
+    assert [(f["recipe"], f["error"]) for f in payload["failed"]] == \
+        [("bf16-pure", "interrupted before it finished"), ("fp16-master", "interrupted before it finished")]
+    code = main(["compare", "--recipes", "fp32,bf16-pure", "--steps", "2", "--batch-size", "2", "--jobs", "1",
+                 "--out", str(tmp_path / "b"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 130 and len(err.splitlines()) == 1 and "interrupted" in err and "Traceback" not in err
+    assert "the 1 finished rows are in" in err
+    assert [r["recipe"] for r in json.loads((tmp_path / "b" / "results.json").read_text())["results"]] == ["fp32"]
+
+
+@pytest.mark.slow
+def test_an_interrupt_in_the_pool_keeps_the_rows_the_workers_finished(corpus, tmp_path, monkeypatch):
+    """Ctrl-C while worker processes train (simulated: the parent's wait raises once a run has come back): every
+    run that came back is a row of results.json, every other one is named as interrupted."""
+    from mpcourse.experiment import pool as pool_module
+    from mpcourse.experiment.compare import CompareInterrupted
+
+    real_wait, came_back = pool_module.wait, []
+
+    def wait_then_interrupt(fs, **kw):
+        if came_back:
+            raise KeyboardInterrupt
+        done, pending = real_wait(fs, **kw)
+        came_back.extend(done)
+        return done, pending
+    monkeypatch.setattr(pool_module, "wait", wait_then_interrupt)
+    names = ["fp32", "bf16-pure", "fp16-master"]
+    with pytest.raises(CompareInterrupted) as err:
+        run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None, jobs=2)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    kept = [r["recipe"] for r in payload["results"]]
+    assert len(kept) == len(came_back) >= 1 and kept == [r.recipe for r in err.value.results]
+    assert sorted(kept + [f["recipe"] for f in payload["failed"]]) == sorted(names)
+    assert all(f["error"] == "interrupted before it finished" for f in payload["failed"])
 
 
 def _run(history, final=3.0) -> RunResult:
@@ -313,3 +516,22 @@ def test_spread_table_is_the_one_of_the_runs_cpu_kind():
             command, exact = check.spread_table(tables, {"bfloat16": bf16, "float16": fp16})
             assert command is not None
             assert exact == ({"bfloat16": bf16, "float16": fp16} in kinds)
+
+
+def test_a_stored_results_json_gives_each_rows_percent_of_peak(corpus):
+    """``check_readme_tables`` rebuilds a table from results.json: each row against the peak recorded for it
+    (``row_peak_flops``), clamped as the run printed it. Hand-made rows: 100 tok/s x 10 FLOPs = 1000 FLOP/s."""
+    check = _check_script()
+    rows = [_run([{"step": 0, "loss": 4.0}]) for _ in range(2)]
+    rows = [dataclasses.replace(r, recipe=n, tokens_per_s=100.0, flops_per_token=10.0)
+            for r, n in zip(rows, ("fp32", "bf16-pure"))]
+    from mpcourse.experiment.compare import results_payload
+    payload = results_payload(rows, corpus, CFG, extra={"peak_flops": {"fp32": 4000.0, "bf16": 800.0},
+                                                        "row_peak_flops": {"fp32": 4000.0, "bf16-pure": 800.0}})
+    head, table = check.fresh_table(json.loads(json.dumps(payload)))
+    i = head.index("%peak")
+    assert (table["fp32"][i], table["bf16-pure"][i]) == ("25.0", "100.0*")
+    payload.pop("row_peak_flops")
+    payload["peak_flops"] = 2000.0                                   # a file from before: one peak for every row
+    head, table = check.fresh_table(json.loads(json.dumps(payload)))
+    assert (table["fp32"][i], table["bf16-pure"][i]) == ("50.0", "50.0")

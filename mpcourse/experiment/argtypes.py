@@ -20,7 +20,7 @@ import math
 from typing import Callable
 
 __all__ = ["int_in", "float_in", "positive_int", "nonneg_int", "positive_float", "nonneg_float",
-           "ratio", "seed", "comma_list"]
+           "ratio", "seed", "comma_list", "did_you_mean"]
 
 
 def _int_range(lo, hi) -> str:
@@ -90,14 +90,24 @@ ratio = float_in(0.0, 1.0)
 seed = int_in(0, 2**32 - 1)
 
 
+def did_you_mean(name: str, choices) -> str | None:
+    """The choice closest to a misspelled ``name`` (``difflib.get_close_matches``, its default cutoff 0.6), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return close[0] if close else None
+
+
 def comma_list(choices, *, what: str = "name") -> Callable[[str], list[str]]:
-    """An argparse type for a comma-separated list of names, each one of ``choices``."""
+    """An argparse type for a comma-separated list of names, each one of ``choices``; an unknown name that is close
+    to one gets a "did you mean" (``did_you_mean``)."""
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in choices]
         if unknown or not names:
+            named = ", ".join(f"{n} (did you mean {g}?)" if (g := did_you_mean(n, choices)) else n for n in unknown)
             raise argparse.ArgumentTypeError(
-                f"unknown {what}(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(choices)}")
+                f"unknown {what}(s) {named or '(none given)'}; choose from: {', '.join(choices)}")
         return names
 
     parse.__name__ = f"comma-separated {what}s"

@@ -1,13 +1,24 @@
-"""The ``mpcourse`` command line: ``mpcourse compare`` and ``mpcourse recipes``."""
+"""The ``mpcourse`` command line: ``mpcourse compare`` and ``mpcourse recipes``.
+
+Where ``compare`` writes (``output_folder``): the default run to ``mpcourse-out/``, ``--quick`` alone to
+``mpcourse-out-quick/``, every other run to ``mpcourse-out-runs/NAME/``, NAME the flags that change what it computes
+(``run_changes``, ``run_name``), so that a side run (one recipe, a notebook's functions, a few steps) never replaces
+the main run's ``results.json`` and plot; ``--out`` chooses. Errors are one line with exit code 2
+(``OneLineParser``; a misspelled recipe or flag gets a "did you mean").
+"""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from mpcourse.core import emulation
-from .argtypes import comma_list, positive_float, positive_int, ratio, seed
+from .argtypes import comma_list, did_you_mean, positive_float, positive_int, ratio, seed
 from .data import CorpusError, load_corpus
 from .model import GPTConfig
 from .recipes import NOT_IN_DEFAULT_RUN, RECIPES, OptimConfig, default_recipes
@@ -33,24 +44,155 @@ def _seed_list(text: str) -> list[int]:
 # 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
 QUICK = {"steps": 50, "batch_size": 8}
 DEFAULT_OUT, QUICK_OUT = Path("mpcourse-out"), Path("mpcourse-out-quick")
+#: where a run other than the default one (or --quick alone) writes: RUNS_OUT/NAME, NAME from ``run_name``
+RUNS_OUT = Path("mpcourse-out-runs")
+MAX_RUN_NAME = 80
 
 
-def _previous_run(out: Path) -> str | None:
-    """One line when ``out`` already holds a run's results.json (what it was: rows, steps), else None."""
+def run_changes(args: argparse.Namespace) -> list[str]:
+    """What a ``compare`` run changes against the default run (with ``--quick``: against the quick run): one
+    ``flag=value`` part per flag that changes what the run computes, in ``--help``'s order; [] for the default run.
+
+    A flag given its default value changes nothing (``--steps 80``, ``--seeds 0``, ``--recipes`` naming exactly
+    the default run's recipes); ``--jobs``, ``--no-progress`` and ``--dist-timeout`` never do (a row's bits do not
+    depend on ``--jobs``). A notebook (``--with``) or a text file (``--data``) is named by its file name without
+    the suffix. ``args``: the parsed flags, ``steps`` and ``batch_size`` already resolved."""
+    from .recipes import default_recipes
+
+    base = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
+    parts = []
+    if args.recipes and sorted(set(args.recipes)) != sorted(default_recipes()):
+        parts.append("recipes=" + ",".join(args.recipes))
+    rest = []
+    if args.steps != base["steps"]:
+        rest.append(f"steps={args.steps}")
+    if args.batch_size != base["batch_size"]:
+        rest.append(f"batch-size={args.batch_size}")
+    if args.lr != OptimConfig.lr:
+        rest.append(f"lr={args.lr:g}")
+    if args.min_lr_ratio != OptimConfig.min_lr_ratio:
+        rest.append(f"min-lr-ratio={args.min_lr_ratio:g}")
+    if args.data is not None:
+        rest.append(f"data={Path(args.data).stem}")
+    if (args.seeds or [args.seed]) != [0]:
+        rest.append(f"seeds={','.join(map(str, args.seeds))}" if args.seeds else f"seed={args.seed}")
+    if args.device != "cpu":
+        rest.append(f"device={args.device}")
+    if args.preset != "small":
+        rest.append(f"preset={args.preset}")
+    if args.inspect:
+        rest.append(f"inspect={args.inspect}")
+    if args.with_notebooks:
+        rest.append("with=" + ",".join(Path(nb).stem for nb in args.with_notebooks))
+    if args.nproc != 1:
+        rest.append(f"nproc={args.nproc}")
+    for flag in ("parallel", "reduce_dtype"):
+        if getattr(args, flag):
+            rest.append(f"{flag.replace('_', '-')}={getattr(args, flag)}")
+    if args.fp8_all_gather:
+        rest.append("fp8-all-gather")
+    if args.quick and (parts or rest):
+        parts.append("quick")
+    return [re.sub(r"[^A-Za-z0-9_.,=+-]", "_", part) for part in parts + rest]
+
+
+def run_name(changes: list[str]) -> str:
+    """The folder name of a run with these ``run_changes``: the parts joined by ``+``; past ``MAX_RUN_NAME``
+    characters, its start, ``~`` and 8 hex digits of its SHA-1 (the same run, the same name, every time)."""
+    name = "+".join(changes)
+    if len(name) > MAX_RUN_NAME:
+        name = name[:MAX_RUN_NAME - 9] + "~" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
+
+
+def output_folder(args: argparse.Namespace) -> Path:
+    """Where a run writes when ``--out`` is not given: ``DEFAULT_OUT`` for the default run, ``QUICK_OUT`` for
+    ``--quick`` alone, ``RUNS_OUT/run_name(...)`` for any other, so that no other run replaces their results."""
+    changes = run_changes(args)
+    if changes:
+        return RUNS_OUT / run_name(changes)
+    return QUICK_OUT if args.quick else DEFAULT_OUT
+
+
+def out_folder_error(out: Path) -> str | None:
+    """Why ``out`` cannot be the output folder (a file, under a file, not writable), as the error's text; None
+    if it can. Creates nothing."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file; give a folder"
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"--out {out}: {parent} is a file; give a folder"
+            if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                return f"--out {out}: cannot create it in {parent} (permission denied); pass another folder"
+            break
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot write there (permission denied); pass another folder"
+    return None
+
+
+def _make_folder(out: Path) -> list[Path]:
+    """Create ``out`` and its missing parents; the folders created, ``out`` first."""
+    created = [d for d in (out, *out.parents) if not d.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Remove the folders ``_make_folder`` created, while they are empty (a run that wrote nothing leaves none)."""
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def _earlier_run(out: Path) -> tuple[bytes, str] | None:
+    """The bytes of ``out/results.json`` and what run it holds (rows, steps), or None where there is none."""
     f = out / "results.json"
-    if not f.is_file():
+    try:
+        raw = f.read_bytes()
+    except OSError:
         return None
     try:
-        import json
-        old = json.loads(f.read_text())
+        old = json.loads(raw)
         what = f"{len(old['results'])} rows, {old['config']['steps']} steps x {old['config']['batch_size']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         what = "unreadable"
-    return f"note: {f} holds an earlier run ({what}); this run overwrites it (pass --out to keep it)"
+    return raw, what
+
+
+def _overwrite_note(out: Path, earlier: tuple[bytes, str] | None) -> str | None:
+    """The note for a run that replaced an earlier ``results.json`` (its bytes changed); None if it did not."""
+    f = out / "results.json"
+    if earlier is None or not f.is_file() or f.read_bytes() == earlier[0]:
+        return None
+    return f"note: this run overwrote {f}, which held an earlier run ({earlier[1]}); pass --out to keep a run elsewhere"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE`` with exit code 2 (no usage
+    block: ``PROG --help`` prints it); an unrecognized flag close to a known one (of this parser or a
+    sub-command's) gets a "did you mean"."""
+
+    def _flags(self) -> list[str]:
+        flags = [o for a in self._actions for o in a.option_strings]
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                flags += [f for sub in a.choices.values() for f in sub._flags()]
+        return flags
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            guesses = [f"{w} (did you mean {g}?)" for w in message.split(": ", 1)[1].split()
+                       if w.startswith("--") and (g := did_you_mean(w.split("=")[0], self._flags()))]
+            if guesses:
+                message += "; " + "; ".join(guesses)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpcourse", description="Mixed-precision training, checked.")
+    p = OneLineParser(prog="mpcourse", description="Mixed-precision training, checked.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
     c.add_argument("--recipes", type=comma_list(RECIPES, what="recipe"), default=None,
@@ -76,8 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
     c.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default {DEFAULT_OUT}; {QUICK_OUT} with --quick, so a first run never replaces "
-                        "the main one); a folder that already holds results.json is overwritten, and the run says so")
+                   help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
+                        f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
+                        "each flag that changes what the run computes, as flag=value joined by + in this list's order "
+                        "(e.g. recipes=fp32,mxfp8-floor+steps=8; a flag at its default value changes nothing, nor do "
+                        "--jobs, --no-progress and --dist-timeout; a notebook or --data file by its name without the "
+                        f"suffix; past {MAX_RUN_NAME} characters shortened with a hash). The run prints the folder at "
+                        "its start and end; when it overwrites an earlier results.json there it says so after writing")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     c.add_argument("--jobs", type=positive_int, default=None,
                    help="train this many recipes at once in worker processes (default: one per core, at most one "
@@ -111,16 +258,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _peak_flops(device: str, threads: int | None = None) -> float | None:
-    """The peak for the %peak column: the GPU's dense BF16 datasheet peak, or this CPU's measured FP32 GEMM
-    on ``threads`` threads (a worker's, so that its tok/s and the peak count the same cores)."""
-    from .speed import gpu_peak, measure_cpu_peak
+def _peak_flops(device: str, threads: int | None = None) -> dict[str, float]:
+    """The peaks for the %peak column by GEMM dtype key (``speed.peak_key``): the GPU's dense datasheet peaks
+    (BF16, FP8; {} for a GPU not in ``speed.GPU_PEAKS``), or this CPU's measured GEMMs on ``threads`` threads (a
+    worker's, so that its tok/s and the peak count the same cores): FP32, and BF16/FP16 where native."""
+    from .speed import cpu_peaks, emulated_dtypes, gpu_peaks
 
     if device == "cuda":
         import torch
 
-        return gpu_peak(torch.cuda.get_device_name())
-    return measure_cpu_peak(threads=threads)
+        return gpu_peaks(torch.cuda.get_device_name())
+    return cpu_peaks(emulated_dtypes(), threads=threads)
 
 
 def large_on_cpu_warning(cfg: TrainConfig, vocab_size: int, n_runs: int, peak_flops: float) -> str:
@@ -139,6 +287,14 @@ def large_on_cpu_warning(cfg: TrainConfig, vocab_size: int, n_runs: int, peak_fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:                     # before or after the training (run_compare handles its own)
+        print("mpcourse compare: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "recipes":
         width = max(map(len, RECIPES))
@@ -153,16 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .compare import run_compare
 
-    if args.out is None:
-        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
     args.steps = args.steps if args.steps is not None else preset["steps"]
     args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
-    try:      # fail now, not after minutes of training
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
-              "pass another folder", file=sys.stderr)
+    side = args.out is None and bool(run_changes(args))
+    if args.out is None:
+        args.out = output_folder(args)
+    bad = out_folder_error(args.out)            # fail now, not after minutes of training
+    if bad:
+        print(f"mpcourse compare: error: {bad}", file=sys.stderr)
         return 2
     if args.device == "cuda" and not _cuda_available():
         print("mpcourse compare: error: --device cuda but no CUDA GPU is visible to torch "
@@ -190,16 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
-        return _main_distributed(args, corpus, cfg, recipes)
+        return _main_distributed(args, corpus, cfg, recipes, side)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
+    print(_where_line(args.out, side))
     print(f"tensor cores: {emulation.status()}")
     from . import machine
     print(f"cpu: {machine.summary()}")
-    previous = _previous_run(args.out)
-    if previous:
-        print(previous)
     learner = {}
     if args.with_notebooks:
         from .learner import LearnerLoadError, load_functions
@@ -224,29 +377,81 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if jobs > 1:
         print(f"jobs: {jobs} worker processes x {threads} thread(s)")
-    peak = _peak_flops(args.device, threads)
-    where = "dense BF16 datasheet" if args.device == "cuda" else "this CPU, measured FP32 GEMM"
-    print(f"peak FLOP/s for %peak: {peak / 1e12:.3g} TFLOP/s ({where})" if peak
-          else "peak FLOP/s: unknown GPU, %peak not shown")
-    if args.preset == "large" and args.device != "cuda" and peak:
-        print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peak), file=sys.stderr)
+    peaks = _peak_flops(args.device, threads)
+    if isinstance(peaks, (int, float)):          # one number: the FP32 (CPU) or BF16 (GPU) peak
+        peaks = {"bf16" if args.device == "cuda" else "fp32": float(peaks)}
+    print(_peak_line(peaks, args.device, threads))
+    if args.preset == "large" and args.device != "cuda" and peaks.get("fp32"):
+        print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peaks["fp32"]), file=sys.stderr)
+    remeasure = None
+    if args.device != "cuda":
+        from .speed import measure_gemm_peak
+        remeasure = lambda key: measure_gemm_peak(key, threads=threads)      # noqa: E731
+    earlier = _earlier_run(args.out)
+    try:
+        created = _make_folder(args.out)
+    except OSError as e:
+        print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
+              "pass another folder", file=sys.stderr)
+        return 2
     t0 = time.time()
-    from .compare import CompareFailed
+    from .compare import CompareFailed, CompareInterrupted
     from .pool import WorkerError
     try:
         run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds,
-                    peak_flops=peak, inspect_every=args.inspect or 0, learner=learner, jobs=jobs)
+                    peak_flops=peaks or None, inspect_every=args.inspect or 0, learner=learner, jobs=jobs,
+                    remeasure_peak=remeasure)
     except WorkerError as e:
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
         return 1
     except CompareFailed as e:
         for f in e.failed:
             print(f"mpcourse compare: error: {f['recipe']} (seed {f['seed']}) failed: {f['error']}", file=sys.stderr)
-        print(f"mpcourse compare: {len(e.failed)} run(s) failed; the {len(e.results)} finished rows are in "
-              f"{args.out / 'results.json'} (its \"failed\" list names the others)", file=sys.stderr)
+        if e.results:
+            print(f"mpcourse compare: {len(e.failed)} run(s) failed; the {len(e.results)} finished rows are in "
+                  f"{args.out / 'results.json'} (its \"failed\" list names the others)", file=sys.stderr)
+        else:
+            print(f"mpcourse compare: no run finished: nothing written ({args.out}/ keeps what it held)",
+                  file=sys.stderr)
+        _say_overwrite(args.out, earlier)
         return 1
+    except CompareInterrupted as e:
+        print(f"mpcourse compare: interrupted; the {len(e.results)} finished rows are in {args.out / 'results.json'} "
+              "(its \"failed\" list names the runs not finished)" if e.results else
+              f"mpcourse compare: interrupted before any run finished: nothing written ({args.out}/ keeps what it "
+              "held)", file=sys.stderr)
+        _say_overwrite(args.out, earlier)
+        return 130
+    finally:
+        _remove_if_empty(created)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
+    _say_overwrite(args.out, earlier)
     return 0
+
+
+def _where_line(out: Path, side: bool) -> str:
+    """The line that says, before the run, where its results go."""
+    if side:
+        return (f"results go to {out}/ (a run other than the default one gets a folder of its own, named after what "
+                f"it changes, so {DEFAULT_OUT}/ keeps the default run's; --out to choose)")
+    return f"results go to {out}/ (--out to choose another folder)"
+
+
+def _say_overwrite(out: Path, earlier) -> None:
+    note = _overwrite_note(out, earlier)
+    if note:
+        print(note)
+
+
+def _peak_line(peaks: dict[str, float], device: str, threads: int) -> str:
+    """The start-up line naming the peaks %peak is taken against."""
+    if not peaks:
+        return "peak FLOP/s: unknown GPU, %peak not shown"
+    from .speed import GEMM_REPEATS
+    where = ("dense tensor-core datasheet" if device == "cuda" else
+             f"this CPU, the best of {GEMM_REPEATS} timed 1024^3 GEMMs on {threads} thread(s) per dtype")
+    values = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in peaks.items())
+    return f"peak FLOP/s for %peak, each row against its GEMM dtype's: {values} ({where})"
 
 
 def _token_count_error(recipes, cfg, nproc: int) -> str | None:
@@ -271,7 +476,7 @@ def _token_count_error(recipes, cfg, nproc: int) -> str | None:
     return None
 
 
-def _main_distributed(args, corpus, cfg, recipes) -> int:
+def _main_distributed(args, corpus, cfg, recipes, side: bool = False) -> int:
     """``compare --nproc N --parallel ddp|fsdp`` (or under torchrun): rank 0 prints and writes."""
     from .distributed import Job, RankFailed, is_rank_zero, run_distributed_compare
 
@@ -307,15 +512,20 @@ def _main_distributed(args, corpus, cfg, recipes) -> int:
         print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens, "
               f"--parallel {args.parallel} over {'torchrun' if nproc == 1 else nproc} gloo processes, "
               f"reduce dtype {args.reduce_dtype or 'default'}; bytes per parameter are per rank")
+        print(_where_line(args.out, side))
         print(f"tensor cores: {emulation.status()}")
+    earlier = _earlier_run(args.out)
     t0 = time.time()
     try:
-        run_distributed_compare(job, nproc)
+        results = run_distributed_compare(job, nproc)
     except RankFailed as e:
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
         return 1
-    if talk:
+    if talk and results:
         print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
+        _say_overwrite(args.out, earlier)
+    elif talk:
+        print(f"no recipe ran under --parallel {args.parallel}: nothing written ({args.out}/ keeps what it held)")
     return 0
 
 

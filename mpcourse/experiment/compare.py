@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 
 from .data import Corpus
@@ -79,10 +80,32 @@ def _mb(r: RunResult, key: str) -> str:
     return _fmt(r.memory.get(key, 0) / 2**20, ".2f") if r.memory else "-"
 
 
-def _peak_pct(r: RunResult, peak_flops: float | None) -> str:
-    if not peak_flops or not r.flops_per_token:
+def _row_peak(name: str, peak_flops) -> float | None:
+    """``peak_flops`` for row ``name``: one number for every row, or a mapping row name -> FLOP/s (None: unknown)."""
+    if isinstance(peak_flops, Mapping):
+        return peak_flops.get(name)
+    return peak_flops
+
+
+def _peak_pct(r: RunResult, peak_flops, clamped: list[str]) -> str:
+    """The %peak cell of ``r`` against its peak (``_row_peak``); a row above it is clamped to ``100.0*`` and its
+    name appended to ``clamped`` (``speed.percent_of_peak``)."""
+    from .speed import percent_of_peak
+
+    peak = _row_peak(r.recipe, peak_flops)
+    if not peak or not r.flops_per_token or not math.isfinite(r.tokens_per_s):
         return "-"
-    return _fmt(100 * r.tokens_per_s * r.flops_per_token / peak_flops, ".1f")
+    pct, over = percent_of_peak(r.tokens_per_s, r.flops_per_token, peak)
+    if over:
+        clamped.append(r.recipe)
+        return f"{pct:.1f}*"
+    return _fmt(pct, ".1f")
+
+
+def _clamp_note(clamped: list[str]) -> str:
+    return ("\n*: ran faster than the peak measured for its GEMM dtype, shown as 100.0: "
+            f"{', '.join(clamped)} (the peak measured low, e.g. on a busy machine; that dtype's %peak reads high)"
+            if clamped else "")
 
 
 LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
@@ -91,7 +114,7 @@ LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; ga
           "recent ratio to it; -: none); scale: final loss scale; B/param: bytes per "
           "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: tensors saved for "
           "backward in one step (FP8 weight copies included);\npeak MB: most bytes alive during one step, state "
-          "included; %peak: model FLOP/s over the machine's peak FLOP/s")
+          "included; %peak: model FLOP/s over the machine's peak FLOP/s for the dtype the row's GEMMs run in")
 
 
 def _layout(head, rows, legend):
@@ -106,21 +129,23 @@ def family(recipe: str) -> str:
     return "torch.amp" if recipe.startswith("torch-amp") else recipe.split("-")[0]
 
 
-def format_table(results: list[RunResult], *, peak_flops: float | None = None) -> str:
-    """The comparison table as monospaced text (one row per recipe; the runs of one seed)."""
+def format_table(results: list[RunResult], *, peak_flops: float | Mapping[str, float] | None = None) -> str:
+    """The comparison table as monospaced text (one row per recipe; the runs of one seed). ``peak_flops``: the
+    peak for %peak, one number for every row or a mapping row name -> FLOP/s (``speed.row_peaks``); a row above
+    its peak prints ``100.0*`` and a note names it."""
     ref = next((r for r in results if r.recipe == "fp32"), None)
     head = ["recipe", "train", "val", "gap%", "spike", "skipped", "scale", "tok/s", "%peak",
             "B/param w+g+m+o=total", "act MB", "peak MB"]
-    rows = []
+    rows, clamped = [], []
     for r, spikes in zip(results, spike_reports(results)):
         val = _fmt(r.final_val_loss, ".3f")
         if r.diverged_at is not None:
             val = f"nan@{r.diverged_at}"
         rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
                      _spike_cell(spikes), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
-                     _peak_pct(r, peak_flops), _bytes_cell(r.bytes_per_param),
+                     _peak_pct(r, peak_flops, clamped), _bytes_cell(r.bytes_per_param),
                      _fmt(r.activation_bytes / 2**20, ".2f"), _mb(r, "peak")])
-    return _layout(head, rows, LEGEND)
+    return _layout(head, rows, LEGEND + _clamp_note(clamped))
 
 
 def _mean_std(xs: list[float], spec: str) -> str:
@@ -134,15 +159,16 @@ def _mean_std(xs: list[float], spec: str) -> str:
     return f"{format(statistics.mean(xs), spec)}+-{format(statistics.stdev(xs), spec.lstrip('+'))}"
 
 
-def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None = None) -> str:
-    """Mean +- std over seeds (one row per recipe) of the final losses, the gap to FP32 (per seed) and tok/s."""
+def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | Mapping[str, float] | None = None) -> str:
+    """Mean +- std over seeds (one row per recipe) of the final losses, the gap to FP32 (per seed) and tok/s
+    (%peak of the mean tok/s; ``peak_flops`` as in ``format_table``)."""
     seeds = list(runs)
     names = list(dict.fromkeys(r.recipe for s in seeds for r in runs[s]))   # a run that failed has no row
     by = {s: {r.recipe: r for r in rs} for s, rs in runs.items()}
     head = ["recipe", "train", "val", "gap%", "spikes", "skipped", "tok/s", "%peak", "B/param w+g+m+o=total",
             "act MB", "peak MB"]
     spikes = {(s, r.recipe): rep for s in seeds for r, rep in zip(runs[s], spike_reports(runs[s]))}
-    rows = []
+    rows, clamped = [], []
     for n in names:
         have = [s for s in seeds if n in by[s]]
         rs = [by[s][n] for s in have]
@@ -155,10 +181,10 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | None
         rows.append([n, _mean_std([r.final_train_loss for r in rs], ".3f"), val, _mean_std(gaps, "+.1f"),
                      "/".join(_spike_cell(spikes[s, n]) for s in have), "/".join(str(r.skipped_steps) for r in rs), _fmt(statistics.mean(r.tokens_per_s for r in rs), ",.0f"),
                      _peak_pct(dataclasses.replace(first, tokens_per_s=statistics.mean(r.tokens_per_s for r in rs)),
-                               peak_flops),
+                               peak_flops, clamped),
                      _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
     legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run); "
-              "spikes, skipped: per seed\n" + LEGEND)
+              "spikes, skipped: per seed\n" + LEGEND + _clamp_note(clamped))
     return _layout(head, rows, legend)
 
 
@@ -380,6 +406,7 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
 
 class CompareFailed(RuntimeError):
     """Some runs of a compare job failed; the finished ones are in ``results.json`` (``failed`` names the others).
+    When none finished nothing was written (an earlier ``results.json`` in the folder is kept as it was).
 
     Attributes:
         failed: ``[{"recipe", "seed", "error"}]``, one per failed run, in the order of the job.
@@ -389,6 +416,21 @@ class CompareFailed(RuntimeError):
     def __init__(self, failed: list[dict], results: list[RunResult]):
         self.failed, self.results = failed, results
         super().__init__("; ".join(f"{f['recipe']} (seed {f['seed']}): {f['error']}" for f in failed))
+
+
+class CompareInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a compare job: the rows that finished are in ``results.json`` (its ``failed`` names the runs
+    that did not finish, ``interrupted`` is true); nothing was written when none had finished.
+
+    A ``KeyboardInterrupt``, so a caller that does not know it still stops. Attributes as ``CompareFailed``'s.
+    """
+
+    def __init__(self, failed: list[dict], results: list[RunResult]):
+        self.failed, self.results = failed, results
+        super().__init__(f"interrupted: {len(results)} finished run(s) kept, {len(failed)} not finished")
+
+
+INTERRUPTED = "interrupted before it finished"
 
 
 def _error_line(e: BaseException) -> str:
@@ -421,10 +463,14 @@ def learner_verdicts(rows: dict[int, list[RunResult]], recipes: list[str], messa
 
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
-                peak_flops: float | None = None, inspect_every: int = 0,
-                learner: dict | None = None, jobs: int = 1, threads: int | None = None) -> list[RunResult]:
+                peak_flops: float | Mapping[str, float] | None = None, inspect_every: int = 0,
+                learner: dict | None = None, jobs: int = 1, threads: int | None = None,
+                remeasure_peak=None) -> list[RunResult]:
     """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
-    the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peak for the %peak column.
+    the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peaks for the %peak column, by GEMM
+    dtype key (``speed.cpu_peaks`` / ``gpu_peaks``: each row against its dtype's, ``speed.peak_key``), or one
+    number for every row; ``remeasure_peak(key)``: measures a peak again when a row beat it (the better one counts;
+    a row still above it prints ``100.0*``, see ``format_table``).
     ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
     ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
     FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``).
@@ -438,76 +484,123 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
 
     A run that fails does not stop the others: the table and ``results.json`` hold every finished row,
     ``results.json``'s ``failed`` names each failed run and why, and ``CompareFailed`` is raised after the
-    files are written.
+    files are written. Ctrl-C (``KeyboardInterrupt``, in this process or while workers train) stops the job the
+    same way: the finished rows are written, the others named in ``failed`` as interrupted, and
+    ``CompareInterrupted`` is raised. When no run finished nothing is written (``out`` keeps what it held).
     """
     from .threads import TRAINING_THREADS, training_threads
 
     if threads not in (None, TRAINING_THREADS):
         raise ValueError(f"threads={threads}: every training run uses {TRAINING_THREADS} intra-op thread(s) "
                          "(mpcourse.experiment.threads); drop the argument")
-    out.mkdir(parents=True, exist_ok=True)
     seeds = list(seeds) if seeds else [cfg.seed]
     pooled: dict[tuple[int, str], RunResult] = {}
     failed: dict[tuple[int, str], str] = {}
+    interrupted = False
     if jobs > 1:
         from .pool import Task, run_pool
+        if inspect_every:
+            out.mkdir(parents=True, exist_ok=True)           # the workers' inspector files go there
         tasks = [Task(name, dataclasses.replace(cfg, seed=seed), inspect_every if seed == seeds[0] else 0, out)
                  for seed in seeds for name in recipes]
         errors: dict[int, str] = {}
-        for i, (t, r) in enumerate(zip(tasks, run_pool(tasks, corpus, jobs, TRAINING_THREADS, progress=progress,
-                                                       failures=errors))):
-            if r is not None:
-                pooled[t.cfg.seed, t.name] = r
-            else:
+        finished: dict[int, RunResult] = {}
+        try:
+            run_pool(tasks, corpus, jobs, TRAINING_THREADS, progress=progress, failures=errors, finished=finished)
+        except KeyboardInterrupt:                # keep what the workers finished: written below
+            interrupted = True
+        for i, t in enumerate(tasks):
+            if i in finished:
+                pooled[t.cfg.seed, t.name] = finished[i]
+            elif i in errors:
                 failed[t.cfg.seed, t.name] = errors[i]
     runs: dict[int, list[RunResult]] = {}
     messages: dict[str, str] = {}
     with training_threads():
         for seed in seeds:
+            if interrupted:
+                runs[seed] = [pooled[seed, n] for n in recipes if (seed, n) in pooled]
+                continue
             scfg = dataclasses.replace(cfg, seed=seed)
-            rows = []
-            for name in recipes:
-                if (seed, name) in failed:
-                    continue
-                try:
-                    if (seed, name) in pooled:
-                        rows.append(pooled[seed, name])
-                    elif inspect_every and seed == seeds[0]:
-                        rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
-                    else:
-                        rows.append(train(name, corpus, scfg, progress=progress))
-                except Exception as e:          # keep the other rows: this one is named in results.json
-                    failed[seed, name] = _error_line(e)
-                    continue
-                if learner:
-                    said: list[str] = []
-                    mine = train_with_learner(name, corpus, scfg, learner, progress=progress, echo=said.append)
-                    if mine is not None:
-                        rows.append(mine)
-                    elif said:
-                        messages.setdefault(name, said[0])
-            runs[seed] = rows
+            rows = runs[seed] = []
+            try:
+                for name in recipes:
+                    if (seed, name) in failed:
+                        continue
+                    try:
+                        if (seed, name) in pooled:
+                            rows.append(pooled[seed, name])
+                        elif inspect_every and seed == seeds[0]:
+                            out.mkdir(parents=True, exist_ok=True)
+                            rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
+                        else:
+                            rows.append(train(name, corpus, scfg, progress=progress))
+                    except Exception as e:          # keep the other rows: this one is named in results.json
+                        failed[seed, name] = _error_line(e)
+                        continue
+                    if learner:
+                        said: list[str] = []
+                        mine = train_with_learner(name, corpus, scfg, learner, progress=progress, echo=said.append)
+                        if mine is not None:
+                            rows.append(mine)
+                        elif said:
+                            messages.setdefault(name, said[0])
+            except KeyboardInterrupt:               # Ctrl-C: keep the finished rows, name the others
+                interrupted = True
+    done = {(s, r.recipe) for s, rs in runs.items() for r in rs}
     failures = [{"recipe": name, "seed": seed, "error": failed[seed, name]}
                 for seed in seeds for name in recipes if (seed, name) in failed]
+    failures += [{"recipe": name, "seed": seed, "error": INTERRUPTED} for seed in seeds for name in recipes
+                 if interrupted and (seed, name) not in failed and (seed, name) not in done]
+    flat = [(s, r) for s, rs in runs.items() for r in rs]
+    peaks = dict(peak_flops) if isinstance(peak_flops, Mapping) else peak_flops
+    row_peak = _settle_peaks(flat, peaks, cfg, remeasure_peak)
     if len(seeds) == 1:
-        echo(format_table(runs[seeds[0]], peak_flops=peak_flops))
+        echo(format_table(runs.get(seeds[0], []), peak_flops=row_peak))
     else:
-        echo(format_seed_table(runs, peak_flops))
+        echo(format_seed_table(runs, row_peak))
     if learner:
         for line in learner_verdicts(runs, recipes, messages):
             echo(line)
     for f in failures:
-        echo(f"FAILED {f['recipe']} (seed {f['seed']}): {f['error']}")
-    flat = [(s, r) for s, rs in runs.items() for r in rs]
-    extra = {"seeds": seeds, "peak_flops": peak_flops, "jobs": jobs, "threads": TRAINING_THREADS,
-             "failed": failures}
-    if len(seeds) > 1:
-        extra["seed_summary"] = seed_summary(runs)
-    write_outputs([r for _, r in flat], corpus, cfg, out, extra=extra,
-                  seeds=[s for s, _ in flat], plot_results=runs[seeds[0]])
+        said = "NOT FINISHED" if f["error"] == INTERRUPTED else "FAILED"
+        echo(f"{said} {f['recipe']} (seed {f['seed']}): {f['error']}")
+    results = [r for _, r in flat]
+    if results:                      # nothing finished: write nothing, so an earlier run's files stay as they were
+        extra = {"seeds": seeds, "peak_flops": peaks, "row_peak_flops": row_peak, "jobs": jobs,
+                 "threads": TRAINING_THREADS, "failed": failures, "interrupted": interrupted}
+        if len(seeds) > 1:
+            extra["seed_summary"] = seed_summary(runs)
+        write_outputs(results, corpus, cfg, out, extra=extra, seeds=[s for s, _ in flat],
+                      plot_results=runs.get(seeds[0]) or results)
+    if interrupted:
+        raise CompareInterrupted(failures, results)
     if failures:
-        raise CompareFailed(failures, [r for _, r in flat])
-    return [r for _, r in flat]
+        raise CompareFailed(failures, results)
+    return results
+
+
+def _settle_peaks(flat: list[tuple[int, RunResult]], peaks, cfg: TrainConfig, remeasure_peak) -> dict | float | None:
+    """Each row's peak for %peak (``speed.row_peaks``; a single number stays one for every row). A row faster than
+    its peak has that peak measured again with ``remeasure_peak(key)`` (where given), the better of the two kept
+    in ``peaks``; a row still above it is clamped when the table is printed."""
+    if not isinstance(peaks, dict):
+        return peaks
+    from .speed import emulated_dtypes, peak_key, row_peaks
+
+    device, emulated = getattr(cfg, "device", "cpu"), emulated_dtypes()
+    names = list(dict.fromkeys(r.recipe for _, r in flat))
+    row_peak = row_peaks(names, peaks, device, emulated)
+    if remeasure_peak is not None:
+        from .recipes import get_recipe
+        over = {peak_key(get_recipe(r.recipe.removesuffix(" [yours]")).gemm_dtype, device, emulated)
+                for _, r in flat if row_peak.get(r.recipe) and r.flops_per_token
+                and r.tokens_per_s * r.flops_per_token > row_peak[r.recipe]}
+        for key in sorted(over):
+            peaks[key] = max(peaks[key], remeasure_peak(key))
+        if over:
+            row_peak = row_peaks(names, peaks, device, emulated)
+    return row_peak
 
 
 def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None,

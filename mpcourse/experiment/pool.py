@@ -24,7 +24,8 @@ named there (``mpcourse compare`` keeps every finished row).
 
 Interruption: Ctrl-C or a failed run terminates the runs in flight instead of waiting for them, and each worker
 watches its parent and exits when the parent is gone (a parent killed outright runs no clean-up of its own), so
-stopping a job leaves no training process behind.
+stopping a job leaves no training process behind. The runs that had come back are kept (``finished=``), and
+``mpcourse compare`` writes them.
 """
 from __future__ import annotations
 
@@ -124,16 +125,19 @@ def _run_task(task: Task, corpus: Corpus) -> RunResult:
 
 
 def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINING_THREADS, *, progress: bool = True,
-             failures: Optional[dict[int, str]] = None) -> list[Optional[RunResult]]:
+             failures: Optional[dict[int, str]] = None,
+             finished: Optional[dict[int, RunResult]] = None) -> list[Optional[RunResult]]:
     """Run ``tasks`` in ``jobs`` spawned workers of ``threads`` threads each (default ``TRAINING_THREADS``, the
     count every training run uses: ``mpcourse.experiment.threads``); results in the order of ``tasks``.
 
     A run that fails raises ``WorkerError`` (the other runs are cancelled); with ``failures`` (a dict) the
     other runs go on instead, the failed task's index maps to ``"ExceptionType: message"`` there, and its
-    result is None."""
+    result is None. ``finished`` (a dict), filled as the runs come back (task index -> result), still holds them
+    when the job stops early (Ctrl-C raises ``KeyboardInterrupt`` out of here after the runs in flight are
+    stopped): ``mpcourse compare`` keeps those rows."""
     ctx = mp.get_context("spawn")
     ticks = ctx.Queue()
-    results: dict[int, RunResult] = {}
+    results: dict[int, RunResult] = finished if finished is not None else {}
     bar = tqdm(total=sum(t.cfg.steps for t in tasks), disable=not progress, dynamic_ncols=True,
                desc=f"{len(tasks)} runs, {jobs} jobs x {threads} threads")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,

@@ -11,9 +11,21 @@ computes two GEMMs per forward GEMM: input gradient and weight gradient). Per to
 
 Biases, LayerNorm, softmax and GELU are left out (they are O(C) per token, memory-bound).
 
-Peaks: on a GPU the chip's dense tensor-core peak (``GPU_PEAKS``; H100/H200 SXM 989 TFLOP/s BF16,
-1979 FP8; NVIDIA H100 datasheet); on a CPU there is no datasheet number worth trusting, so
-``measure_cpu_peak`` times the machine's own FP32 GEMM (the best a dense kernel reaches here).
+Peaks, one per GEMM dtype, and each row measured against the peak of the dtype its GEMMs run in
+(``peak_key``; the recipe declares it as ``gemm_dtype``). On a GPU: the chip's dense tensor-core peak
+(``GPU_PEAKS``; H100/H200 SXM 989 TFLOP/s BF16, 1979 FP8; NVIDIA H100 datasheet): FP8 rows against the FP8
+peak, every other row against the BF16 one (PaLM's MFU convention: the chip's training peak; an FP32 row cannot
+reach it). On a CPU there is no datasheet number worth trusting, so ``measure_gemm_peak`` times the machine's
+own GEMM in that dtype: FP32, and BF16 or FP16 where the CPU has native units for it (where it has not, those
+GEMMs are emulated as FP32 GEMMs plus one rounding, ``mpcourse.core.emulation``, and an FP8/MX/NVFP4 GEMM on a
+CPU is an FP32 GEMM of the upcast codes, ``mpcourse.core.quant.fastpath.cpu_scaled_mm``: those rows are measured
+against the FP32 peak).
+
+A timing is only ever too slow (another process took the core, a frequency step), never too fast, so the peak
+is the best of several timings (``GEMM_REPEATS``, after a warm-up): one GEMM timed once varied 2.2x across five
+start-ups of ``mpcourse compare`` on a shared 2-core CPU. Even so a row can beat a peak measured while the
+machine was busy; ``percent_of_peak`` then clamps it at 100 and says so (``mpcourse compare`` first measures
+that dtype's peak again, and keeps the better of the two).
 """
 from __future__ import annotations
 
@@ -34,23 +46,97 @@ def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab_size: int,
     return 3 * fwd if training else fwd
 
 
-def measure_cpu_peak(n: int = 1024, repeats: int = 5, threads: int | None = None) -> float:
-    """FP32 FLOP/s of this CPU's best (n x n) @ (n x n) GEMM over ``repeats`` timed runs (after a warm-up)."""
+#: the GEMM dtypes a row's peak is keyed by (``TrainingRecipe.gemm_dtype``); "fp8" stands for every quantized
+#: recipe (FP8, MXFP8, NVFP4 operands)
+GEMM_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+#: timed GEMMs per peak measurement (the best counts), after one warm-up
+GEMM_REPEATS = 10
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def measure_gemm_peak(dtype: str = "fp32", n: int = 1024, repeats: int = GEMM_REPEATS, threads: int | None = None,
+                      clock=time.perf_counter) -> float:
+    """FLOP/s of this CPU's best ``(n x n) @ (n x n)`` GEMM in ``dtype`` ("fp32", "bf16", "fp16") on ``threads``
+    threads (default: torch's current count): 2 n^3 over the shortest of ``repeats`` timed runs, after a warm-up.
+    ``clock``: the timer (seconds), replaceable for a test."""
     if threads is not None:
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        dt = _torch_dtype(dtype)
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         a @ b
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             a @ b
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     finally:
         if threads is not None:
             torch.set_num_threads(old)
     return 2 * n ** 3 / best
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = GEMM_REPEATS, threads: int | None = None) -> float:
+    """FP32 FLOP/s of this CPU's best GEMM (``measure_gemm_peak("fp32", ...)``)."""
+    return measure_gemm_peak("fp32", n, repeats, threads)
+
+
+def peak_key(gemm_dtype: str, device: str, emulated: dict[str, bool]) -> str:
+    """The peak a row whose GEMMs run in ``gemm_dtype`` is measured against (a key of ``cpu_peaks`` /
+    ``gpu_peaks``). ``emulated["bf16"]`` / ``["fp16"]``: whether this machine computes that dtype's GEMMs through
+    the tensor-core emulation (FP32 GEMMs; ``mpcourse.core.emulation.emulation_enabled``).
+
+    GPU: "fp8" for quantized rows, "bf16" for every other. CPU: "fp32" for FP32 and quantized rows (an FP8 GEMM on
+    a CPU is an FP32 GEMM) and for an emulated 16-bit dtype, the dtype itself where it runs natively."""
+    if gemm_dtype not in GEMM_DTYPES:
+        raise ValueError(f"gemm dtype must be one of {', '.join(GEMM_DTYPES)}, got {gemm_dtype!r}")
+    if device == "cuda":
+        return "fp8" if gemm_dtype == "fp8" else "bf16"
+    if gemm_dtype in ("fp32", "fp8"):
+        return "fp32"
+    return "fp32" if emulated[gemm_dtype] else gemm_dtype
+
+
+def cpu_peaks(emulated: dict[str, bool], threads: int | None = None, measure=measure_gemm_peak) -> dict[str, float]:
+    """The CPU peaks a run needs: FP32, and each 16-bit dtype this CPU computes natively (``emulated`` False)."""
+    return {key: measure(key, threads=threads) for key in ("fp32", "bf16", "fp16")
+            if key == "fp32" or not emulated[key]}
+
+
+def gpu_peaks(device_name: str) -> dict[str, float]:
+    """The dense tensor-core peaks of a GPU, by key ("bf16", "fp8" where known); {} for a GPU not in the table."""
+    bf16, fp8 = gpu_peak(device_name), gpu_peak(device_name, fp8=True)
+    return {k: v for k, v in (("bf16", bf16), ("fp8", fp8)) if v is not None}
+
+
+def row_peaks(names, peaks: dict[str, float], device: str, emulated: dict[str, bool]) -> dict[str, float | None]:
+    """Each row's peak (``names``: the table's row names; a learner's ``"NAME [yours]"`` row counts as ``NAME``):
+    ``peaks[peak_key(recipe.gemm_dtype, ...)]``, None where that peak is unknown."""
+    from .recipes import get_recipe
+
+    out = {}
+    for name in names:
+        key = peak_key(get_recipe(name.removesuffix(" [yours]")).gemm_dtype, device, emulated)
+        out[name] = peaks.get(key)
+    return out
+
+
+def emulated_dtypes() -> dict[str, bool]:
+    """{"bf16": ..., "fp16": ...}: whether this process computes that dtype's GEMMs through the emulation."""
+    from mpcourse.core import emulation
+
+    return {"bf16": emulation.emulation_enabled(torch.bfloat16), "fp16": emulation.emulation_enabled(torch.float16)}
+
+
+def percent_of_peak(tokens_per_s: float, flops_token: float, peak_flops: float) -> tuple[float, bool]:
+    """Model FLOP/s as a percentage of the peak, clamped at 100: (percent, clamped). A row above its peak means
+    the peak measured low (a busy machine), not a kernel faster than the machine's best."""
+    pct = 100.0 * fraction_of_peak(tokens_per_s, flops_token, peak_flops)
+    return (100.0, True) if pct > 100.0 else (pct, False)
 
 
 def gpu_peak(device_name: str, fp8: bool = False) -> float | None:

@@ -152,6 +152,11 @@ class TrainingRecipe:
     #: names of the library functions this recipe lets a caller replace (``overrides``); each name is
     #: the function a lesson's exercise implements, with that exercise's signature.
     OVERRIDABLE: tuple[str, ...] = ()
+    #: the dtype most of a step's GEMM FLOPs run in: "fp32", "bf16", "fp16", or "fp8" for quantized linears (FP8,
+    #: MX, NVFP4 operands). ``mpcourse compare``'s %peak measures the row against that dtype's peak
+    #: (``mpcourse.experiment.speed.peak_key``); ``tests/test_compare_outputs.py`` checks it against the matmuls
+    #: one step runs.
+    gemm_dtype: str = "fp32"
 
     def __init__(self, model: nn.Module, optim: OptimConfig | None = None,
                  overrides: Mapping[str, Callable] | None = None):
@@ -235,6 +240,7 @@ class MasterWeightsRecipe(TrainingRecipe):
     loss scaling. Shared by ``fp16-master`` (and the scaled FP16 rows) and ``bf16-master``."""
 
     model_dtype = torch.float16
+    gemm_dtype = "fp16"                       # the model's dtype (a subclass with another model_dtype says so)
     #: lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16); lesson 02: the master copy and the
     #: step through it (``master_step`` does its own rounding: given both, ``round_to_fp16`` is not used).
     OVERRIDABLE = ("round_to_fp16", "make_master", "master_step")

@@ -27,6 +27,7 @@ class FP32Reference(TrainingRecipe):
 class TorchAmpBF16(TrainingRecipe):
     name = "torch-amp-bf16"
     description = "PyTorch anchor: torch.autocast(bfloat16), FP32 weights, no loss scaling"
+    gemm_dtype = "bf16"
 
     def forward_context(self):
         return torch.autocast("cpu" if not _on_cuda(self.model) else "cuda", dtype=torch.bfloat16)
@@ -36,6 +37,7 @@ class TorchAmpBF16(TrainingRecipe):
 class TorchAmpFP16(TrainingRecipe):
     name = "torch-amp-fp16"
     description = "PyTorch anchor: torch.autocast(float16) + torch.amp.GradScaler, FP32 weights"
+    gemm_dtype = "fp16"
 
     def __init__(self, model, optim=None, overrides=None):
         super().__init__(model, optim, overrides)
@@ -68,6 +70,7 @@ class TorchAmpFP16(TrainingRecipe):
 class FP16Pure(TrainingRecipe):
     name = "fp16-pure"
     description = "naive: FP16 weights and AdamW state, no master copy, no loss scaling (breaks)"
+    gemm_dtype = "fp16"
 
     def prepare_model(self, model):
         return model.half()

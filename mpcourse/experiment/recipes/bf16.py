@@ -44,6 +44,7 @@ SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (check
 class BF16Autocast(TrainingRecipe):
     name = "bf16-autocast"
     description = "course autocast (mpcourse.core.autocast, bfloat16), FP32 weights, no loss scaling"
+    gemm_dtype = "bf16"
     OVERRIDABLE = ("cast_args", "cached_cast")        # lesson 05: the casts of one call, the weight-cast cache
 
     def forward_context(self):
@@ -58,6 +59,7 @@ class BF16Master(MasterWeightsRecipe):
     name = "bf16-master"
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.bfloat16
+    gemm_dtype = "bf16"
     OVERRIDABLE = ("round_to_bf16", "make_master", "master_step")   # lessons 00 (the rounding) and 02
 
 
@@ -66,6 +68,7 @@ class _BF16Pure(TrainingRecipe):
     the wrapper."""
 
     rounding, kahan = "nearest", False
+    gemm_dtype = "bf16"
 
     def prepare_model(self, model):
         return model.to(torch.bfloat16)                                # every param (N,) bf16; ids stay int64

@@ -90,6 +90,7 @@ class QuantizedRecipe(TrainingRecipe):
     (``mpcourse.core.quant.learner_functions``), handed to the engine by name."""
 
     fp8_recipe: quant.Recipe
+    gemm_dtype = "fp8"
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
