@@ -7,6 +7,7 @@ import pytest
 from mutation import run_mutant
 
 LESSONS = {   # module in tests/mutants -> solution notebook
+    "m12": "12_capstone.ipynb",
 }
 
 

@@ -22,12 +22,18 @@ the loss multiplied by 2**-12 before the backward (AdamW's eps and the clipping 
 so that in FP32 the multiplier changes nothing); ``healthy``: ``fp16-dynamic`` on the plain loss; ``overflow``:
 ``fp16-master`` on the loss times 2**17 (a summed loss: the gradients pass FP16's max and nothing skips them);
 ``optimizer``: ``fp16-pure`` (Adam's FP16 state makes the weights NaN); ``scale``: a static loss scale of 2**24
-(every step skipped). ``forward_overflow`` and ``fp8_amax_spike``, the grader's two synthetic-only causes, have
-no setting: the course's 20-step CPU runs do not show them. Every log also records ``weight_amax`` (after each
-step, ``mpcourse.experiment.ablations.common.weight_probe``); ``fp8_saturated`` is None throughout (no setting
-casts to FP8). The training runs do not depend on the learner (only the reading does), so they are made once
-per process; ``python -m mpcourse.course.diagnose_yours`` stores the same runs over two seeds, with the FP32
-references as healthy runs, as the grader's real cases (``RUNS_FILE``).
+(every step skipped); ``spike``: ``fp8-delayed`` hit by an amax spike on step 12
+(``mpcourse.experiment.ablations.failures.plant_amax_spike``: the activations entering ``attn.qkv`` and ``mlp.fc``
+256 times larger on that step, the weights their GEMMs read 256 times smaller, exact in FP32); two healthy
+controls of it: ``fp8``, ``fp8-delayed`` without the spike, and ``spike-current``, ``fp8-current`` with the same
+spike (current scaling takes each step's own amax: nothing clamps). ``forward_overflow``, the grader's one
+synthetic-only cause, has no setting: the course's 20-step CPU runs do not show it. Every log also records
+``weight_amax`` (after each step, ``mpcourse.experiment.ablations.common.weight_probe``) and ``fp8_saturated``
+(read after the backward, ``failures.SaturationCounter``: None where the run has no delayed-scaling FP8 cast).
+Each setting's ``reference_loss`` is FP32 on the same loss multiplier and with the same plant. The training runs
+do not depend on the learner (only the reading does), so they are made once per process;
+``python -m mpcourse.course.diagnose_yours`` stores every setting over ``SEEDS`` (0, 1, 2), with the FP32
+references as healthy runs, as the grader's real cases (``RUNS_FILE``), in a few minutes on a CPU.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ import torch
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.experiment.ablations.common import run_one, weight_probe
-from mpcourse.experiment.ablations.failures import OVERFLOW_MULTIPLIER, FP16StaticTooHigh
+from mpcourse.experiment.ablations.failures import (OVERFLOW_MULTIPLIER, FP16StaticTooHigh, SaturationCounter,
+                                                    plant_amax_spike)
 from mpcourse.experiment.ablations.underflow import LOSS_MULTIPLIER, scaled_loss_trainer
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
 from mpcourse.course.yours import YOURS_CONFIG, _default_corpus
@@ -51,12 +58,14 @@ from .grading.diagnosis import CAUSES, RUNS_FILE, log_of, reference_diagnose
 @dataclass(frozen=True)
 class Setting:
     """One run with a known cause: ``recipe`` trained with the loss times ``multiplier`` (eps and clipping
-    scaled with it), its row label ``label``, the ``cause`` it was built to show."""
+    scaled with it), hit by an amax spike if ``spike`` (``failures.plant_amax_spike``), its row label ``label``,
+    the ``cause`` it was built to show."""
 
     recipe: str
     multiplier: float
     label: str
     cause: str
+    spike: bool = False
 
 
 SETTINGS = {
@@ -65,6 +74,9 @@ SETTINGS = {
     "overflow": Setting("fp16-master", OVERFLOW_MULTIPLIER, "fp16-master x 2**17", "gradient_overflow"),
     "optimizer": Setting("fp16-pure", 1.0, "fp16-pure", "optimizer_state"),
     "scale": Setting("fp16-static-2**24", 1.0, "fp16-static 2**24", "scale_too_high"),
+    "spike": Setting("fp8-delayed", 1.0, "fp8-delayed, spike at step 12", "fp8_amax_spike", spike=True),
+    "fp8": Setting("fp8-delayed", 1.0, "fp8-delayed", "healthy"),
+    "spike-current": Setting("fp8-current", 1.0, "fp8-current, spike at step 12", "healthy", spike=True),
 }
 NAME = "diagnose"
 
@@ -75,40 +87,51 @@ def _recipe(name: str):
     return FP16StaticTooHigh if name == FP16StaticTooHigh.name else get_recipe(name)
 
 
-def _run(recipe: str, multiplier: float, cfg) -> dict:
-    """One logged run (``run_one`` with the weights' amax after each step) of ``recipe`` on the loss times
-    ``multiplier``, eps and the clipping threshold scaled with it; single-threaded, tensor-core emulation on."""
+def _run(recipe: str, multiplier: float, cfg, spike: bool = False) -> dict:
+    """One logged run (``run_one`` with the saturated fraction after the backward and the weights' amax after each
+    step) of ``recipe`` on the loss times ``multiplier``, eps and the clipping threshold scaled with it, hit by the
+    amax spike if ``spike``; single-threaded, tensor-core emulation on."""
     base = cfg.optim
     tcfg = replace(cfg, optim=replace(base, eps=base.eps * multiplier, grad_clip=base.grad_clip * multiplier))
+    box = {}
+
+    def make(model, optim):
+        r = _recipe(recipe)(model, optim)
+        if spike:
+            plant_amax_spike(r.model)
+        box["saturation"] = SaturationCounter(r)
+        return r
+
     kw = dict(corpus=_default_corpus(), trainer_cls=scaled_loss_trainer(multiplier), model_cfg=cfg.model,
-              step_probe=weight_probe)
+              probe=lambda r: box["saturation"](r), step_probe=weight_probe)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)                           # the same bits whatever the machine
         with tensor_cores(True):
-            return run_one(recipe, lambda m, o: _recipe(recipe)(m, o), tcfg, **kw)
+            return run_one(recipe, make, tcfg, **kw)
     finally:
         torch.set_num_threads(threads)
 
 
 def fresh_log(setting: str, cfg=None) -> dict:
     """The log of setting ``setting`` (a key of ``SETTINGS``), trained now (once per process and ``cfg``), with
-    the final train loss of FP32 on the same loss multiplier as its ``reference_loss``."""
+    the final train loss of FP32 on the same loss multiplier and plant as its ``reference_loss``."""
     cfg = cfg or YOURS_CONFIG
     key = (setting, repr(cfg))
     if key not in _logs:
         s = SETTINGS[setting]
-        ref = reference_run(s.multiplier, cfg)
-        _logs[key] = log_of(_run(s.recipe, s.multiplier, cfg), ref["final_train_loss"])
+        ref = reference_run(s.multiplier, cfg, s.spike)
+        _logs[key] = log_of(_run(s.recipe, s.multiplier, cfg, s.spike), ref["final_train_loss"])
     return _logs[key]
 
 
-def reference_run(multiplier: float, cfg=None) -> dict:
-    """The FP32 run on the loss times ``multiplier`` (the reference of the settings with that multiplier)."""
+def reference_run(multiplier: float, cfg=None, spike: bool = False) -> dict:
+    """The FP32 run on the loss times ``multiplier``, hit by the amax spike if ``spike`` (the reference of the
+    settings with that multiplier and plant; the plant changes no bit of an FP32 run)."""
     cfg = cfg or YOURS_CONFIG
-    key = ("fp32", multiplier, repr(cfg))
+    key = ("fp32", multiplier, spike, repr(cfg))
     if key not in _logs:
-        _logs[key] = _run("fp32", multiplier, cfg)
+        _logs[key] = _run("fp32", multiplier, cfg, spike)
     return _logs[key]
 
 
@@ -203,13 +226,13 @@ def diagnose_yours(namespace: Mapping[str, object], settings: Sequence[str], *, 
     return [d]
 
 
-# -- the grader's real cases: every setting and its FP32 reference, over two seeds ----------------------------
-SEEDS = (0, 1)
+# -- the grader's real cases: every setting and its FP32 reference, over three seeds ----------------------------
+SEEDS = (0, 1, 2)
 
 
 def build_runs(seeds=SEEDS) -> list[dict]:
-    """Train every setting and its FP32 reference (``healthy``) for each of ``seeds``: [{"name", "cause", "log"}]
-    (minutes on a CPU)."""
+    """Train every setting and its FP32 reference (``healthy``; one per loss multiplier: with the spike's plant
+    FP32 is the same run bit for bit) for each of ``seeds``: [{"name", "cause", "log"}] (minutes on a CPU)."""
     out = []
     for seed in seeds:
         cfg = replace(YOURS_CONFIG, seed=seed)
