@@ -186,7 +186,12 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.optim_fp8:quantize_fp8_state", "mpcourse.core.optim_fp8:dequantize_fp8_state",
                "mpcourse.core.optim_int8:dynamic_map", "mpcourse.core.optim_int8:quantize_int8_state",
                "mpcourse.core.optim_int8:dequantize_int8_state", "mpcourse.core.optim_blockwise:adamw_step",
-               "mpcourse.core.moment_decay:second_moment_ratio"]
+               "mpcourse.core.moment_decay:second_moment_ratio",
+               # the course's default second moment (sqrt(v), never 0 for a positive value) and its lesson table
+               "mpcourse.core.optim_fp8:nonzero_fp8_codes", "mpcourse.core.optim_int8:nonzero_int8_codes",
+               "mpcourse.core.optim_blockwise:quantize_second_moment",
+               "mpcourse.core.optim_blockwise:dequantize_second_moment",
+               "mpcourse.core.moment_decay:stopped_gradient_steps"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

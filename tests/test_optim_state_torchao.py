@@ -14,6 +14,11 @@ Two oracles from torchao:
   of its format can land one code away. So: scales to rtol 2.5e-7, codes at most one code apart and in under
   1% of the elements, parameters within 1e-6 in 99% of the elements and within one step's size everywhere.
   Compiling takes a minute or two on a CPU (and needs a C++ compiler): marked slow.
+
+The step comparisons build ``BlockQuantizedAdamW(state_rule="torchao")``: the course's default stores sqrt(v) and
+never 0 for a positive v (``mpcourse.core.optim_blockwise``), because torchao's rule stores v = 0 under a surviving
+m and then steps lr * m / eps (tests/test_optim_state_stopped.py); torchao's own optimizers do the same, tested
+below. The default's storage is checked against torchao's quantizers applied to sqrt(v), with the one change.
 """
 import shutil
 
@@ -25,7 +30,8 @@ from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.quant_utils import create_dynamic_map, quantize_8bit_with_qmap, scale_tensor  # noqa: E402
 from torchao.optim.subclass_fp8 import OptimStateFp8, quantize_fp8  # noqa: E402
 
-from mpcourse.core.optim_blockwise import BlockQuantizedAdamW, adamw_step  # noqa: E402
+from mpcourse.core.optim_blockwise import (BlockQuantizedAdamW, adamw_step, dequantize_second_moment,  # noqa: E402
+                                           quantize_second_moment)
 from mpcourse.core.optim_fp8 import dequantize_fp8_state, quantize_fp8_state  # noqa: E402
 from mpcourse.core.optim_int8 import dequantize_int8_state, dynamic_map, quantize_int8_state  # noqa: E402
 
@@ -110,6 +116,64 @@ def test_a_planted_signed_map_for_the_second_moment_is_caught():
     assert (wrong - v).abs().mean() > (right - v).abs().mean()
 
 
+# ---- the course's default second moment: torchao's quantizers on sqrt(v), never 0 for a positive value ----------
+def test_sqrt_nonzero_fp8_is_torchaos_quantizer_on_sqrt_v_with_no_zero():
+    v = _moment_tensor(torch.Generator().manual_seed(10)).square()          # >= 0; zeros, 1e-60 (FP32: 0), 1e-24 ...
+    v[6, :3] = torch.tensor([1.0, 1e-14, 1e-20])                               # amax 1: 1e-7 and 1e-10 round to 0
+    codes, scale = quantize_second_moment(v, "fp8", 256, "sqrt-nonzero")
+    t_codes, t_scale = quantize_fp8(v.sqrt(), 256)
+    smallest = torch.tensor(1, dtype=torch.uint8).view(torch.float8_e4m3fn)   # bits 0x01: 2**-9
+    expect = torch.where((v > 0) & (t_codes.float() == 0), smallest, t_codes)
+    assert torch.equal(_bits(codes), _bits(expect)) and torch.equal(scale, t_scale)
+    assert ((v > 0) & (t_codes.float() == 0)).sum() > 2                        # the change is exercised
+    back = dequantize_second_moment(codes, scale, "fp8", "sqrt-nonzero")
+    assert torch.equal(back, OptimStateFp8(expect, t_scale).dequantize().square())
+    assert ((back > 0) == (v > 0)).all()                                       # 0 exactly where v is 0
+
+
+def test_sqrt_nonzero_int8_is_torchaos_quantizer_on_sqrt_v_with_no_zero():
+    v = _moment_tensor(torch.Generator().manual_seed(11)).square()
+    v[6, :3] = torch.tensor([1.0, 1e-14, 1e-20])
+    codes, absmax = quantize_second_moment(v, "int8", 256, "sqrt-nonzero")
+    qmap = torch.tensor(create_dynamic_map(signed=False))
+    scaled, t_absmax = scale_tensor(v.sqrt(), 256)
+    t_codes = quantize_8bit_with_qmap(scaled, qmap)
+    assert qmap[0] == 0 and qmap[1] > 0                                        # code 1: the smallest positive
+    expect = torch.where((v > 0) & (t_codes == 0), torch.ones_like(t_codes), t_codes)
+    assert torch.equal(codes, expect) and torch.equal(absmax, t_absmax)
+    assert ((v > 0) & (t_codes == 0)).sum() > 2
+    back = dequantize_second_moment(codes, absmax, "int8", "sqrt-nonzero")
+    assert torch.equal(back, (qmap[expect.int()].view(-1, 256) * t_absmax[:, None]).view(v.shape).square())
+    assert ((back > 0) == (v > 0)).all()
+
+
+@pytest.mark.parametrize("fmt, ratio", [("fp8", 1e-3), ("int8", 1e-4)])
+def test_torchaos_optimizers_blow_up_on_a_stopped_gradient(fmt, ratio):
+    """torchao's own AdamWFp8 / AdamW8bit (eager step) on the constructed coordinates of
+    tests/test_optim_state_stopped.py: a block's largest gradient 1, one coordinate's ``ratio`` for 50 steps, then
+    0. torchao stores that coordinate's v as 0 under a surviving m and steps lr * m / eps, as the "torchao" rule
+    here does bit for bit; the course's default steps as FP32 AdamW (0.91 lr)."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    theirs, ours, torchao_rule = (torch.zeros(4096, requires_grad=True) for _ in range(3))
+    ref = TORCHAO[fmt]([theirs], **kw)
+    opt = BlockQuantizedAdamW([ours], fmt=fmt, **kw)
+    same = BlockQuantizedAdamW([torchao_rule], fmt=fmt, state_rule="torchao", **kw)
+    for t in range(60):
+        g = torch.zeros(4096)
+        g[0], g[1] = 1.0, (ratio if t < 50 else 0.0)
+        before = theirs.detach()[1].item(), ours.detach()[1].item()
+        for p in (theirs, ours, torchao_rule):
+            p.grad = g.clone()
+        _torchao_eager_step(ref, theirs)
+        opt.step()
+        same.step()
+        if t == 50:                                                            # the first step after the stop
+            assert abs(theirs.detach()[1].item() - before[0]) > 1e3 * kw["lr"]
+            assert abs(ours.detach()[1].item() - before[1]) < 2 * kw["lr"]
+    assert ref.state[theirs]["exp_avg_sq"].dequantize()[1] == 0 != ref.state[theirs]["exp_avg"].dequantize()[1]
+    assert torch.equal(_bits(torchao_rule.detach()), _bits(theirs.detach()))
+
+
 # ---- the optimizer step against torchao's eager step ------------------------------------------------------------
 SHAPES = [(64, 128), (4096,), (100,), (33, 128)]   # quantized, quantized, too small, 4224 = not a multiple of 256
 
@@ -149,7 +213,7 @@ def test_step_matches_torchaos_eager_step_bit_for_bit(fmt, shape):
     p0 = torch.randn(shape, generator=torch.Generator().manual_seed(4))
     ours, theirs = p0.clone().requires_grad_(), p0.clone().requires_grad_()
     kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    opt, ref = BlockQuantizedAdamW([ours], fmt=fmt, **kw), TORCHAO[fmt]([theirs], **kw)
+    opt, ref = BlockQuantizedAdamW([ours], fmt=fmt, state_rule="torchao", **kw), TORCHAO[fmt]([theirs], **kw)
     quantized = theirs.numel() >= 4096 and theirs.numel() % 256 == 0
     for g in _grads(shape, 12, seed=5):
         ours.grad, theirs.grad = g.clone(), g.clone()
@@ -177,23 +241,45 @@ def test_adamw_step_rule_is_torch_adamw_in_exact_arithmetic():
         torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-6, atol=0)
 
 
-def test_state_dict_round_trip_keeps_the_fp8_codes():
+@pytest.mark.parametrize("rule", ["sqrt-nonzero", "torchao"])
+def test_state_dict_round_trip_keeps_the_fp8_codes(rule):
     """torch's load_state_dict would cast FP8 codes to the parameter's dtype; ours keeps what was stored."""
     p = torch.randn(64, 128, requires_grad=True)
-    opt = BlockQuantizedAdamW([p], fmt="fp8")
+    opt = BlockQuantizedAdamW([p], fmt="fp8", state_rule=rule)
     p.grad = torch.randn(64, 128)
     opt.step()
     sd = opt.state_dict()
+    assert sd["state_rule"] == rule
     q = p.detach().clone().requires_grad_()
-    opt2 = BlockQuantizedAdamW([q], fmt="fp8")
+    opt2 = BlockQuantizedAdamW([q], fmt="fp8", state_rule=rule)
     opt2.load_state_dict(sd)
     for k, v in opt.state[p].items():
         assert opt2.state[q][k].dtype == v.dtype and torch.equal(_bits(opt2.state[q][k]) if v.dim() else
                                                                  opt2.state[q][k], _bits(v) if v.dim() else v)
 
 
+def test_state_stored_under_the_other_rule_is_refused_naming_it():
+    """The codes of exp_avg_sq mean v (torchao) or sqrt(v) (default): loading one as the other would be silently
+    wrong by a square, so it is refused before anything loads; a state_dict without the key (written before the
+    option existed) was torchao's."""
+    from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
+    p = torch.randn(64, 128, requires_grad=True)
+    old = BlockQuantizedAdamW([p], fmt="int8", state_rule="torchao")
+    p.grad = torch.randn(64, 128)
+    old.step()
+    sd = old.state_dict()
+    new = BlockQuantizedAdamW([p.detach().clone().requires_grad_()], fmt="int8")
+    for saved in (sd, {k: v for k, v in sd.items() if k != "state_rule"}):
+        with pytest.raises(ValueError, match=r"state_rule='torchao'.*build BlockQuantizedAdamW\(\.\.\., state_rule="):
+            new.load_state_dict(saved)
+        with pytest.raises(CheckpointError, match="state_rule='torchao'"):
+            check_optimizer_state_dict(new, saved)
+    assert not new.state                                             # nothing loaded
+    check_optimizer_state_dict(old, sd)                              # the same rule loads
+
+
 @pytest.mark.parametrize("bad, msg", [(dict(fmt="fp4"), "fmt must be one of"), (dict(block_size=0), "block_size"),
-                                      (dict(lr=-1.0), "lr >= 0")])
+                                      (dict(lr=-1.0), "lr >= 0"), (dict(state_rule="sqrt"), "state_rule must be")])
 def test_bad_arguments_name_the_fix(bad, msg):
     with pytest.raises(ValueError, match=msg):
         BlockQuantizedAdamW([torch.zeros(4, requires_grad=True)], **bad)
@@ -211,7 +297,7 @@ def test_step_matches_torchaos_compiled_optimizer(fmt):
     nothing about this library, so the test skips naming the ISA; the eager comparison above holds everywhere."""
     p0 = torch.randn(64, 128, generator=torch.Generator().manual_seed(8))
     ours, theirs, eager = (p0.clone().requires_grad_() for _ in range(3))
-    opt, ref = BlockQuantizedAdamW([ours], lr=1e-2, fmt=fmt), TORCHAO[fmt]([theirs], lr=1e-2)
+    opt, ref = BlockQuantizedAdamW([ours], lr=1e-2, fmt=fmt, state_rule="torchao"), TORCHAO[fmt]([theirs], lr=1e-2)
     ref_eager = TORCHAO[fmt]([eager], lr=1e-2)
     for i, g in enumerate(_grads((64, 128), 4, seed=9)):
         ours.grad, theirs.grad, eager.grad = g.clone(), g.clone(), g.clone()

@@ -35,7 +35,9 @@ def check_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dic
     """Raise CheckpointError unless ``state_dict`` fits ``optimizer``: same groups and parameter counts, state only
     for known parameters, and every elementwise state tensor (``ELEMENTWISE_STATE``; any other entry the
     optimizer already holds) of its parameter's shape. Keys an optimizer class adds to its state_dict are named
-    in its ``EXTRA_STATE_KEYS`` (e.g. ``LowPrecisionState``'s generator). Reads only; nothing is loaded."""
+    in its ``EXTRA_STATE_KEYS`` (e.g. ``LowPrecisionState``'s generator); an optimizer with a
+    ``state_dict_mismatch(state_dict) -> str | None`` method (``BlockQuantizedAdamW``: state stored under another
+    ``state_rule``) is asked too. Reads only; nothing is loaded."""
     extra = set(getattr(optimizer, "EXTRA_STATE_KEYS", ()))
     if not isinstance(state_dict, dict) or set(state_dict) - extra != {"state", "param_groups"}:
         raise CheckpointError(f"{who}: not an optimizer state_dict (expected the keys 'state' and 'param_groups', "
@@ -59,6 +61,9 @@ def check_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dic
             if want is not None and v.shape != want:
                 raise CheckpointError(f"{who}: state {k!r} of parameter {i} has shape {tuple(v.shape)}, the "
                                       f"parameter {tuple(want)}: the checkpoint belongs to another model")
+    why = getattr(optimizer, "state_dict_mismatch", lambda sd: None)(state_dict)
+    if why is not None:
+        raise CheckpointError(f"{who}: {why}")
 
 
 def save_checkpoint(obj, path) -> str:

@@ -11,10 +11,12 @@ rule:
 * the codes are ``block / scale`` cast to E4M3 (round to nearest even; torch's cast);
 * dequantize: ``codes.float() * scale``.
 
-Both AdamW moments use this rule: the second moment is stored as it is (not its square root), so E4M3's sign
-bit is spent on a value that is never negative. Tensors with fewer than 4096 elements or a ``numel`` that
-is not a multiple of the block size are not quantized at all (torchao follows bitsandbytes there; see
-``mpcourse.core.optim_blockwise``). 1 byte per element plus 4 bytes per block: 1 + 4/256 = 1.016 bytes.
+torchao stores both AdamW moments with this rule, the second moment as it is (not its square root), so E4M3's
+sign bit is spent on a value that is never negative. The course's default stores ``sqrt(v)`` with the same rule and
+gives a positive value that would round to 0 E4M3's smallest positive code instead (``nonzero_fp8_codes``); why, in
+``mpcourse.core.optim_blockwise``. Tensors with fewer than 4096 elements or a ``numel`` that is not a multiple of
+the block size are not quantized at all (torchao follows bitsandbytes there). 1 byte per element plus 4 bytes per
+block: 1 + 4/256 = 1.016 bytes, whichever rule.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .formats import get_format
 E4M3 = get_format("e4m3")
 BLOCK_SIZE = 256
 AMAX_FLOOR = 1e-12        # an all-zero block gets this amax (no division by zero)
+SMALLEST_CODE = 2.0 ** -9  # E4M3's smallest positive value (subnormal, bits 0x01)
 
 
 def quantize_fp8_state(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,3 +43,10 @@ def dequantize_fp8_state(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     """(codes e4m3 any shape, scale fp32 (B,)) -> fp32 shaped like codes: ``codes * scale`` per block."""
     blocks = codes.float().reshape(scale.numel(), -1)                          # (B, block)
     return (blocks * scale[:, None]).reshape(codes.shape)
+
+
+def nonzero_fp8_codes(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``codes`` (float8_e4m3fn) of ``x`` (same shape) with every positive ``x`` that rounded to 0 given E4M3's
+    smallest positive code (2**-9) instead: a stored moment is 0 only where its value is 0 (or negative)."""
+    tiny = torch.tensor(SMALLEST_CODE, dtype=codes.dtype, device=codes.device)
+    return torch.where((x > 0) & (codes.float() == 0), tiny, codes)

@@ -18,7 +18,9 @@ values that spends its codes on small magnitudes). torchao 0.18's ``torchao/opti
 * dequantize: ``map[code] * absmax``.
 
 1 byte per element plus 4 bytes per block: 1.016 bytes at block 256. The first moment uses the signed map,
-the second moment the unsigned one.
+the second moment the unsigned one (torchao stores ``v``; the course's default stores ``sqrt(v)`` and gives a
+positive value that would take the code of 0 the code of the smallest positive map value instead,
+``nonzero_int8_codes``; why, in ``mpcourse.core.optim_blockwise``).
 """
 from __future__ import annotations
 
@@ -57,3 +59,10 @@ def dequantize_int8_state(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch
     """(codes uint8 any shape, absmax fp32 (B,), qmap (256,)) -> fp32 shaped like codes."""
     blocks = qmap[codes.long()].reshape(absmax.numel(), -1)                    # (B, block)
     return (blocks * absmax[:, None]).reshape(codes.shape)
+
+
+def nonzero_int8_codes(codes: torch.Tensor, x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """``codes`` (uint8) of ``x`` (same shape) in ``qmap`` with every positive ``x`` that took the code of 0 given
+    the code of the smallest positive map value instead (the next code up: the map is sorted)."""
+    zero = int(torch.nonzero(qmap == 0).item())                               # 0 unsigned, 127 signed
+    return torch.where((x > 0) & (codes == zero), torch.full_like(codes, zero + 1), codes)

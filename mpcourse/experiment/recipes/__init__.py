@@ -48,8 +48,9 @@ TABLE_ORDER = (
 # ``mxfp8-fwd-nvfp4-bwd`` computes its forward GEMMs as ``mxfp8`` and its backward GEMMs as ``nvfp4`` (tested): a
 # combination of two rows of the default table, to name beside them. ``nvfp4-selective`` is ``nvfp4`` with the last
 # block's linears kept in high precision (NVIDIA's NVFP4 recipe), the slowest kind of row: name it beside ``nvfp4``.
-# ``fp8-moments`` and ``int8-moments`` change only the optimizer state's storage (torchao's AdamWFp8 / AdamW8bit):
-# memory savers named beside ``bf16-master-bf16-moments``; the default table and its 3-seed spread predate them.
+# ``fp8-moments`` and ``int8-moments`` change only the optimizer state's storage (blockwise, after torchao's
+# AdamWFp8 / AdamW8bit): memory savers named beside ``bf16-master-bf16-moments``; the default table and its 3-seed
+# spread predate them.
 NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
                                        "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
 

@@ -7,6 +7,12 @@
   second, absmax per block of 256), as torchao's ``AdamW8bit`` and Dettmers et al. 2021 (arXiv 2110.02861)
   (``fmt="int8"``, rule in ``mpcourse.core.optim_int8``).
 
+Both store the second moment by the course's rule (``state_rule="sqrt-nonzero"``): ``sqrt(v)`` in place of ``v``,
+and never 0 for a positive value, in the same bytes. torchao stores ``v`` itself and can store it as 0 under a
+surviving first moment; a coordinate whose gradient then stops (a rare token's embedding row) steps
+``lr * m / eps``, thousands of times ``lr`` (``mpcourse.core.optim_blockwise`` has the measurements).
+``BlockQuantizedAdamW(state_rule="torchao")`` is torchao's storage bit for bit.
+
 FP32 weights keep the comparison with ``fp32`` about the state alone (``bf16-master-bf16-moments`` also changes
 the model's dtype). Tensors under 4096 elements (norms, biases) keep FP32 moments, as torchao.
 
@@ -25,18 +31,19 @@ from .base import TrainingRecipe, register
 
 class _BlockMoments(TrainingRecipe):
     fmt = "fp8"
+    state_rule = "sqrt-nonzero"           # the course's second-moment storage; "torchao" is torchao's, bit for bit
 
     def make_optimizer(self, params):
         o = self.optim
         return BlockQuantizedAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                   fmt=self.fmt)
+                                   fmt=self.fmt, state_rule=self.state_rule)
 
 
 @register
 class FP8Moments(_BlockMoments):
     name = "fp8-moments"
     description = ("FP32 weights, AdamW moments stored as blockwise-scaled FP8 E4M3 (blocks of 256, as torchao's "
-                   "AdamWFp8)")
+                   "AdamWFp8; v stored as sqrt(v), never 0 for a positive v)")
     fmt = "fp8"
 
 
@@ -44,5 +51,5 @@ class FP8Moments(_BlockMoments):
 class Int8Moments(_BlockMoments):
     name = "int8-moments"
     description = ("FP32 weights, AdamW moments stored as 8-bit blockwise dynamic codes (Dettmers et al. 2021, as "
-                   "torchao's AdamW8bit)")
+                   "torchao's AdamW8bit; v stored as sqrt(v), never 0 for a positive v)")
     fmt = "int8"
