@@ -57,23 +57,48 @@ def stub(found_inf, group=None):
     raise NotImplementedError
 
 
+def returns_int(found_inf, group=None):
+    flag = found_inf.to(torch.int64)                            # int flag: right values, wrong dtype
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    found_inf.copy_(flag)
+    return flag
+
+
+def returns_python_float(found_inf, group=None):
+    return float(reference(found_inf, group))                   # a Python float for the tensor
+
+
+def not_in_place(found_inf, group=None):
+    flag = found_inf.clone()                                    # reduces a copy: the caller's flag is unchanged
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
+
+
 def _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reduce,
-          unscale_first=False, step_anyway=False, back_off=True):
+          unscale_first=False, step_anyway=False, back_off=True, bad=lambda g: ~torch.isfinite(g), first_group=False,
+          flag_dtype=torch.float32, unscale=None, times=1, decide_local=False):
     """The skip decision, with switches that plant one fault each."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    groups = optimizer.param_groups[:1] if first_group else optimizer.param_groups
+    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
     inv = scale.double().reciprocal().float()
+    unscale = unscale or (lambda gs: torch._foreach_mul_(gs, inv))
     if unscale_first:
-        torch._foreach_mul_(grads, inv)
-    found_inf = torch.zeros((), dtype=torch.float32)
+        unscale(grads)
+    found_inf = torch.zeros((), dtype=flag_dtype)
     for g in grads:
-        if not torch.isfinite(g).all():
-            found_inf.fill_(1.0)
+        if bad(g).any():
+            found_inf.fill_(1)
     if not unscale_first:
-        torch._foreach_mul_(grads, inv)
+        for _ in range(times):
+            unscale(grads)
+    local = found_inf.item()
     reduce(found_inf, group)
-    if found_inf.item() == 0 or step_anyway:
+    decided = local if decide_local else found_inf.item()
+    if decided == 0 or step_anyway:
         optimizer.step()
-    if found_inf.item() > 0:
+    if decided > 0:
         if back_off:
             scale.mul_(backoff_factor)
         growth_tracker.zero_()
@@ -118,11 +143,50 @@ def step_no_backoff(optimizer, scale, growth_tracker, group=None, growth_factor=
                  back_off=False)
 
 
+def step_isinf_only(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                    growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 bad=torch.isinf)
+
+
+def step_first_group_only(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 first_group=True)
+
+
+def step_int_flag(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                  growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 flag_dtype=torch.int32)
+
+
+def step_divides(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 unscale=lambda gs: torch._foreach_div_(gs, scale))
+
+
+def step_unscale_twice(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                       growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 times=2)
+
+
+def step_decides_locally(optimizer, scale, growth_tracker, group=None, growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=2000):
+    return _step(optimizer, scale, growth_tracker, group, growth_factor, backoff_factor, growth_interval, reference,
+                 decide_local=True)
+
+
 #: seconds: how long rank 0 waits for rank 1 in ``raises_on_rank_1`` (the grader's default is 30)
 SHORT_GROUP_TIMEOUT_S = 5.0
 #: graded in one job; ``raises_on_rank_1`` before the others shows a rank's error spoils only its own verdict
-FLAG_FNS = [reference, raises_on_rank_1, summed, kept, world, unconditional]
-STEP_FNS = [step_reference, step_world, step_summed, step_unscale_first, step_anyway, step_no_backoff]
+FLAG_FNS = [reference, raises_on_rank_1, summed, kept, world, unconditional, returns_int, returns_python_float,
+            not_in_place]
+STEP_FNS = [step_reference, step_world, step_summed, step_unscale_first, step_anyway, step_no_backoff,
+            step_isinf_only, step_first_group_only, step_int_flag, step_divides, step_unscale_twice,
+            step_decides_locally]
 
 
 def _graded(grade, fns, **module_values):
@@ -175,7 +239,10 @@ def test_library_helper_agrees_with_the_grader_rule():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bad, message", [(summed, "SUM"), (kept, "kept its own flag"), (world, "not over `group`"),
-                                          (unconditional, "single process")])
+                                          (unconditional, "single process"),
+                                          (returns_int, "must stay 1.0 and be returned.*int64 tensor"),
+                                          (returns_python_float, "must stay 1.0 and be returned.*Python float"),
+                                          (not_in_place, "in place")])
 def test_planted_bugs_fail(flag_job, bad, message):
     error = flag_job.verdicts[bad]
     assert isinstance(error, GradingError) and error.args[0].startswith("FAIL all_reduce_found_inf_")
@@ -252,6 +319,12 @@ def test_skip_step_reference_passes(step_job, monkeypatch, capsys):
     (step_unscale_first, "check the gradients as backward left them"),
     (step_anyway, "it stepped although"),
     (step_no_backoff, "back off"),
+    (step_isinf_only, "NaN"),
+    (step_first_group_only, "second param group"),
+    (step_int_flag, "FP32 tensor of shape \\(\\)"),
+    (step_divides, "not g / S"),
+    (step_unscale_twice, "exactly once"),
+    (step_decides_locally, "decide on the reduced flag"),
 ])
 def test_skip_step_planted_bugs_fail(step_job, bad, message):
     error = step_job.verdicts[bad]

@@ -7,17 +7,23 @@ ignores ``group``, makes one group's overflow skip the other group's step, and f
 ``check_all_reduce_found_inf(fn)``: ``fn(found_inf, group=None)`` makes every rank's inf/NaN flag (FP32, shape
 (), 0.0 or 1.0) the MAX over the ranks of ``group``, in place, and returns it; in a single process
 (torch.distributed not initialized) it changes nothing. Oracle: ``mpcourse.core.distributed.all_reduce_max_``
-run beside it on the same flags.
+run beside it on the same flags, over a group of the same ranks of its own (so a function whose collectives do
+not pair up across the ranks cannot pair with the oracle's). The returned flag must be an FP32 tensor of shape
+() holding the reduced value (not an int, a bool or a Python float).
 
 ``check_distributed_skip_step(fn)``: ``fn(optimizer, scale, growth_tracker, group=None, growth_factor=2.0,
 backoff_factor=0.5, growth_interval=2000)`` is one iteration of ``unscale_`` + ``step`` + ``update`` of FSDP's
 ``ShardedGradScaler`` (torch/distributed/fsdp/sharded_grad_scaler.py; the same rules as torch.amp.GradScaler
-plus the all-reduce of the flag over its ``process_group``). Oracle: a ``ShardedGradScaler(process_group=group)``
-on every rank, run side by side on a copy of the same parameters and gradients, over steps with injected
-overflows on one rank, on two ranks of a group, on a rank of the other group, and with a scale below 1.
-After every step the gradients (unscaled), the parameters, the scale, the tracker and the returned flag must be
-the oracle's bit for bit. torch's scaler all-reduces the flag with SUM and then asks only "nonzero?"; the
-contract here returns the flag itself, so it must be 0.0 or 1.0 (MAX, or a clamped SUM).
+plus the all-reduce of the flag over its ``process_group``). Oracle: a ``ShardedGradScaler`` over a group of
+the same ranks as ``group`` on every rank, run side by side on a copy of the same parameters and gradients
+(two of them, in two param groups of the optimizer), over steps with injected inf, -inf or NaN on one rank,
+on two ranks of a group, on a rank of the other group, a NaN alone on one rank (a check that tests ``isinf``
+only misses it), an overflow in the second param group and away from element 0, a scale that is not a power
+of two (so ``g / S`` and ``g * fp32(1/S)`` differ) and a scale below 1 (a finite ``g`` whose ``g / S``
+overflows: torch's check reads ``g`` as backward left it). After every step the gradients (unscaled, still in
+place), the parameters, the scale, the tracker and the returned flag must be the oracle's bit for bit, and the
+flag an FP32 tensor of shape (). torch's scaler all-reduces the flag with SUM and then asks only "nonzero?";
+the contract here returns the flag itself, so it must be 0.0 or 1.0 (MAX, or a clamped SUM).
 
 Several functions in one job (the tests' planted bugs): ``grade_all_reduce_found_inf(fns)`` and
 ``grade_distributed_skip_step(fns)`` return one verdict per function, ``None`` (it passes) or the
@@ -61,11 +67,16 @@ GROUP_TIMEOUT_S = 30.0
 #: flags of ranks 0..3, per pattern
 PATTERNS = [(0.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
             (1.0, 0.0, 0.0, 1.0)]
-#: per step: {rank: value written into its first gradient element}; the scale starts at INIT_SCALE
-STEPS = [{}, {1: float("inf")}, {0: float("nan"), 1: float("inf")}, {}, {3: float("inf")}, {}, {}, {2: float("-inf")}]
-INIT_SCALE, GROWTH_INTERVAL = 2.0**10, 2
+_INF, _NAN = float("inf"), float("nan")
+#: per step: {rank: (parameter, element, value)}: ``value`` is written into that element of the rank's scaled
+#: gradient (parameter 0 is in the optimizer's first param group, parameter 1 in its second)
+STEPS = [{}, {1: (0, 0, _INF)}, {0: (1, 2, _NAN), 1: (0, 0, _INF)}, {}, {3: (1, 1, _INF)}, {}, {2: (0, 4, _NAN)},
+         {}, {2: (1, 0, -_INF)}, {0: (0, 3, _NAN)}, {}]
+#: the scale of the main run starts at 3 * 2**9: not a power of two, so 1/S is inexact and g / S differs from
+#: torch's g * fp32(1/S) for some g (it stays so: the scale only doubles and halves)
+INIT_SCALE, GROWTH_INTERVAL = 1536.0, 2
 #: a second run with the scale below 1: a finite gradient whose unscaled value overflows FP32
-LOW_SCALE, LOW_STEPS = 0.5, [{2: 3e38}, {}]
+LOW_SCALE, LOW_STEPS = 0.5, [{2: (0, 0, 3e38)}, {}]
 
 
 class Raised(NamedTuple):
@@ -100,20 +111,38 @@ def _load(source, name):
     return ns[name]
 
 
-def _my_group(rank, timeout_s):
-    """Fresh groups {0, 1} and {2, 3} (every rank creates every group, in the same order); this rank's."""
+def _my_groups(rank, timeout_s):
+    """Fresh groups {0, 1} and {2, 3} (every rank creates every group, in the same order), twice: this rank's
+    group for the learner's function and one of the same ranks for the oracle. Apart, so a function whose
+    collectives do not match across its ranks (one made only where a flag is set) cannot pair with the
+    oracle's and spoil the expected values."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    groups = [dist.new_group(g, timeout=timeout) for g in GROUPS]
-    return next(g for g, members in zip(groups, GROUPS) if rank in members)
+    groups = [dist.new_group(g, timeout=timeout) for _ in range(2) for g in GROUPS]
+    mine = [g for g, members in zip(groups, GROUPS * 2) if rank in members]
+    return mine[0], mine[1]
 
 
-def _flags_rank(rank, fn, group) -> list:
-    """``fn`` beside ``all_reduce_max_`` on every flag pattern; one record per pattern."""
+def _describe(r) -> str:
+    """What a function returned, for a verdict: a tensor's dtype and shape, else the Python type."""
+    if isinstance(r, torch.Tensor):
+        return f"a {str(r.dtype).replace('torch.', '')} tensor of shape {tuple(r.shape)}"
+    return "None" if r is None else f"a Python {type(r).__name__}"
+
+
+def _is_flag(r) -> bool:
+    """A float32 tensor of shape (), as the contract's flag."""
+    return isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.shape == ()
+
+
+def _flags_rank(rank, fn, group, oracle_group) -> list:
+    """``fn`` beside ``all_reduce_max_`` (over ``oracle_group``, the same ranks) on every flag pattern; one record
+    per pattern."""
     out = []
     for flags in PATTERNS:
-        t, want = torch.tensor(flags[rank]), all_reduce_max_(torch.tensor(flags[rank]), group)
+        t, want = torch.tensor(flags[rank]), all_reduce_max_(torch.tensor(flags[rank]), oracle_group)
         r = fn(t, group)
-        out.append({"in_place": float(t), "returned": None if r is None else float(r), "want": float(want)})
+        out.append({"in_place": float(t), "returned": float(r) if _is_flag(r) else None, "kind": _describe(r),
+                    "want": float(want)})
     return out
 
 
@@ -122,19 +151,25 @@ def _params(rank):
     return [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))]
 
 
+def _optimizer(params):
+    """SGD with each parameter in its own param group (a check of the first group only misses the second)."""
+    return torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]], "lr": 0.05}], lr=0.1)
+
+
 def _same(a, b) -> bool:
     """Equal values, NaN equal to NaN (a skipped step's gradients hold NaN where backward put one)."""
     return a is not None and b is not None and torch.equal(a.isnan(), b.isnan()) \
         and torch.equal(torch.where(a.isnan(), 0.0, a), torch.where(b.isnan(), 0.0, b))
 
 
-def _run_steps(rank, fn, group, init_scale, steps):
+def _run_steps(rank, fn, group, oracle_group, init_scale, steps):
     """Run ``steps`` with the learner's ``fn`` and with ShardedGradScaler side by side; one record per step."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     mine, theirs = _params(rank), _params(rank)
-    opt_mine, opt_theirs = torch.optim.SGD(mine, lr=0.1), torch.optim.SGD(theirs, lr=0.1)
-    oracle = ShardedGradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL, process_group=group)
+    opt_mine, opt_theirs = _optimizer(mine), _optimizer(theirs)
+    oracle = ShardedGradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL,
+                               process_group=oracle_group)
     oracle.scale(torch.ones(()))                                  # creates its scale tensor (as the first loss would)
     scale = torch.tensor(init_scale)                              # fp32 ()
     tracker = torch.tensor(0, dtype=torch.int32)                  # int32 ()
@@ -146,8 +181,10 @@ def _run_steps(rank, fn, group, init_scale, steps):
             p.grad = gr * scale                                   # the scaled gradient backward leaves
             q.grad = gr * scale
         if rank in inject:
-            mine[0].grad[0] = theirs[0].grad[0] = inject[rank]    # this rank's scaled gradient overflowed
+            k, e, v = inject[rank]
+            mine[k].grad[e] = theirs[k].grad[e] = v               # this rank's scaled gradient overflowed
         before = [p.detach().clone() for p in mine]
+        given = [p.grad.clone() for p in mine]
         flag = fn(opt_mine, scale, tracker, group, growth_interval=GROWTH_INTERVAL)
         oracle.unscale_(opt_theirs)
         found = float(sum(v.sum() for v in oracle._per_optimizer_states[id(opt_theirs)]["found_inf_per_device"]
@@ -156,9 +193,13 @@ def _run_steps(rank, fn, group, init_scale, steps):
         oracle.update()
         records.append({
             "step": i, "inject": inject,
-            "flag": None if not isinstance(flag, torch.Tensor) else float(flag), "want_flag": float(found > 0),
+            "flag": float(flag) if _is_flag(flag) else None, "flag_kind": _describe(flag),
+            "want_flag": float(found > 0),
             "skipped_want": found > 0, "summed": found,
             "grads": all(_same(p.grad, q.grad) for p, q in zip(mine, theirs)),
+            "grads_gone": any(p.grad is None for p in mine),
+            "grads_left_scaled": [not _same(p.grad, q.grad) and _same(p.grad, g0)
+                                  for p, q, g0 in zip(mine, theirs, given)],
             "params": all(_same(p.detach(), q.detach()) for p, q in zip(mine, theirs)),
             "params_moved": [not _same(p.detach(), b) for p, b in zip(mine, before)],
             "scale": float(scale), "want_scale": oracle.get_scale(),
@@ -172,10 +213,10 @@ def _run_steps(rank, fn, group, init_scale, steps):
     return records
 
 
-def _step_rank(rank, fn, group) -> dict:
+def _step_rank(rank, fn, group, oracle_group) -> dict:
     """``fn`` beside ShardedGradScaler: the run from INIT_SCALE and the run from LOW_SCALE."""
-    return {"main": _run_steps(rank, fn, group, INIT_SCALE, STEPS),
-            "low": _run_steps(rank, fn, group, LOW_SCALE, LOW_STEPS)}
+    return {"main": _run_steps(rank, fn, group, oracle_group, INIT_SCALE, STEPS),
+            "low": _run_steps(rank, fn, group, oracle_group, LOW_SCALE, LOW_STEPS)}
 
 
 def _fence(k: int) -> None:
@@ -190,16 +231,16 @@ def _fence(k: int) -> None:
 
 
 def _spawned(rank, init_method, on_rank, sources, out_dir, group_timeout_s):
-    """One rank: every function of ``sources`` in turn, ``on_rank(rank, fn, group)`` in fresh groups, then the
-    fence; writes ``<rank>.pt``: per function its records or ``Raised``."""
+    """One rank: every function of ``sources`` in turn, ``on_rank(rank, fn, group, oracle_group)`` in fresh groups,
+    then the fence; writes ``<rank>.pt``: per function its records or ``Raised``."""
     from mpcourse.experiment.distributed import close_ranks, init_ranks
 
     init_ranks(rank, WORLD, init_method, timeout_s=WORLD_TIMEOUT_S, threads=1)
     out = []
     for k, source in enumerate(sources):
-        group = _my_group(rank, group_timeout_s)
+        group, oracle_group = _my_groups(rank, group_timeout_s)
         try:
-            out.append(on_rank(rank, _load(*source), group))
+            out.append(on_rank(rank, _load(*source), group, oracle_group))
         except Exception as e:  # the learner's error, judged by the parent (not a failure of the job)
             out.append(Raised(time.monotonic(), f"{type(e).__name__}: {e}"))
         _fence(k)
@@ -222,7 +263,7 @@ def _spawn(on_rank, sources) -> list[list]:
 @dataclass(frozen=True)
 class _Check:
     """One grader: ``one_process(fn)`` and ``judge(got)`` (``got``: per rank, ``on_rank``'s records) raise
-    GradingError; ``on_rank(rank, fn, group)`` runs on the ranks; ``passed`` is the PASS line's detail."""
+    GradingError; ``on_rank(rank, fn, group, oracle_group)`` runs on the ranks; ``passed`` is the PASS line's detail."""
 
     name: str
     one_process: Callable
@@ -297,11 +338,14 @@ def _single_process(name, fn, *args):
 
 def _flags_one_process(fn) -> None:
     name = FLAGS.name
-    t = torch.tensor(1.0)
-    r = _single_process(name, fn, t)
-    if float(t) != 1.0 or r is None or float(r) != 1.0:
-        raise GradingError(f"FAIL {name}: in a single process the flag must stay 1.0 and be returned; got "
-                           f"{float(t)} in place and {r!r} returned")
+    for value in (1.0, 0.0):
+        t = torch.tensor(value)
+        r = _single_process(name, fn, t)
+        if float(t) != value or not _is_flag(r) or float(r) != value:
+            raise GradingError(f"FAIL {name}: in a single process the flag {value} must stay {value} and be returned "
+                               f"(an FP32 tensor of shape ()); got {float(t)} in place and {_describe(r)}"
+                               + (f" holding {float(r)}" if isinstance(r, torch.Tensor) and r.numel() == 1 else "")
+                               + " returned")
 
 
 def _judge_flags(got) -> None:
@@ -313,14 +357,18 @@ def _judge_flags(got) -> None:
             hint = ("a SUM counts the overflowing ranks; use op=dist.ReduceOp.MAX" if held == sums
                     else f"every rank now holds {max(flags)}: you reduced over every rank, not over `group`"
                     if held == [max(flags)] * WORLD
+                    else "each rank's found_inf kept its own flag although the returned one is reduced: reduce "
+                         "found_inf itself, in place (the caller reads it)"
+                    if held == list(flags) and [got[r][i]["returned"] for r in range(WORLD)] == want
                     else "each rank kept its own flag: all-reduce it" if held == list(flags)
-                    else "every rank must end with the MAX of its group's flags")
+                    else "every rank must end with the MAX of its group's flags, in place")
             raise GradingError(f"FAIL {name}: ranks' flags {flags} (groups {GROUPS[0]} and {GROUPS[1]}) became "
                                f"{held}, expected {want}: {hint}")
         returned = [got[r][i]["returned"] for r in range(WORLD)]
         if returned != want:
-            raise GradingError(f"FAIL {name}: flags {flags}: returned {returned}, expected {want} (return the "
-                               "tensor you reduced in place)")
+            kinds = sorted({got[r][i]["kind"] for r in range(WORLD)})
+            raise GradingError(f"FAIL {name}: flags {flags}: returned {returned} ({', '.join(kinds)}), expected "
+                               f"{want}: return found_inf, the FP32 tensor of shape () you reduced in place")
 
 
 FLAGS = _Check("all_reduce_found_inf_", _flags_one_process, _flags_rank, _judge_flags,
@@ -341,24 +389,29 @@ def check_all_reduce_found_inf(fn) -> None:
 
 def _step_one_process(fn) -> None:
     name = SKIP_STEP.name
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.tensor([4.0, float("inf")])
-    scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
-    flag = _single_process(name, fn, torch.optim.SGD([p], lr=1.0), scale, tracker)
-    what = (f"in one process, an inf gradient at scale 4 (got flag {flag!r}, weights {p.detach().tolist()}, "
-            f"scale {float(scale)})")
-    if not torch.equal(p.detach(), torch.ones(2)):
-        raise GradingError(f"FAIL {name}: {what}: it stepped although a rank of the group found inf/NaN: skip "
-                           "optimizer.step() when the flag is set")
-    if float(scale) != 2.0:
-        raise GradingError(f"FAIL {name}: {what}: after an overflow the scale must back off to S * backoff_factor "
-                           "= 2 (and the tracker reset to 0)")
-    if not (isinstance(flag, torch.Tensor) and float(flag) == 1.0):
-        raise GradingError(f"FAIL {name}: {what}: return the flag, a tensor holding 1.0 after an overflow")
+    for bad in (float("inf"), float("nan")):
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.tensor([4.0, bad])
+        scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
+        flag = _single_process(name, fn, torch.optim.SGD([p], lr=1.0), scale, tracker)
+        what = (f"in one process, a gradient [4, {bad}] at scale 4 (got flag {_describe(flag)}"
+                + (f" holding {float(flag)}" if isinstance(flag, torch.Tensor) and flag.numel() == 1 else "")
+                + f", weights {p.detach().tolist()}, scale {float(scale)}, tracker {int(tracker)})")
+        if not torch.equal(p.detach(), torch.ones(2)):
+            raise GradingError(f"FAIL {name}: {what}: it stepped although a rank of the group found inf/NaN: skip "
+                               "optimizer.step() when the flag is set" + (" (a NaN counts: torch.isfinite is False "
+                                                                          "for inf and NaN)" if bad != bad else ""))
+        if float(scale) != 2.0 or int(tracker) != 0:
+            raise GradingError(f"FAIL {name}: {what}: after an overflow the scale must back off to S * "
+                               "backoff_factor = 2 and the tracker reset to 0, in place")
+        if not (_is_flag(flag) and float(flag) == 1.0):
+            raise GradingError(f"FAIL {name}: {what}: return the flag, an FP32 tensor of shape () holding 1.0 after "
+                               "an overflow")
 
 
 def _step_hint(rec, rank) -> str:
-    inject = {r: v for r, v in rec["inject"].items()}
+    inject = rec["inject"]
+    mine = [r for r in inject if (r < 2) == (rank < 2)]               # the overflows in this rank's group
     other = [r for r in inject if (r < 2) != (rank < 2)]
     if rec["skipped_want"] is False and not rec["params"] and other and not any(rec["params_moved"]):
         return (f"rank {rank} skipped because rank {other[0]} (the other group) overflowed: reduce the flag over "
@@ -368,10 +421,29 @@ def _step_hint(rec, rank) -> str:
                 "then unscale; with a scale below 1 a finite g can overflow once divided, which torch's check "
                 "does not see")
     if rec["skipped_want"] and not rec["params"]:
-        return "it stepped although a rank of the group found inf/NaN: skip optimizer.step() when the flag is set"
+        values = [inject[r][2] for r in mine]
+        where = {inject[r][0] for r in mine}
+        more = (" (a NaN counts as an overflow: torch.isfinite is False for inf, -inf and NaN; isinf misses NaN)"
+                if values and all(v != v for v in values) else
+                " (check every gradient of every param group of the optimizer: the overflow is in the second)"
+                if where == {1} else
+                " (the flag must be the group's: all-reduce it before the decision, and decide on the reduced flag)"
+                if rank not in inject else "")
+        return ("it stepped although a rank of the group found inf/NaN: skip optimizer.step() when the flag is set"
+                + more)
+    if rec["grads_gone"]:
+        return ("a gradient is gone after the call: leave every .grad in place, unscaled (the caller zeroes the "
+                "gradients, as after torch's scaler.step)")
+    if not rec["grads"] and rec["grads_left_scaled"] == [False, True]:
+        return ("the gradient of the optimizer's second param group is still scaled: unscale (and check) every "
+                "gradient of every param group")
     if not rec["grads"]:
-        return "the gradients must end unscaled (g * fp32(1/S)) on every step, skipped or not, as torch's unscale_"
+        return ("the gradients must end unscaled, g * fp32(1/S) with 1/S computed in FP64 and rounded once to FP32 "
+                "(not g / S: with S not a power of two they differ), exactly once, on every step, skipped or not, "
+                "as torch's unscale_")
     if rec["flag"] != rec["want_flag"]:
+        if rec["flag"] is None:
+            return f"return the flag as an FP32 tensor of shape (), not {rec['flag_kind']}"
         return (f"the returned flag is {rec['flag']} where {rec['summed']:g} ranks of the group overflowed: a SUM "
                 "counts them; use MAX (or clamp) so the flag is 0.0 or 1.0"
                 if rec["flag"] == rec["summed"] else "return the reduced flag, 0.0 or 1.0, the same on every rank")
@@ -379,7 +451,8 @@ def _step_hint(rec, rank) -> str:
         return (f"after an overflow the scale must back off to S * backoff_factor = {rec['want_scale']:g} "
                 f"(and the tracker reset to 0); it is {rec['scale']:g}")
     return (f"scale {rec['scale']:g}, tracker {rec['tracker']} where torch has {rec['want_scale']:g}, "
-            f"{rec['want_tracker']}: grow by growth_factor after growth_interval clean steps in a row, then reset")
+            f"{rec['want_tracker']}: grow by growth_factor after growth_interval clean steps in a row, then reset; "
+            "after an overflow back off and reset the tracker to 0")
 
 
 def _judge_steps(got) -> None:
@@ -390,16 +463,18 @@ def _judge_steps(got) -> None:
                 ok = (rec["grads"] and rec["params"] and rec["flag"] == rec["want_flag"]
                       and rec["scale"] == rec["want_scale"] and rec["tracker"] == rec["want_tracker"])
                 if not ok:
-                    inj = ", ".join(f"rank {r}: {v:g}" for r, v in rec["inject"].items()) or "none"
+                    inj = ", ".join(f"rank {r}: {v:g} in parameter {k}'s element {e}"
+                                    for r, (k, e, v) in rec["inject"].items()) or "none"
                     raise GradingError(
-                        f"FAIL {SKIP_STEP.name}: step {i} of the run from scale "
+                        f"FAIL {SKIP_STEP.name}: step {i} (counted from 0) of the run from scale "
                         f"{INIT_SCALE if run == 'main' else LOW_SCALE:g} (injected: {inj}; groups {GROUPS[0]} and "
                         f"{GROUPS[1]}), on rank {rank}: " + _step_hint(rec, rank))
 
 
 SKIP_STEP = _Check("distributed_skip_step_", _step_one_process, _step_rank, _judge_steps,
-                   f"{len(STEPS) + len(LOW_STEPS)} steps on 4 gloo ranks in 2 groups, one-rank and two-rank "
-                   "overflows, a scale below 1: gradients, weights, flag, scale and tracker equal ShardedGradScaler's")
+                   f"{len(STEPS) + len(LOW_STEPS)} steps on 4 gloo ranks in 2 groups (inf, -inf or NaN on one rank "
+                   "or two, in either param group; a scale not a power of two, one below 1): gradients, weights, "
+                   "flag, scale and tracker equal ShardedGradScaler's")
 
 
 def grade_distributed_skip_step(fns) -> list[GradingError | None]:
