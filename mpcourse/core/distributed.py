@@ -1,10 +1,11 @@
 """The few ``torch.distributed`` collectives the library needs, safe to call in a single process.
 
 Loss scalers and FP8 delayed scaling each keep a small state (an inf/NaN flag, amaxes) that every rank must
-agree on before a decision, or the ranks' weights and scales drift apart. The rule, as in FSDP's
-``ShardedGradScaler`` (torch/distributed/fsdp/sharded_grad_scaler.py, ``_unscale_grads_``: found_inf is
-all-reduced with MAX) and Transformer Engine's amax reduction (``reduce_and_update_fp8_tensors``): reduce with
-MAX over the process group, so one rank's overflow or large amax is every rank's.
+agree on before a decision, or the ranks' weights and scales drift apart. The rule: reduce with MAX over the
+process group, so one rank's overflow or large amax is every rank's. Transformer Engine reduces amaxes this way
+(``reduce_and_update_fp8_tensors``). FSDP's ``ShardedGradScaler`` (torch/distributed/fsdp/sharded_grad_scaler.py,
+``_unscale_grads_``) all-reduces found_inf with the default SUM and then only asks "nonzero?": the same decision
+for a 0/1 flag, but the sum of N flags is not itself a flag, so the course takes MAX.
 
 Both helpers are no-ops (no collective, no error) when torch.distributed is unavailable, not initialized, or
 the group has one rank, so single-process code calls them unconditionally.
