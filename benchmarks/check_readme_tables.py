@@ -26,11 +26,12 @@ numbers, never in the layout.
 ``--spread``: a one-seed run on any CPU against a seeds table (``--table``; default the ``--seeds`` table at the
 default settings measured on the run's CPU kind, read from the table's comment ``gemm: bfloat16 native|emulated,
 float16 native|emulated`` and from ``results.json``'s ``environment.cpu.gemm``; where no table of that kind exists,
-the one with the same BF16 kind, and the verdict says so). Each recipe's val and gap% must lie inside the 95%
-prediction interval for one more seed, ``mean +- t(0.975, n-1) * sqrt(1 + 1/n) * std`` over the table's n seeds
-(plus half a unit of the printed last digit): with 3 seeds that is 4.97 std, with 5 seeds 3.04 (a plain "2 std"
-from 3 seeds is far too narrow: the std itself is that uncertain). A recipe that diverges on every seed (``nan``)
-must diverge too.
+the one with the same BF16 kind, and the verdict says so). Each recipe's gap% must lie inside the 95% prediction
+interval for one more seed, ``mean +- t(0.975, n-1) * sqrt(1 + 1/n) * std`` over the table's n seeds (plus half
+a unit of the printed last digit): with 3 seeds that is 4.97 std, with 5 seeds 3.04 (a plain "2 std" from 3 seeds
+is far too narrow: the std itself is that uncertain). val moves with the seed for every recipe alike, so its
+interval uses the std pooled over the recipes (``pooled_val_std``) where that is the larger. A recipe that
+diverges on every seed (``nan``) must diverge too.
 
 Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, README, fresh);
 2 bad input (no such table, an unreadable results.json), one line naming the fix.
@@ -203,10 +204,24 @@ def _mean_std(cell: str) -> tuple[float, float] | None:
     return float(mean), float(std)
 
 
+def pooled_val_std(table: Table) -> float:
+    """The val column's standard deviation pooled over the recipes that trained on every seed: sqrt(mean of their
+    variances). Every recipe of a seed trains the same initial model on the same batches, so its val moves with
+    the seed much as fp32's does; one recipe's own std from n seeds is a poor estimate of that (with 3 seeds one
+    recipe's can come out a third of fp32's). The recipes move together with the seed, so pooling them does not
+    add degrees of freedom: the interval keeps t with n - 1."""
+    col = table.header.index("val")
+    stds = [b[1] for cells in table.rows.values() if (b := _mean_std(cells[col])) is not None]
+    return (sum(x * x for x in stds) / len(stds)) ** 0.5 if stds else 0.0
+
+
 def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], k: float | None = None) -> list[str]:
-    """One line per value of a one-seed run (``header``, ``rows``) outside ``table``'s mean +- k std (k: the
-    prediction interval of ``spread_k`` for the table's number of seeds)."""
+    """One line per value of a one-seed run (``header``, ``rows``) outside ``table``'s 95% prediction interval.
+
+    gap% (the seed's own fp32 taken out): the recipe's mean +- k std, k = ``spread_k`` of the table's n seeds.
+    val: the recipe's mean +- k x the larger of its std and the pooled val std (``pooled_val_std``)."""
     k = spread_k(n_seeds(table.command)) if k is None else k
+    pooled = pooled_val_std(table)
     out = []
     for name, cells in table.rows.items():
         if name not in rows:
@@ -219,9 +234,10 @@ def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], 
                     out.append(f"{name} {col}: every seed diverged, the fresh run gives {fresh}")
                 continue
             mean, std = band
+            kk, ss = (k, max(std, pooled)) if col == "val" else (k, std)
             value = float(fresh.split("@")[0])
-            if not abs(value - mean) <= k * std + half_unit:   # NaN fails too
-                out.append(f"{name} {col}: {fresh} is outside {mean:g} +- {k:.2f} x {std:g}")
+            if not abs(value - mean) <= kk * ss + half_unit:   # NaN fails too
+                out.append(f"{name} {col}: {fresh} is outside {mean:g} +- {kk:.2f} x {ss:.3g}")
     return out
 
 

@@ -478,11 +478,15 @@ def test_spread_check_passes_inside_and_names_what_lies_outside():
     fresh = {"fp32": ["fp32", "2.6", "2.437", "+0.0"], "bf16-pure": ["bf16-pure", "2.6", "2.470", "-0.6"],
              "fp16-pure": ["fp16-pure", "nan", "nan@1", "nan"]}
     assert check.outside_spread(seeds, head, fresh) == []
-    fresh["fp32"][2] = f"{2.398 + k * 0.039 + 0.001:.3f}"         # just beyond the interval
+    pooled = ((0.039 ** 2 + 0.046 ** 2) / 2) ** 0.5                # val: the std pooled over the recipes that train
+    assert check.pooled_val_std(seeds) == pytest.approx(pooled)
+    fresh["fp32"][2] = f"{2.398 + k * pooled - 0.001:.3f}"        # inside with the pooled std, not with fp32's own
+    assert check.outside_spread(seeds, head, fresh) == []
+    fresh["fp32"][2] = f"{2.398 + k * pooled + 0.001:.3f}"        # just beyond the interval
     fresh["bf16-pure"][3] = f"{-0.1 + k * 0.3 + 0.1:+.1f}"
     fresh["fp16-pure"][2] = "2.500"
     assert check.outside_spread(seeds, head, fresh) == [
-        f"fp32 val: {fresh['fp32'][2]} is outside 2.398 +- {k:.2f} x 0.039",
+        f"fp32 val: {fresh['fp32'][2]} is outside 2.398 +- {k:.2f} x {pooled:.3g}",
         f"bf16-pure gap%: {fresh['bf16-pure'][3]} is outside -0.1 +- {k:.2f} x 0.3",
         "fp16-pure val: every seed diverged, the fresh run gives 2.500"]
     fresh["fp32"][2] = "nan@3"
