@@ -225,9 +225,10 @@ def test_linear_layer_under_each_recipe_is_close_to_fp32(recipe):
 
 @pytest.mark.parametrize("rule,mode", [("floor", "FLOOR"), ("rceil", "RCEIL")])
 def test_mx_edge_blocks_match_torchao(rule, mode):
-    """Lesson 09's stated edges: all-zero, subnormal, one ulp below a power of two, +-inf and NaN blocks. Scale
-    bytes and dequantized values equal torchao's; elements too, except a NaN block's under FLOOR (torchao writes
-    x / inf there, the library NaN: both dequantize to NaN)."""
+    """Lesson 09's stated edges: all-zero, subnormal, one ulp below a power of two, +-inf and NaN blocks. With
+    ``edges="torchao"`` (torchao's divisor where k = -127: the subnormal and 2^-120 rows), scale bytes and dequantized
+    values equal torchao's; elements too, except a NaN block's under FLOOR (torchao writes x / inf there, the library
+    NaN: both dequantize to NaN). The default departs on those two tiny rows only (tests/test_quant_tiny_amax.py)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 32, generator=g)
     x[0] = 0.0
@@ -236,10 +237,14 @@ def test_mx_edge_blocks_match_torchao(rule, mode):
     x[3, 0], x[4, 9], x[5, 1] = float("inf"), -float("inf"), float("nan")
     x[6] = 2.0 ** -120
     scale, data = mx_tensor.to_mx(x, torch.float8_e4m3fn, 32, getattr(mx_tensor.ScaleCalculationMode, mode))
-    q = quantize_mx(x, (1, 32), "e4m3", rule)
+    q = quantize_mx(x, (1, 32), "e4m3", rule, edges="torchao")
     assert torch.equal(q.scale_inv.view(torch.uint8).flatten(), scale.view(torch.uint8).flatten())
     want_dq = mx_tensor.to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
     assert torch.equal(q.dequantize().nan_to_num(7.0), want_dq.nan_to_num(7.0))
     assert bool(q.dequantize()[5].isnan().all()) and bool(q.data[5].float().isnan().all())
     rows = [0, 1, 2, 3, 4, 6, 7] if rule == "floor" else list(range(8))
     assert torch.equal(q.data.float()[rows].nan_to_num(7.0), data.float()[rows].nan_to_num(7.0))
+    default = quantize_mx(x, (1, 32), "e4m3", rule)
+    same = [0, 2, 3, 4, 5, 7]                     # the default's OCP divisor 2^-127 changes the tiny rows 1 and 6 only
+    assert torch.equal(default.data.view(torch.uint8)[same], q.data.view(torch.uint8)[same])
+    assert not torch.equal(default.data.view(torch.uint8)[[1, 6]], q.data.view(torch.uint8)[[1, 6]])

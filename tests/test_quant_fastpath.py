@@ -252,6 +252,26 @@ def test_rht_batched_matmul_equals_the_einsum_rule(mk):
             "ij,gjk->gik", random_hadamard(16, seed), x.bfloat16().float().reshape(M // 16, 16, K)).reshape(M, K))
 
 
+@pytest.mark.parametrize("mk", [(32, 8), (48, 5), (16, 1), (256, 7), (64, 48)])
+@pytest.mark.parametrize("scale", [1.0, 1e-36, 1e-40, 2.0 ** -140])
+def test_rht_kernel_equals_the_rule_on_narrow_and_tiny_tensors(mk, scale):
+    """Shapes where an einsum of the same matrices sums in another order (K < 12) and inputs whose products with
+    +-1/4 are FP32 subnormals (rounded, or not, before they are added): the kernel is the rule's own batched GEMM,
+    so the bits agree; both are within FP32 rounding of the float64 transform."""
+    from mpcourse.core.quant import fastpath, hadamard
+    from mpcourse.core.quant.hadamard import random_hadamard
+    M, K = mk
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(K)) * scale).float()
+    x[:16, 0] = 0.0                                                  # an all-zero column group
+    for seed in (0, 3):
+        rule = hadamard.rht(x, seed)
+        assert bits_equal(fastpath.rht(x, seed), rule)
+        exact = (random_hadamard(16, seed).double() @ x.double().reshape(M // 16, 16, K)).reshape(M, K)
+        bound = 2.0 ** -20 * (x.double().abs().reshape(M // 16, 16, K).sum(1, keepdim=True) / 4).expand(
+            M // 16, 16, K).reshape(M, K) + 16 * 2.0 ** -149
+        assert bool(((rule.double() - exact).abs() <= bound).all())
+
+
 # ------------------------------------------------------------------ the quantizers' kept FP32 copy and their scale rules
 def _amax_cases() -> torch.Tensor:
     """Block amaxes the scale rules can get wrong: zero and -0, FP32 subnormals, every power of two and its

@@ -263,7 +263,28 @@ def _special_matrix(M: int, K: int, seed: int, nan: bool = True, inf: bool = Tru
     return x
 
 
+def _boundary_matrix(M: int, K: int, seed: int) -> torch.Tensor:
+    """(M, K) float32 whose 16x16 tiles take, in order, the amaxes where the scale rules change behaviour: 0 beside
+    2^-149, every power of two from 2^-149 to 2^127 with its FP32 neighbours one ulp either side (subnormals, the
+    E8M0 clamp at 2^-127, the smallest normals), the amaxes whose fp8_max / amax overflows FP32 (E4M3, E5M2) and
+    MX's and NVFP4's thresholds, each tile holding its amax and amax times fractions of both signs."""
+    p = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    top = torch.tensor([448.0, 57344.0, 6.0, 2688.0])
+    thresholds = torch.cat([top / F32_MAX, top * 2.0 ** -127, top * 2.0 ** -126, 2688.0 * torch.tensor(
+        [2.0 ** -121, 2.0 ** -122])])
+    base = torch.cat([p, thresholds, torch.tensor([1e-36, 1e-40, 1e-45])])
+    amax = torch.cat([torch.zeros(1), torch.stack([torch.nextafter(base, base / 2), base,
+                                                   torch.nextafter(base, base * 2)], 1).flatten()])
+    amax = amax[torch.isfinite(amax) & (amax >= 0)].sort().values
+    tiles = amax.repeat((M // 16) * (K // 16) // amax.numel() + 1)[:(M // 16) * (K // 16)].reshape(M // 16, K // 16)
+    g = torch.Generator().manual_seed(seed)
+    frac = torch.rand(16, 16, generator=g) * 1.98 - 0.99
+    frac[0, 0], frac[0, 1], frac[0, 2], frac[0, 3] = 1.0, -1.0, 0.0, -0.0
+    return (tiles[:, None, :, None] * frac[None, :, None, :]).reshape(M, K).contiguous()
+
+
 def _amax_cases():
+    yield _boundary_matrix(256, 384, 27)
     for M, K in ((256, 384), (128, 128)):
         for nan, inf in ((True, True), (False, True), (False, False)):
             yield _special_matrix(M, K, seed=M + K + 2 * nan + inf, nan=nan, inf=inf)
@@ -306,6 +327,10 @@ def _quant_cases():
     yield _special_matrix(128, 128, 22, nan=False)
     yield _ties_matrix(256, 384, 23)
     yield _special_matrix(256, 128, 24, nan=False, inf=False) * 1e-36   # tiny blocks: huge or subnormal scales
+    yield _boundary_matrix(256, 384, 25)                                  # every boundary amax, a tile each
+
+
+N_QUANT_CASES = 5
 
 
 def _check_same(got: scaled.ScaledTensor, want: scaled.ScaledTensor, x: torch.Tensor, nan_sign: bool = True) -> None:
@@ -338,17 +363,23 @@ def test_quantize_fp32_scaled_kernel_equals_the_torch_rule(block, power_2_scale,
                 _check_same(got, want, x)
 
 
+@pytest.mark.parametrize("edges", ["course", "torchao"])
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("block", MX_BLOCKS, ids=str)
-def test_quantize_mx_kernel_equals_the_torch_rule(block, rule, calls):
+def test_quantize_mx_kernel_equals_the_torch_rule(block, rule, edges, calls):
+    """The kernel's x / 2^k (2^-127, an FP32-subnormal divisor, included) and under ``edges="torchao"`` torchao's
+    divisor there, against the forced rule; and the forced rule against ``mx.quantize_mx`` itself."""
     saturated = 0
     for x in _quant_cases():
         n = calls["quantize"]
-        got = fastpath.quantize_mx(x, block, "e4m3", rule, keep_fp32=True)
+        got = fastpath.quantize_mx(x, block, "e4m3", rule, keep_fp32=True, edges=edges)
         assert calls["quantize"] == n + 1
-        want = torch_rule(fastpath.quantize_mx, x, block, "e4m3", rule, keep_fp32=True)
+        want = torch_rule(fastpath.quantize_mx, x, block, "e4m3", rule, keep_fp32=True, edges=edges)
         assert calls["quantize"] == n + 1
         _check_same(got, want, x)
+        rule_st = mx.quantize_mx(x, block, "e4m3", rule, edges=edges)
+        assert_codes_equal(got.data, rule_st.data, ("x", x))
+        assert torch.equal(got.scale_inv.view(torch.uint8), rule_st.scale_inv.view(torch.uint8))
         saturated += int(((got.data.view(torch.uint8) & 0x7F) == 0x7E).sum())
     assert saturated > 0                              # the 448 codes are there (floor: 1000 / 2 saturates)
 
@@ -376,7 +407,7 @@ def test_learner_compute_scale_matches_the_torch_rule(name, power_2_scale, calls
             got = _learner_fp32_scaled(x, block, fn, power_2_scale)
             want = torch_rule(_learner_fp32_scaled, x, block, fn, power_2_scale)
             _check_same(got, want, x, nan_sign=False)
-    assert calls["quantize"] == 3 * 4
+    assert calls["quantize"] == 3 * N_QUANT_CASES
 
 
 def _learner_fp32_scaled(x, block, fn, power_2_scale, keep_fp32=True):
@@ -408,7 +439,7 @@ def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
             amax = scaled.block_amax(x, b)                                    # the rules
             rule = mx.encode_mx(x, b, "e4m3", amax, fn(amax.flatten(), "e4m3").reshape(amax.shape))
             assert_codes_equal(got.data, rule.data, ("x", x))
-    assert calls["quantize"] == 4 * 2
+    assert calls["quantize"] == N_QUANT_CASES * 2
 
 
 # ------------------------------------------------------------------------------------------------ 5. layouts and paths
@@ -521,8 +552,10 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, "quantize_e2m1", spy)
+        tiny = [_boundary_matrix(128, 128, 63) / float(_boundary_matrix(128, 128, 63).abs().max()) * t
+                for t in (1e-30, 1e-33, 1e-36, 2.0 ** -127, 1e-40, 1e-45)]      # tensor scales floored at 2^-121
         for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
-                  torch.zeros(64, 128)):
+                  torch.zeros(64, 128), _boundary_matrix(128, 128, 64), *tiny):
             got = fastpath.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
                                         keep_fp32=True)
             want = torch_rule(fastpath.quantize_nvfp4, x, block, rounding=rounding,
@@ -532,7 +565,7 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
             assert_bits_equal(got.tensor_scale_inv.reshape(1), want.tensor_scale_inv.reshape(1))
             assert got.dequantized is not None
             assert_bits_equal(got.dequantized, torch_rule(want.dequantize, torch.float32), ("x", x))
-    assert count[0] == 3
+    assert count[0] == 10
 
 
 # ------------------------------------------------------------------------------------------------ per tensor

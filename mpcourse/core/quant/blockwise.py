@@ -5,6 +5,8 @@ Per block of ``block = (rows, cols)`` elements (``-1``: the whole dimension):
 
     amax  = max |x| over the block                      (M/r, K/c) FP32
     scale = fp8_max / amax / 2**margin                  ``tensor.compute_scale``: amax 0, inf or NaN -> 1.0;
+                                                        FP32 max where the division overflows (amax below
+                                                        ~1.3e-36 for E4M3: TE's cap, no NaN);
                                                         power_2_scale rounds it down to a power of two
     data  = fp8(saturate(x * scale))                    ``scale_inv = 1 / scale`` is what GEMMs read
 

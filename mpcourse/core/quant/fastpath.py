@@ -47,7 +47,7 @@ import torch
 
 from ..formats import FORMATS
 from . import blockwise, fused, hadamard, mx, nvfp4, scaled, tensor
-from .scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, expand, resolve_block
+from .scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, check_edges, expand, resolve_block
 
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -391,25 +391,24 @@ def encode_fp32_scaled(x: torch.Tensor, b: tuple[int, int], name: str, scale: to
 
 
 def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
-                keep_fp32: bool = False) -> ScaledTensor:
+                keep_fp32: bool = False, edges: str = "course") -> ScaledTensor:
     """``mx.quantize_mx`` bit for bit; the RCEIL scale from ``rceil_scale_inv`` (2^k without the int64 k)."""
     fmt = mx.mx_element_format(elem)
+    check_edges(edges)
     b = resolve_block(x.shape, block)
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if rule == "rceil":
-        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32, rule)
+        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32, rule, edges)
     k = mx.mx_shared_exponent(amax, elem, rule)      # held until the cast is done, as the rule holds it
-    return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32, rule)
+    return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32, rule, edges)
 
 
 def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor, scale_inv: torch.Tensor,
-              keep_fp32: bool = False, rule: str = "floor") -> ScaledTensor:
+              keep_fp32: bool = False, rule: str = "floor", edges: str = "course") -> ScaledTensor:
     """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k (the divisor: ``mx.mx_divisor``'s,
-    which differs from 2^k only where k = -127)."""
+    2^k itself unless ``edges="torchao"``)."""
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
-    low = scale_inv == 2.0 ** -127                  # blocks with k = -127 (amax 0 or tiny): rare, no copy otherwise
-    divisor = torch.where(low, mx.MX_MIN_SCALE_DIVISOR[rule], scale_inv) if bool(low.any()) else scale_inv
-    del low
+    divisor = mx.mx_divisor(scale_inv, rule, edges)
     if keep_fp32 and elem == "e4m3" and _fused(x):
         # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
         e8m0 = scale_inv.to(torch.float8_e8m0fnu)
@@ -422,12 +421,13 @@ def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor
 
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
                    rounding: str = "nearest", generator: Optional[torch.Generator] = None,
-                   keep_fp32: bool = False) -> ScaledTensor:
+                   keep_fp32: bool = False, edges: str = "course") -> ScaledTensor:
     """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``)."""
+    check_edges(edges)
     b = resolve_block(x.shape, block)
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
     amax_t = (tensor.compute_amax(amax_b) if tensor_amax is None else tensor_amax.float()).reshape(())
-    t = nvfp4.nvfp4_tensor_scale_inv(amax_t)
+    t = nvfp4.nvfp4_tensor_scale_inv(amax_t, edges)
     s = ((amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))).clamp(
         FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
     return encode_nvfp4(x, b, t, s, rounding, generator, keep_fp32)
@@ -451,8 +451,8 @@ _RHT_MATRICES: dict = {}
 
 
 def rht(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """``hadamard.rht(x, seed)`` bit for bit: H @ each (16, K) group as one batched GEMM with the matrix built once
-    per (seed, device) (the rule's einsum computes the same bmm after copying x)."""
+    """``hadamard.rht(x, seed)`` bit for bit: the rule's batched GEMM, H @ each (16, K) group, with the matrix built
+    once per (seed, device) instead of at every call."""
     hadamard.check_rht_shape(x)
     key = (seed, str(x.device))
     if key not in _RHT_MATRICES:

@@ -2,7 +2,7 @@
 section 4.2): a 16x16 orthonormal Hadamard matrix with one fixed random sign vector, applied to each 16-row group
 along M of both inputs of dW = dy^T x, so outliers spread over 16 elements before the FP4 cast.
 
-The kernel of ``rht`` is ``fastpath.rht`` (one batched matmul with a cached matrix), equal bit for bit
+The kernel of ``rht`` is ``fastpath.rht`` (the same batched matmul with a cached matrix), equal bit for bit
 (``tests/test_quant_fastpath.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations
@@ -33,8 +33,11 @@ def check_rht_shape(x: torch.Tensor) -> None:
 
 
 def rht(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """(M, K) -> (M, K) float32: ``random_hadamard(16, seed)`` applied to every 16-row group along M."""
+    """(M, K) -> (M, K) float32: ``random_hadamard(16, seed)`` applied to every 16-row group along M, as one batched
+    product H @ x_g (``torch.matmul``). Its rounding is that GEMM's: the order of each 16-term sum is the BLAS
+    kernel's (an ``einsum`` of the same matrices sums in another order for some shapes: K < 12 with torch 2.13's
+    CPU kernels). An output element can reach 4 max |x_g| (the 16 terms' signs can line up): a group with values
+    above FP32 max / 4 (about 8.5e37) may overflow to inf, which NVFP4 then decodes as NaN (``quantize_nvfp4``)."""
     check_rht_shape(x)
     M, K = x.shape
-    return torch.einsum("ij,gjk->gik", random_hadamard(16, seed).to(x.device),
-                        x.float().reshape(M // 16, 16, K)).reshape(M, K)
+    return torch.matmul(random_hadamard(16, seed).to(x.device), x.float().reshape(M // 16, 16, K)).reshape(M, K)

@@ -35,6 +35,11 @@ from ..formats import FORMATS, round_to
 from .tensor import FP8_DTYPES
 
 ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+#: what the MX and NVFP4 rules do at their edges (a tiny, subnormal or zero amax): "course", the default, decodes
+#: every block within its element format's error wherever the scales can represent it (``mx.quantize_mx``,
+#: ``nvfp4.quantize_nvfp4`` say how); "torchao" is what torchao 0.18 computes there, bit for bit, kept reachable
+#: for the oracle tests against it
+EDGES = ("course", "torchao")
 CONTAINER = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e3m2": torch.float8_e4m3fn,
               "e2m3": torch.float8_e4m3fn, "e2m1": torch.float8_e4m3fn}
 SCALE_BITS = {"fp32": 32, "e8m0": 8, "e4m3": 8}
@@ -45,10 +50,12 @@ def resolve_block(shape, block) -> tuple[int, int]:
 
     An empty dimension (size 0) is divided by any block; a -1 block along it resolves to 0 and still counts as
     one block (``grid``), so an empty tensor gets the scales the per-tensor path gives it: one per whole-dimension
-    block (scale 1.0 from amax 0), none along an empty dimension cut into fixed-size blocks."""
+    block (scale 1.0 from amax 0), none along an empty dimension cut into fixed-size blocks. A resolved block
+    resolves to itself (a 0 along an empty dimension is that whole dimension)."""
     if len(shape) != 2:
         raise ValueError(f"block scaling takes 2-D (M, K) tensors, got shape {tuple(shape)}: reshape to (-1, K) first")
-    if any(not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1) for n in block):
+    if len(block) != 2 or any(not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1 and (n, d) != (0, 0))
+                              for n, d in zip(block, shape)):
         raise ValueError(f"a block is (rows, cols) of positive ints or -1 (the whole dimension), got {tuple(block)}")
     rows, cols = (shape[0] if block[0] == -1 else block[0]), (shape[1] if block[1] == -1 else block[1])
     if shape[0] % max(rows, 1) or shape[1] % max(cols, 1):
@@ -56,6 +63,12 @@ def resolve_block(shape, block) -> tuple[int, int]:
                          f"to a multiple of the block (no padding is done here) or use a coarser granularity "
                          "(rowwise and tensorwise take any shape)")
     return rows, cols
+
+
+def check_edges(edges: str) -> None:
+    """ValueError unless ``edges`` names one of ``EDGES``."""
+    if edges not in EDGES:
+        raise ValueError(f"edges must be one of {EDGES} (the course's rule, or torchao's numbers), got {edges!r}")
 
 
 def grid(shape, block: tuple[int, int]) -> tuple[int, int]:

@@ -18,6 +18,17 @@ The rules for degenerate amaxes are Transformer Engine's (``transformer_engine/p
 * a tiny amax (say 1e-40) makes fp8_max / amax overflow FP32: the scale is capped at the largest
   FP32 (3.4028235e38), as TE does. (TE's current-scaling kernel caps at the *input* dtype's max;
   for BF16 inputs that is 3.39e38 instead. The difference only shows for amax below ~1.3e-36.)
+  Below that amax (FP32 subnormals included) the scale cannot grow with 1 / amax: the tensor lands
+  lower in the FP8 range (amax 1e-40 maps to 0.034, near the bottom of E4M3's normals) and values
+  below about 2^-10 / FP32 max = 2^-138 round to zero; ``scale_inv`` = 1 / FP32 max is the FP32
+  subnormal 2^-128 (rounded; with power-of-two scales the scale is 2^127, its inverse exactly
+  2^-127). Every element still decodes to within half an FP8 step (at its scaled position) of
+  itself, and nothing is NaN (tests/test_quant_tiny_amax.py checks every boundary against an
+  ml_dtypes transcription of this rule).
+* at the top of FP32 an element within half an FP8 step of 2^128 / scale rounds up to a code whose
+  decoded product float32(code) * scale_inv is past FP32 max: it decodes to inf (e.g. power-of-two
+  E4M3 scales for amax = FP32 max: scale 2^-120, x * 2^-120 rounds to 256, 256 * 2^120 = 2^128), as in
+  TE and torchao; an inf input saturates to +-fp8_max and decodes finite (``saturate`` below).
 
 Saturation is explicit here and never left to the torch version: torch 2.13's CPU cast saturates
 E4M3 (even inf -> 448) but not E5M2 (61440 -> inf), and older versions saturated neither.
