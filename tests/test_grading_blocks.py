@@ -167,3 +167,86 @@ def not_transposed(x):                     # 128x1 blocks of x, stored untranspo
 def test_columnwise_bugs_named(bug, hint):
     with pytest.raises(GradingError, match=hint):
         check_columnwise_quantize(bug)
+
+
+# --- the constructed edges: each bug below passed the graders before they had these cases ---
+
+def fp32_log2_pow2(x, block):              # scale rounded down with floor(log2) in FP32
+    M, K = x.shape
+    r, c = block
+    amax = x.reshape(M // r, r, K // c, c).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    scale = torch.exp2(torch.floor(torch.log2(scale)))
+    data = (x.reshape(M // r, r, K // c, c) * scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return data.reshape(M, K), scale.reciprocal()
+
+
+def inf_amax_scale_zero(x, block):         # amax inf: 448 / inf = 0 kept (the old exercise solution)
+    d, s = lib_block(x, block)
+    M, K = x.shape
+    r, c = block
+    amax = x.reshape(M // r, r, K // c, c).abs().amax(dim=(1, 3))
+    return d, torch.where(torch.isinf(amax), torch.tensor(float("inf")), s)
+
+
+def nvfp4_other_order(x):                  # amax_b / (6 t) instead of (amax_b / 6) / t
+    t, _ = lib_nvfp4(x)
+    amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2)
+    return t, (amax_b / (6.0 * t)).clamp(2.0 ** -6, 448).to(torch.float8_e4m3fn)
+
+
+def nvfp4_fp64(x):                         # the block scales computed in FP64
+    t, _ = lib_nvfp4(x)
+    amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2).double()
+    return t, (amax_b / 6.0 / t.double()).clamp(2.0 ** -6, 448).float().to(torch.float8_e4m3fn)
+
+
+def nvfp4_python_float(x):                 # t as a Python float
+    t, s = lib_nvfp4(x)
+    return float(t), s
+
+
+def nvfp4_no_floor(x):                     # t = amax / 2688 even below 2^-121
+    t = x.abs().amax() / 2688.0
+    amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2)
+    return t, (amax_b / 6.0 / torch.where(t > 0, t, 1.0)).clamp(2.0 ** -6, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("check,bug,hint", [
+    (check_block_quantize, fp32_log2_pow2, "one ulp below a power of two"),
+    (check_block_quantize, inf_amax_scale_zero, "amax is inf takes scale 1"),
+    (check_nvfp4_scales, nvfp4_other_order, "in that order"),
+    (check_nvfp4_scales, nvfp4_fp64, "in that order"),
+    (check_nvfp4_scales, nvfp4_python_float, "torch.float32 tensor of shape \\(\\)"),
+    (check_nvfp4_scales, nvfp4_no_floor, "2\\^-121"),
+    (check_mx_shared_exponent, lambda a, e: mx_shared_exponent(a, e, "floor").int(), "dtype torch.int64"),
+])
+def test_constructed_edges_catch(check, bug, hint):
+    with pytest.raises(GradingError, match=hint):
+        check(bug)
+
+
+def test_near_pow2_amaxes_are_one_ulp_below():
+    """The constructed amaxes do what the grader says: 448 / amax in FP32 is the float just below 2^n, and FP32
+    log2 of it rounds up to n for n >= 5 (checked against exact rational arithmetic)."""
+    from fractions import Fraction
+    import numpy as np
+    from mpcourse.course.grading.blocks import near_pow2_amaxes
+    for a in near_pow2_amaxes():
+        q = np.float32(448.0) / np.float32(a)
+        n = round(float(np.log2(np.float64(q))))
+        assert Fraction(float(q)) == Fraction(2) ** n - Fraction(2) ** (n - 24)
+        assert abs(Fraction(448) / Fraction(a) - Fraction(float(q))) <= Fraction(2) ** (n - 25)   # correctly rounded
+        if n >= 5:                      # below 4, FP32 log2 keeps n - 2^-24/ln 2 apart from n
+            assert float(torch.log2(torch.tensor(q))) == n
+
+
+def test_nvfp4_midpoint_blocks_separate_the_orders():
+    """Each alternative order really lands on another E4M3 code for some block of the constructed tensor."""
+    from mpcourse.course.grading.blocks import nvfp4_near_midpoints
+    for amax in (1000.0, 3.3):
+        x = nvfp4_near_midpoints(amax)
+        t, s = lib_nvfp4(x)
+        amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2)
+        for other in (amax_b / (6.0 * t), (amax_b / t) / 6.0, (amax_b.double() / 6.0 / t.double()).float()):
+            assert (other.clamp(2.0 ** -6, 448).to(torch.float8_e4m3fn).float() != s.float()).any()

@@ -8,6 +8,7 @@ import pytest
 from mutation import run_mutant
 
 LESSONS = {   # module in tests/mutants -> solution notebook
+    "m09": "09_finer_grained_scaling.ipynb",
     "m10": "10_beyond_one_machine.ipynb",
     "m12": "12_capstone.ipynb",
 }

@@ -4,8 +4,11 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
 (``float8_e4m3fn``, ``float4_e2m1fn``), transcribing the published rules:
 
 * ``check_block_quantize``: Transformer Engine ``Float8BlockScaling`` / DeepSeek-V3 (arXiv 2412.19437, 3.3.1):
-  per block, ``scale = 448 / amax`` in FP32 rounded *down* to a power of two (amax 0 gives 1), then
-  ``e4m3(clip(x * scale, -448, 448))``; the returned ``scale_inv`` is ``1 / scale``.
+  per block, ``scale = 448 / amax`` (one FP32 division), FP32 max where that overflows (TE's cap), rounded *down*
+  to a power of two; an amax of 0, inf or NaN gives 1 (TE's ``compute_scale`` rule, ``core/quant/tensor.py``); then
+  ``e4m3(clip(x * scale, -448, 448))``; the returned ``scale_inv`` is ``1 / scale``. Constructed blocks: amaxes
+  whose ``448 / amax`` is one FP32 ulp below a power of two (``floor(log2)`` in FP32 rounds up there), amaxes whose
+  ``448 / amax`` overflows FP32, zero, +-inf and NaN blocks.
 * ``check_columnwise_quantize``: the columnwise copy Transformer Engine's ``Float8BlockScaling`` quantizes for
   the backward pass: x^T (K, M) in 1x128 tiles (128x1 blocks of x), from the high-precision source; the same
   oracle as ``check_block_quantize`` on x^T.
@@ -15,7 +18,12 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
 * ``check_mx_quantize``: the whole MXFP8 block (floor rule, E4M3 elements, torchao ``to_mx`` FLOOR): scale byte,
   elements and dequantized values, with the edges lesson 09 states (zero, subnormal, inf and NaN blocks).
 * ``check_nvfp4_scales``: NVFP4 (torchao ``nvfp4_quantize`` with a per-tensor scale): ``t = amax / (448 * 6)``
-  per tensor, ``s_b = e4m3(clip(amax_b / 6 / t, 2^-6, 448))`` per 16 elements.
+  per tensor (one FP32 division; at least 2^-121 for a non-zero tensor, the library's floor,
+  ``core/quant/nvfp4.py``), ``s_b = e4m3(clip((amax_b / 6) / t, 2^-6, 448))`` per 16 elements, in that FP32
+  order. Constructed blocks: block maxima whose quotient lies within a few FP32 ulps of an E4M3 rounding midpoint,
+  chosen (by a search in IEEE FP32 and FP64 arithmetic) where another order of the same operations, FP64, or a
+  detour through BF16/FP16 rounds to another E4M3 code; a tensor amax where ``amax / 448 / 6`` and
+  ``amax / 2688`` differ.
 """
 from __future__ import annotations
 
@@ -46,49 +54,116 @@ def _pow2_floor(v: np.ndarray) -> np.ndarray:
     return np.ldexp(np.ones_like(m), e - 1).astype(np.float32)
 
 
+def block_scale_oracle(amax: np.ndarray) -> np.ndarray:
+    """TE's rule: 448 / amax in FP32, FP32 max where it overflows, rounded down to a power of two; 1 where amax is
+    0, inf or NaN."""
+    amax = amax.astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        scale = np.float32(E4M3_MAX) / amax
+    scale = np.minimum(np.where(np.isnan(scale), np.float32(1.0), scale), np.float32(FORMATS["fp32"].max))
+    usable = (amax > 0) & np.isfinite(amax)
+    return np.where(usable, _pow2_floor(np.where(usable, scale, np.float32(1.0))), np.float32(1.0)).astype(np.float32)
+
+
 def block_quantize_oracle(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
     a = x.numpy().astype(np.float32)
     M, K = a.shape
     r, c = (M if block[0] == -1 else block[0]), (K if block[1] == -1 else block[1])
-    amax = np.abs(a.reshape(M // r, r, K // c, c)).max(axis=(1, 3))
-    with np.errstate(divide="ignore"):
-        scale = np.float32(E4M3_MAX) / amax
-    scale = np.where(amax > 0, _pow2_floor(np.minimum(scale, np.float32(FORMATS["fp32"].max))), np.float32(1.0))
-    y = a.reshape(M // r, r, K // c, c) * scale[:, None, :, None].astype(np.float32)
-    data = np.clip(y, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(M, K)
+    amax = np.abs(a.reshape(M // r, r, K // c, c)).max(axis=(1, 3))     # NaN propagates
+    scale = block_scale_oracle(amax)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = a.reshape(M // r, r, K // c, c) * scale[:, None, :, None].astype(np.float32)
+        data = np.clip(y, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(M, K)
     return torch.from_numpy(data), torch.from_numpy((np.float32(1.0) / scale).astype(np.float32))
+
+
+def near_pow2_amaxes(n_values=range(2, 40, 3)) -> list[float]:
+    """FP32 amaxes whose FP32 quotient 448 / amax is one ulp below 2^n: floor(log2) of it in FP32 rounds up to n
+    (the exact floor is n - 1). Found by checking IEEE FP32 division near 448 / (2^n - ulp)."""
+    out = []
+    for n in n_values:
+        target = np.nextafter(np.float32(2.0 ** n), np.float32(0.0))
+        a = (np.float32(E4M3_MAX) / target).view(np.int32) + np.arange(-4, 5, dtype=np.int32)
+        hit = a.view(np.float32)[np.float32(E4M3_MAX) / a.view(np.float32) == target]
+        out.append(float(hit[0]))
+    return out
+
+
+def _edge_blocks(seed: int = 3) -> torch.Tensor:
+    """(256, 256): block (0, 0) of 128x128 holds the near-power-of-two amaxes on its diagonal (so every 1x128 and
+    128x1 block there has one as its max), block (0, 1) is zero, block (1, 0) is tiny (448 / amax overflows FP32:
+    amaxes 1e-38 and the subnormal 1e-40), block (1, 1) holds +inf, -inf and a NaN in different rows/columns."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(256, 256, generator=g) - 0.5) * 1e-10
+    below = torch.tensor(near_pow2_amaxes())
+    i = torch.arange(128)
+    x[:128, :128] *= below.min() * 1e9
+    x[i, i] = below[i % len(below)] * torch.where(i % 2 == 0, 1.0, -1.0)
+    x[:128, 128:] = 0.0
+    x[128:192, :128] = (torch.rand(64, 128, generator=g) - 0.5) * 2e-38
+    x[192:, :128] = (torch.rand(64, 128, generator=g) - 0.5) * 2e-40
+    x[130, 140], x[200, 250], x[250, 130] = float("inf"), -float("inf"), float("nan")
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a == b) | (a.isnan() & b.isnan())
 
 
 def check_block_quantize(fn) -> None:
     """Grade ``fn(x: (M, K) float32, block: (rows, cols)) -> (data (M, K) float8_e4m3fn, scale_inv (M/rows, K/cols)
-    float32)`` for 1x128 tiles and 128x128 blocks, bit for bit."""
+    float32)`` for 1x128 tiles, 128x1 and 128x128 blocks, bit for bit, constructed edges included."""
     n = 0
     for block in ((1, 128), (128, 128), (128, 1)):
-        for what, x in _cases():
-            data, scale_inv = call("block_quantize", fn, x.clone(), block)
+        for what, x in _cases() + [("constructed edges (near-power-of-two, tiny, zero, inf, NaN amaxes)",
+                                    _edge_blocks())]:
+            out = call("block_quantize", fn, x.clone(), block)
+            if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+                raise GradingError("FAIL block_quantize: return a tuple (data, scale_inv) of two torch tensors, got "
+                                   f"{type(out).__name__}")
+            data, scale_inv = out
             want_data, want_inv = block_quantize_oracle(x, block)
             if tuple(scale_inv.shape) != tuple(want_inv.shape):
                 raise GradingError(f"FAIL block_quantize {block} on {what}: scale_inv has shape {tuple(scale_inv.shape)}"
                                    f", expected {tuple(want_inv.shape)} (one scale per {block[0]}x{block[1]} block)")
-            bad = ~((scale_inv.float() == want_inv) | (scale_inv.float().isnan() & want_inv.isnan()))
+            if scale_inv.dtype != torch.float32:
+                raise GradingError(f"FAIL block_quantize: scale_inv must be torch.float32, got {scale_inv.dtype}")
+            bad = ~_same(scale_inv, want_inv)
             if bad.any():
                 i = tuple(bad.nonzero()[0].tolist())
+                r0, c0 = (x.shape[0] // want_inv.shape[0]), (x.shape[1] // want_inv.shape[1])
+                blk = x[i[0] * r0:(i[0] + 1) * r0, i[1] * c0:(i[1] + 1) * c0]
+                amax = float(blk.abs().max())
                 got, want = float(scale_inv[i]), float(want_inv[i])
-                hint = (" the scale must be a power of two (round 448 / amax DOWN)" if want != 0 and
-                        float(np.log2(abs(got))) % 1 else
-                        " an all-zero block takes scale 1" if want == 1.0 else "")
+                if amax != amax or amax in (0.0, float("inf")):
+                    hint = (f" a block whose amax is {amax} takes scale 1 (scale_inv 1): 448 / amax is not a usable "
+                            "scale there")
+                elif float(np.float32(E4M3_MAX) / np.float32(amax)) == float("inf"):
+                    hint = (" 448 / amax overflows FP32 here (inf): cap it at FP32's max (torch.finfo(torch.float32)"
+                            ".max) before rounding down, which gives 2^127")
+                elif got * 2 == want:
+                    hint = (f" amax {amax!r}: 448 / amax in FP32 is one ulp below a power of two, and floor(log2) "
+                            "computed in FP32 rounds up there: round down exactly (keep the FP32 exponent bits)")
+                elif want != 0 and float(np.log2(abs(got))) % 1:
+                    hint = " the scale must be a power of two (round 448 / amax DOWN)"
+                else:
+                    hint = " scale = 448 / amax in FP32, rounded DOWN to a power of two; scale_inv = 1 / scale"
                 raise GradingError(f"FAIL block_quantize {block} on {what}: block {i} scale_inv {got!r}, expected "
                                    f"{want!r};{hint}")
-            if data.dtype != torch.float8_e4m3fn:
-                raise GradingError(f"FAIL block_quantize: data must be torch.float8_e4m3fn, got {data.dtype}")
-            bad = data.float() != want_data
+            if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != tuple(x.shape):
+                raise GradingError(f"FAIL block_quantize: data must be torch.float8_e4m3fn of shape {tuple(x.shape)},"
+                                   f" got {data.dtype} {tuple(data.shape)}")
+            bad = ~_same(data.float(), want_data)
             if bad.any():
                 i = tuple(bad.nonzero()[0].tolist())
+                hint = (" an infinite element saturates to +-448: clamp x * scale to [-448, 448] before the cast"
+                        if x[i].isinf() else
+                        " multiply by the block's scale in FP32, clamp to +-448, then cast")
                 raise GradingError(f"FAIL block_quantize {block} on {what}: element {i} (x = {float(x[i])!r}) gives "
-                                   f"{float(data[i].float())!r}, expected {float(want_data[i])!r}: multiply by the "
-                                   "block's scale in FP32, clamp to +-448, then cast")
+                                   f"{float(data[i].float())!r}, expected {float(want_data[i])!r};{hint}")
             n += 1
-    verdict("block_quantize", f"{n} cases (1x128, 128x1, 128x128) agree bit for bit with ml_dtypes")
+    verdict("block_quantize", f"{n} cases (1x128, 128x1, 128x128; zero, tiny, inf, NaN and near-power-of-two "
+                              "amaxes) agree bit for bit with ml_dtypes")
 
 
 EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
@@ -135,11 +210,17 @@ def check_mx_shared_exponent(fn) -> None:
     one FP32 ulp below powers of two, zero, subnormal and infinite amaxes included."""
     amax = _mx_amaxes()
     for elem in ("e4m3", "e5m2", "e2m1"):
-        got = torch.as_tensor(call("mx_shared_exponent", fn, amax.clone(), elem))
-        if got.dtype.is_floating_point:
-            raise GradingError(f"FAIL mx_shared_exponent({elem}): the exponents must be integers (int64), got "
-                               f"{got.dtype}")
-        got = got.long()
+        got = call("mx_shared_exponent", fn, amax.clone(), elem)
+        if not isinstance(got, torch.Tensor):
+            raise GradingError(f"FAIL mx_shared_exponent({elem}): return a torch tensor of int64, got "
+                               f"{type(got).__name__}")
+        if got.dtype != torch.int64:
+            raise GradingError(f"FAIL mx_shared_exponent({elem}): the exponents must be integers of dtype torch.int64"
+                               f" (4, not 4.0), got {got.dtype}" + (": call .long()" if got.dtype in
+                               (torch.int32, torch.int16, torch.int8, torch.uint8) else ""))
+        if tuple(got.shape) != tuple(amax.shape):
+            raise GradingError(f"FAIL mx_shared_exponent({elem}): one exponent per amax, shape {tuple(amax.shape)}, "
+                               f"got {tuple(got.shape)}")
         want = mx_exponent_oracle(amax, elem)
         bad = got != want
         if bad.any():
@@ -229,7 +310,10 @@ def check_mx_quantize(quantize, dequantize) -> None:
         raise GradingError(f"FAIL mx_quantize on {what[r]}: element ({r}, {c}) (x = {xv!r}) gives {g!r}, "
                            f"expected {w!r};{hint}")
     dq = call("mx_dequantize", dequantize, scale.clone(), data.clone())
-    dq = torch.as_tensor(dq).float().numpy()
+    if not isinstance(dq, torch.Tensor) or dq.dtype != torch.float32 or tuple(dq.shape) != (M, K):
+        raise GradingError(f"FAIL mx_dequantize: return a torch.float32 tensor of shape {(M, K)}, got "
+                           f"{getattr(dq, 'dtype', type(dq).__name__)} {tuple(getattr(dq, 'shape', ()))}")
+    dq = dq.numpy()
     bad = ~((dq == want_dq) | (np.isnan(dq) & np.isnan(want_dq)))
     if bad.any():
         r, c = (int(i) for i in np.argwhere(bad)[0])
@@ -250,7 +334,7 @@ def check_columnwise_quantize(fn) -> None:
     """Grade ``fn(x: (M, K) float32) -> (data_t (K, M) float8_e4m3fn, scale_inv_t (K, M/128) float32)``: the
     columnwise copy, x^T in 1x128 tiles (power-of-two scales), quantized from the source x, bit for bit."""
     n = 0
-    for what, x in _cases(2):
+    for what, x in _cases(2) + [("constructed edges (near-power-of-two, tiny, zero, inf, NaN amaxes)", _edge_blocks())]:
         M, K = x.shape
         data, scale_inv = call("columnwise_quantize", fn, x.clone())
         want_data, want_inv = columnwise_oracle(x)
@@ -267,7 +351,9 @@ def check_columnwise_quantize(fn) -> None:
                                f"{tuple(scale_inv.shape)}, expected ({K}, {M}) and {tuple(want_inv.shape)};{hint}")
         if data.dtype != torch.float8_e4m3fn:
             raise GradingError(f"FAIL columnwise_quantize: data must be torch.float8_e4m3fn, got {data.dtype}")
-        if torch.equal(data.float(), want_data) and torch.equal(scale_inv.float(), want_inv):
+        if scale_inv.dtype != torch.float32:
+            raise GradingError(f"FAIL columnwise_quantize: scale_inv must be torch.float32, got {scale_inv.dtype}")
+        if _same(data.float(), want_data).all() and _same(scale_inv, want_inv).all():
             n += 1
             continue
         rw_dq = (rw_data.reshape(M, K // 128, 128) * rw_inv[:, :, None]).reshape(M, K)
@@ -280,7 +366,7 @@ def check_columnwise_quantize(fn) -> None:
             raise GradingError(f"FAIL columnwise_quantize on {what}: your scales are the rowwise copy's (1x128 tiles "
                                "along K of x) transposed; the columnwise copy scales 128 consecutive elements along M "
                                "(a column of x, a row of x^T)")
-        bad = (data.float() != want_data) | (scale_inv.float() != want_inv).repeat_interleave(128, 1)
+        bad = ~_same(data.float(), want_data) | ~_same(scale_inv.float(), want_inv).repeat_interleave(128, 1)
         i = tuple(bad.nonzero()[0].tolist())
         raise GradingError(f"FAIL columnwise_quantize on {what}: x^T element {i} gives {float(data[i].float())!r} "
                            f"with scale_inv {float(scale_inv[i[0], i[1] // 128])!r}, expected "
@@ -289,29 +375,115 @@ def check_columnwise_quantize(fn) -> None:
     verdict("columnwise_quantize", f"{n} cases agree bit for bit with the 128x1 rule on the source")
 
 
+NVFP4_MIN_T = np.float32(2.0 ** -121)   # the library's floor on the tensor decode scale (core/quant/nvfp4.py)
+
+
+def nvfp4_tensor_oracle(amax: np.float32) -> np.float32:
+    t = np.float32(amax) / np.float32(E4M3_MAX * E2M1_MAX)               # one FP32 division by 2688
+    return np.float32(NVFP4_MIN_T) if (amax > 0 and t < NVFP4_MIN_T) else np.float32(t)
+
+
+def nvfp4_block_oracle(amax_b: np.ndarray, t: np.float32) -> np.ndarray:
+    """E4M3 block scales as float32: e4m3(clip((amax_b / 6) / t, 2^-6, 448)), each step one FP32 operation."""
+    q = (amax_b.astype(np.float32) / np.float32(E2M1_MAX)) / np.float32(t)
+    q = np.clip(q, np.float32(2.0 ** -6), np.float32(E4M3_MAX)).astype(np.float32)
+    return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
 def nvfp4_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = x.numpy().astype(np.float32)
     M, K = a.shape
-    t = np.float32(np.abs(a).max()) / np.float32(E4M3_MAX * E2M1_MAX)
+    t = nvfp4_tensor_oracle(np.float32(np.abs(a).max()))
     amax_b = np.abs(a.reshape(M, K // 16, 16)).max(axis=2)
-    s = np.clip((amax_b / np.float32(E2M1_MAX)) / t, np.float32(2.0 ** -6), np.float32(E4M3_MAX))
-    return torch.tensor(t), torch.from_numpy(s.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    return torch.tensor(t), torch.from_numpy(nvfp4_block_oracle(amax_b, t))
+
+
+def _e4m3(v) -> np.ndarray:
+    v = np.clip(np.asarray(v), 2.0 ** -6, E4M3_MAX)
+    return v.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def nvfp4_near_midpoints(amax: float = 1000.0) -> torch.Tensor:
+    """(64, 256) with tensor amax ``amax`` (row 0, block 0) whose other blocks' maxima put (amax_b / 6) / t within a
+    few FP32 ulps of an E4M3 rounding midpoint, kept where another way of computing the scale gives another E4M3
+    code: amax_b / (6 t), (amax_b / t) / 6, amax_b * (1 / t) / 6, amax_b * 448 / amax, FP64 arithmetic, or a detour
+    through BF16 or FP16 before the E4M3 cast. Every candidate is checked in IEEE arithmetic (NumPy FP32 and FP64
+    operations are correctly rounded)."""
+    f = np.float32
+    A = f(amax)
+    t = nvfp4_tensor_oracle(A)
+    codes = np.unique(_e4m3(np.float32(2.0) ** np.linspace(-6, np.log2(448), 4000).astype(np.float32)))
+    mids = ((codes[:-1].astype(np.float64) + codes[1:]) / 2).astype(np.float32)
+    mids = mids[(mids > 2.0 ** -6) & (mids < 440)]
+    base = (mids * f(6) * t).astype(np.float32)
+    cand = (base.view(np.int32)[:, None] + np.arange(-12, 13, dtype=np.int32)[None, :]).ravel().view(np.float32)
+    cand = cand[(cand > 0) & (cand < A)]
+    ref = nvfp4_block_oracle(cand, t)
+    q32 = (cand / f(6)) / t
+    variants = [
+        cand / (f(6) * t),
+        (cand / t) / f(6),
+        (cand * (f(1) / t)) / f(6),
+        (cand * f(E4M3_MAX)) / A,
+        cand.astype(np.float64) / 6 / np.float64(t),
+        cand.astype(np.float64) / 6 / (np.float64(A) / 2688),
+        q32.astype(ml_dtypes.bfloat16).astype(np.float32),
+        q32.astype(np.float16).astype(np.float32),
+    ]
+    chosen: list[float] = []
+    for v in variants:
+        hit = cand[_e4m3(v) != ref]
+        chosen += hit[:: max(1, len(hit) // 6)][:6].tolist()
+    chosen = sorted(set(chosen))
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(64, 256, generator=g) * 0.5 + 0.1) * torch.rand(64, 16, 1, generator=g).repeat_interleave(16, 2) \
+        .reshape(64, 256)
+    blocks = x.reshape(64 * 16, 16)
+    blocks[0, 3] = float(A)
+    for j, b in enumerate(chosen[: 64 * 16 - 1]):
+        blocks[j + 1] = blocks[j + 1] / blocks[j + 1].abs().max() * b * 0.999
+        blocks[j + 1, j % 16] = -b if j % 3 == 0 else b
+    return blocks.reshape(64, 256)
+
+
+def _nvfp4_cases() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    tiny = torch.randn(16, 64, generator=g) * 1e-36               # amax / 2688 below 2^-121: t = 2^-121
+    tiny[3, :16] = 0.0
+    return (_cases(1) + [("block maxima next to E4M3 rounding midpoints (tensor amax 1000)", nvfp4_near_midpoints()),
+                         ("block maxima next to E4M3 rounding midpoints (tensor amax 3.3)", nvfp4_near_midpoints(3.3)),
+                         ("a tiny tensor (amax ~4e-36: amax / 2688 < 2^-121)", tiny)])
 
 
 def check_nvfp4_scales(fn) -> None:
     """Grade ``fn(x: (M, K) float32) -> (tensor_scale_inv () float32, block_scales (M, K/16) float8_e4m3fn)``."""
-    for what, x in _cases(1)[:2]:
-        t, s = call("nvfp4_scales", fn, x.clone())
+    for what, x in _nvfp4_cases():
+        out = call("nvfp4_scales", fn, x.clone())
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise GradingError(f"FAIL nvfp4_scales: return a tuple (t, s), got {type(out).__name__}")
+        t, s = out
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != ():
+            raise GradingError("FAIL nvfp4_scales: the tensor scale t must be a torch.float32 tensor of shape (), got "
+                               f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}"
+                               " (a Python float is computed in FP64 and loses the dtype)")
         want_t, want_s = nvfp4_oracle(x)
         if float(t) != float(want_t):
+            amax = float(x.abs().max())
+            hint = (" for a non-zero tensor whose amax / 2688 falls below 2^-121, t = 2^-121"
+                    if float(want_t) == 2.0 ** -121 else
+                    " compute amax / 2688 as ONE FP32 division (amax / 448 / 6 rounds twice)"
+                    if float(want_t) == float(np.float32(amax) / np.float32(2688)) else "")
             raise GradingError(f"FAIL nvfp4_scales on {what}: tensor scale {float(t)!r}, expected {float(want_t)!r} "
-                               "= amax / (448 * 6): the largest block scale must land at E4M3's max")
-        if s.dtype != torch.float8_e4m3fn or tuple(s.shape) != tuple(want_s.shape):
+                               f"= amax / (448 * 6): the largest block scale must land at E4M3's max;{hint}")
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float8_e4m3fn or tuple(s.shape) != tuple(want_s.shape):
             raise GradingError(f"FAIL nvfp4_scales: block scales must be float8_e4m3fn of shape {tuple(want_s.shape)}, "
-                               f"got {s.dtype} {tuple(s.shape)}")
+                               f"got {getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
         bad = s.float() != want_s
         if bad.any():
             i = tuple(bad.nonzero()[0].tolist())
-            raise GradingError(f"FAIL nvfp4_scales on {what}: block {i} scale {float(s[i].float())!r}, expected "
-                               f"{float(want_s[i])!r} = e4m3(clamp(amax_block / 6 / tensor_scale, 2^-6, 448))")
-    verdict("nvfp4_scales", "tensor and block scales agree bit for bit with ml_dtypes")
+            amax_b = float(x.reshape(x.shape[0], -1, 16)[i[0], i[1]].abs().max())
+            raise GradingError(f"FAIL nvfp4_scales on {what}: block {i} (amax_b {amax_b!r}) scale "
+                               f"{float(s[i].float())!r}, expected {float(want_s[i])!r} = e4m3(clamp((amax_b / 6) / t, "
+                               "2^-6, 448)): in FP32, in that order (divide by 6, then by t), cast once to E4M3")
+    verdict("nvfp4_scales", "tensor and block scales agree bit for bit with ml_dtypes, blocks next to E4M3 "
+                            "rounding midpoints included")
