@@ -10,6 +10,7 @@ from mutation import run_mutant
 LESSONS = {   # module in tests/mutants -> solution notebook
     "m09": "09_finer_grained_scaling.ipynb",
     "m10": "10_beyond_one_machine.ipynb",
+    "m11": "11_memory_speed_ablations.ipynb",
     "m12": "12_capstone.ipynb",
 }
 

@@ -42,8 +42,9 @@ class Yours:
     missing: why the entry cannot pass yet (no seam, no cell); non-empty marks its tests xfail.
     cfg: the run its cell passes as ``cfg=`` (None: ``YOURS_CONFIG``), e.g. ``YOURS_BLOCK_CONFIG``.
     nproc: the processes its cell passes as ``nproc=`` (2 for lesson 10: FSDP over spawned gloo ranks).
-    cell: the function its last cell calls: ``train_yours`` (rows of recipes) or ``diagnose_yours`` (lesson 12:
-        verdicts on fresh runs; ``recipes`` are then its settings, and it gives one comparison for them all).
+    cell: the function its last cell calls: ``train_yours`` (rows of recipes), ``diagnose_yours`` (lesson 12:
+        verdicts on fresh runs; ``recipes`` are then its settings, and it gives one comparison for them all) or
+        ``memory_yours`` (lesson 11: the learner's byte count beside each recipe's run, one comparison per recipe).
     """
 
     recipes: tuple[str, ...] = ()
@@ -169,6 +170,12 @@ def _forgets_to_return(found_inf, group=None):             # 11: reduces in plac
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
 
+def _bytes_one_moment(weights, grad_buffers, master, moments):   # 11: AdamW's two moments counted as one
+    size = lambda d: 0 if d is None else d.itemsize               # noqa: E731
+    return {"weights": size(weights), "grads": size(grad_buffers if grad_buffers is not None else weights)
+            + size(master), "master": size(master), "optimizer": size(moments)}
+
+
 # -- the registry: one entry per solution notebook (keep a comment line between entries) -----------------
 
 EXERCISES: dict[str, Yours] = {
@@ -206,8 +213,9 @@ EXERCISES: dict[str, Yours] = {
     "08_delayed_scaling": Yours(recipes=("fp8-delayed",), functions=("update",), bugs={"update": _update_most_recent}),
     # --
     "11_memory_speed_ablations": Yours(
-        missing="no train-yours cell: its function (bytes_per_parameter) counts memory and takes no part in a "
-                "training step; its check cell measures seven real recipes' live tensors instead"),
+        recipes=("torch-amp-bf16", "bf16-pure-kahan", "bf16-master-bf16-moments-sr", "fp8-delayed"),
+        functions=("bytes_per_parameter",), bugs={"bytes_per_parameter": _bytes_one_moment},
+        cell="memory_yours"),
     # --
     "12_capstone": Yours(
         recipes=("underflow", "healthy", "overflow", "optimizer"), functions=("diagnose",),
@@ -270,6 +278,9 @@ def _train(namespace, recipes, cfg=None, nproc=1, cell="train_yours") -> tuple[l
     if cell == "diagnose_yours":  # lesson 12: the learner's diagnose on fresh runs (made once per process)
         from mpcourse.course.diagnose_yours import diagnose_yours
         return diagnose_yours(namespace, recipes, echo=lines.append), lines
+    if cell == "memory_yours":    # lesson 11: the learner's count beside real runs' (trained once per process)
+        from mpcourse.course.memory_yours import memory_yours
+        return memory_yours(namespace, recipes, echo=lines.append), lines
     if nproc > 1:                 # spawned ranks: no cache (both rows come from one job)
         return train_yours(namespace, recipes, cfg=cfg, echo=lines.append, nproc=nproc), lines
     runs = _BLOCK_RUNS if cfg is YOURS_BLOCK_CONFIG else _LIBRARY_RUNS
