@@ -130,6 +130,17 @@ def test_a_misspelled_recipe_gets_a_guess_on_one_line(value, guess, capsys):
     assert f"did you mean {guess}?" in err
 
 
+@pytest.mark.parametrize("value", ["fp32,fp32", "fp32, bf16-pure ,fp32", "fp32,bf16-pure,bf16-pure,"])
+def test_a_recipe_named_twice_is_refused_on_one_line(value, capsys):
+    """``--recipes fp32,fp32`` used to train fp32 twice and write two identical rows (and a folder named apart
+    from ``--recipes fp32``'s); like ``--seeds 1,1`` it is one line, exit 2, nothing run."""
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--recipes", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "named more than once" in err, err
+
+
 def test_argparse_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--stpes", "3"])
