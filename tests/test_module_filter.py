@@ -178,3 +178,19 @@ def test_the_recipes_head_filter_refuses_a_model_without_its_head():
     named.add_module("head", nn.Linear(16, 16))
     convert_to_float8_training(named, module_filter_fn=keep_linear_in_fp8)
     assert type(named.head) is nn.Linear and type(named.body) is not nn.Linear
+
+
+def test_edge_filter_on_a_model_that_is_itself_the_list_of_blocks():
+    """An nn.Sequential of blocks numbers them at the root ("2.fc"): container="" names it, and the error for an
+    absent container lists it (it used to say the model had no block containers, and no container worked)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    model = nn.Sequential(Block(), Block(), Block())
+    assert block_index("2.fc", "") == 2 and block_index("fc", "") is None
+    converted, kept = split_by_filter(model, edge_blocks_filter(3, 1, 1, container=""))
+    assert converted == ["1.fc"] and kept == ["0.fc", "2.fc"]
+    with pytest.raises(ValueError, match=r"its block containers are: '' \(3 blocks\)"):
+        split_by_filter(model, edge_blocks_filter(3, 0, 1))
