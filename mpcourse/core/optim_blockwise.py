@@ -228,7 +228,8 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
 
     def state_dict_mismatch(self, state_dict) -> str | None:
         """Why ``state_dict`` cannot load here (its quantized codes are in another ``fmt``, read from their dtype, or
-        its ``exp_avg_sq`` codes were stored under another ``state_rule``), or None. A state_dict without the key predates the option: it was stored as torchao's."""
+        its ``exp_avg_sq`` codes were stored under another ``state_rule``), or None. A state_dict without the
+        ``state_rule`` key predates the option: it was stored as torchao's."""
         saved = state_dict.get("state_rule", "torchao")
         quantized = [st for st in state_dict.get("state", {}).values() if "exp_avg_sq_scale" in st]
         code_fmt = {torch.float8_e4m3fn: "fp8", torch.uint8: "int8"}
