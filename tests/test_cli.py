@@ -141,6 +141,16 @@ def test_a_recipe_named_twice_is_refused_on_one_line(value, capsys):
     assert len(err.splitlines()) == 1 and "named more than once" in err, err
 
 
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_out_is_refused_on_one_line(value, capsys):
+    """``--out ""`` (an unset shell variable, quoted) was Path("."): the run wrote into the current folder."""
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--recipes", "fp32", "--steps", "1", "--out", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "argument --out: is empty" in err, err
+
+
 def test_argparse_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--stpes", "3"])

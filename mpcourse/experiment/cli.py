@@ -40,6 +40,14 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
+def _out_path(text: str) -> Path:
+    """An argparse type: a non-empty folder path (``--out ""``, e.g. an unset shell variable, would be Path("."),
+    the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a folder (or omit --out for the default one)")
+    return Path(text)
+
+
 # ``--quick``: every recipe, on under a third of the default's tokens (a first contact, not a measurement:
 # 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
 QUICK = {"steps": 50, "batch_size": 8}
@@ -217,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
-    c.add_argument("--out", type=Path, default=None,
+    c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
                         "each flag that changes what the run computes, as flag=value joined by + in this list's order "
