@@ -54,6 +54,7 @@ QUICK = {"steps": 50, "batch_size": 8}
 DEFAULT_OUT, QUICK_OUT = Path("mpcourse-out"), Path("mpcourse-out-quick")
 #: where a run other than the default one (or --quick alone) writes: RUNS_OUT/NAME, NAME from ``run_name``
 RUNS_OUT = Path("mpcourse-out-runs")
+OUT_FILES = ("results.json", "loss_curves.png")     # what a run writes into its folder (compare.run_compare)
 MAX_RUN_NAME = 80
 
 
@@ -123,8 +124,8 @@ def output_folder(args: argparse.Namespace) -> Path:
 
 
 def out_folder_error(out: Path) -> str | None:
-    """Why ``out`` cannot be the output folder (a file, under a file, not writable), as the error's text; None
-    if it can. Creates nothing."""
+    """Why ``out`` cannot be the output folder (a file, under a file, not writable, holding a folder where a file
+    of ``OUT_FILES`` goes), as the error's text; None if it can. Creates nothing."""
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file; give a folder"
     for parent in out.parents:
@@ -136,6 +137,9 @@ def out_folder_error(out: Path) -> str | None:
             break
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         return f"--out {out}: cannot write there (permission denied); pass another folder"
+    for name in OUT_FILES:                   # the run writes these files; a folder of the name fails it at the end
+        if (out / name).is_dir():
+            return f"--out {out}: {out / name} is a folder, where the run writes a file; pass another folder"
     return None
 
 
