@@ -130,6 +130,39 @@ def test_a_misspelled_recipe_gets_a_guess_on_one_line(value, guess, capsys):
     assert f"did you mean {guess}?" in err
 
 
+@pytest.mark.parametrize("value", ["fp32,fp32", "fp32, bf16-pure ,fp32", "fp32,bf16-pure,bf16-pure,"])
+def test_a_recipe_named_twice_is_refused_on_one_line(value, capsys):
+    """``--recipes fp32,fp32`` used to train fp32 twice and write two identical rows (and a folder named apart
+    from ``--recipes fp32``'s); like ``--seeds 1,1`` it is one line, exit 2, nothing run."""
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--recipes", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "named more than once" in err, err
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_out_is_refused_on_one_line(value, capsys):
+    """``--out ""`` (an unset shell variable, quoted) was Path("."): the run wrote into the current folder."""
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--recipes", "fp32", "--steps", "1", "--out", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "argument --out: is empty" in err, err
+
+
+@pytest.mark.parametrize("name", ["results.json", "loss_curves.png"])
+def test_out_holding_a_folder_where_a_file_goes_is_refused_before_training(tmp_path, name, capsys):
+    """A folder named results.json (or loss_curves.png) in --out used to fail with a traceback after the training,
+    losing every row; refused first, one line, exit 2, nothing changed."""
+    (tmp_path / name).mkdir()
+    assert main(["compare", "--recipes", "fp32", "--steps", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mpcourse compare: error: --out {tmp_path}: {tmp_path / name} is a folder, where the run "
+                   "writes a file; pass another folder"), err
+    assert [p.name for p in tmp_path.iterdir()] == [name] and not any((tmp_path / name).iterdir())
+
+
 def test_argparse_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--stpes", "3"])

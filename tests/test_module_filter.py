@@ -178,3 +178,36 @@ def test_the_recipes_head_filter_refuses_a_model_without_its_head():
     named.add_module("head", nn.Linear(16, 16))
     convert_to_float8_training(named, module_filter_fn=keep_linear_in_fp8)
     assert type(named.head) is nn.Linear and type(named.body) is not nn.Linear
+
+
+def test_edge_filter_on_a_model_that_is_itself_the_list_of_blocks():
+    """An nn.Sequential of blocks numbers them at the root ("2.fc"): container="" names it, and the error for an
+    absent container lists it (it used to say the model had no block containers, and no container worked)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    model = nn.Sequential(Block(), Block(), Block())
+    assert block_index("2.fc", "") == 2 and block_index("fc", "") is None
+    converted, kept = split_by_filter(model, edge_blocks_filter(3, 1, 1, container=""))
+    assert converted == ["1.fc"] and kept == ["0.fc", "2.fc"]
+    with pytest.raises(ValueError, match=r"its block containers are: '' \(3 blocks\)"):
+        split_by_filter(model, edge_blocks_filter(3, 0, 1))
+
+
+def test_a_filter_that_raises_midway_leaves_the_model_unconverted():
+    """convert_to_float8_training builds every replacement before it swaps any: a filter (or a layer) that raises
+    on the third linear used to leave the first two swapped, a half-converted model."""
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    before = [(fqn, type(m)) for fqn, m in model.named_modules()]
+
+    def raises_on_the_last_block(module, fqn):
+        if fqn.startswith("blocks.2."):
+            raise RuntimeError("a filter's own bug")
+        return True
+
+    with pytest.raises(RuntimeError, match="a filter's own bug"):
+        convert_to_float8_training(model, module_filter_fn=raises_on_the_last_block)
+    assert [(fqn, type(m)) for fqn, m in model.named_modules()] == before
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())

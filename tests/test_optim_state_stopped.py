@@ -171,3 +171,22 @@ def test_unknown_state_rule_names_the_choices():
     with pytest.raises(ValueError, match="state_rule must be one of"):
         BlockQuantizedAdamW([torch.zeros(4, requires_grad=True)], state_rule="sqrt")
     assert STATE_RULES == ("sqrt-nonzero", "torchao")
+
+
+@pytest.mark.parametrize("saved_fmt, load_fmt", [("fp8", "int8"), ("int8", "fp8")])
+def test_state_stored_in_another_format_is_refused(saved_fmt, load_fmt):
+    """FP8 codes loaded into an int8 optimizer (or the reverse) used to load, then fail with an IndexError or read
+    the codes as the other format's; refused before anything loads, naming the fmt to build."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = BlockQuantizedAdamW([p], fmt=saved_fmt)
+    p.grad = torch.randn(64, 64)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    other = BlockQuantizedAdamW([q], fmt=load_fmt)
+    with pytest.raises(ValueError, match=rf"holds {saved_fmt} codes.*fmt={load_fmt!r}.*fmt={saved_fmt!r}"):
+        other.load_state_dict(opt.state_dict())
+    assert not other.state                                           # nothing loaded
+    same = BlockQuantizedAdamW([q], fmt=saved_fmt)
+    same.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(same.moments(q), opt.moments(p)))

@@ -223,3 +223,22 @@ def test_a_recipe_name_in_place_of_a_recipe_is_refused(spelling):
     assert "MXFP8BlockScaling" in str(err.value) and "BlockRecipe," not in str(err.value)
     with pytest.raises(TypeError, match="not the name 'mxfp8'"):
         engine.quantizers("mxfp8")
+
+
+@pytest.mark.parametrize("impl", ["rule", "fastpath"])
+def test_nvfp4_tensor_amax_given_is_checked(impl):
+    """quantize_nvfp4's tensor_amax: a negative one used to be stored as a negative tensor scale (every element
+    decoded with its sign flipped, no error), several elements failed in an internal reshape, a Python number in
+    ``.float()``. A number is the one-element tensor; negative or several elements: a ValueError saying so."""
+    from mpcourse.core.quant import fastpath, nvfp4
+
+    q = nvfp4.quantize_nvfp4 if impl == "rule" else fastpath.quantize_nvfp4
+    x = torch.linspace(-3, 3, 256).reshape(16, 16)
+    ref = q(x, tensor_amax=torch.tensor(3.0))
+    by_number = q(x, tensor_amax=3.0)
+    assert torch.equal(by_number.dequantize(), ref.dequantize())
+    assert torch.equal(ref.dequantize(), q(x).dequantize())            # 3 is x's amax: the same as not giving it
+    with pytest.raises(ValueError, match="tensor_amax must be >= 0"):
+        q(x, tensor_amax=torch.tensor(-3.0))
+    with pytest.raises(ValueError, match="tensor_amax must be one number"):
+        q(x, tensor_amax=torch.tensor([1.0, 2.0]))

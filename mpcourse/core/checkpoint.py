@@ -36,8 +36,8 @@ def check_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dic
     for known parameters, and every elementwise state tensor (``ELEMENTWISE_STATE``; any other entry the
     optimizer already holds) of its parameter's shape. Keys an optimizer class adds to its state_dict are named
     in its ``EXTRA_STATE_KEYS`` (e.g. ``LowPrecisionState``'s generator); an optimizer with a
-    ``state_dict_mismatch(state_dict) -> str | None`` method (``BlockQuantizedAdamW``: state stored under another
-    ``state_rule``) is asked too. Reads only; nothing is loaded."""
+    ``state_dict_mismatch(state_dict) -> str | None`` method (``BlockQuantizedAdamW``: state stored in another
+    ``fmt`` or ``state_rule``) is asked too. Reads only; nothing is loaded."""
     extra = set(getattr(optimizer, "EXTRA_STATE_KEYS", ()))
     if not isinstance(state_dict, dict) or set(state_dict) - extra != {"state", "param_groups"}:
         raise CheckpointError(f"{who}: not an optimizer state_dict (expected the keys 'state' and 'param_groups', "

@@ -228,10 +228,16 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
         return {**super().state_dict(), "state_rule": self.state_rule}
 
     def state_dict_mismatch(self, state_dict) -> str | None:
-        """Why ``state_dict`` cannot load here (its quantized ``exp_avg_sq`` codes were stored under another
-        ``state_rule``), or None. A state_dict without the key predates the option: it was stored as torchao's."""
+        """Why ``state_dict`` cannot load here (its quantized codes are in another ``fmt``, read from their dtype, or
+        its ``exp_avg_sq`` codes were stored under another ``state_rule``), or None. A state_dict without the
+        ``state_rule`` key predates the option: it was stored as torchao's."""
         saved = state_dict.get("state_rule", "torchao")
-        quantized = any("exp_avg_sq_scale" in st for st in state_dict.get("state", {}).values())
+        quantized = [st for st in state_dict.get("state", {}).values() if "exp_avg_sq_scale" in st]
+        code_fmt = {torch.float8_e4m3fn: "fp8", torch.uint8: "int8"}
+        stored = sorted({code_fmt.get(st["exp_avg"].dtype, str(st["exp_avg"].dtype)) for st in quantized})
+        if stored and stored != [self.fmt]:     # the codes would be read in the wrong format
+            return (f"the optimizer state holds {'/'.join(stored)} codes and this optimizer uses fmt={self.fmt!r}: "
+                    f"build BlockQuantizedAdamW(..., fmt={stored[0]!r}) to load it")
         if quantized and saved != self.state_rule:
             return (f"the optimizer state was stored under state_rule={saved!r} and this optimizer uses "
                     f"{self.state_rule!r}: build BlockQuantizedAdamW(..., state_rule={saved!r}) to load it")
@@ -239,8 +245,8 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """torch's load casts floating state to the parameter's dtype (FP8 codes to FP32, scales to a BF16
-        parameter's dtype); put back the tensors as stored, on the parameter's device. Refuses state stored under
-        another ``state_rule`` (ValueError) before anything loads."""
+        parameter's dtype); put back the tensors as stored, on the parameter's device. Refuses state stored in
+        another ``fmt`` or under another ``state_rule`` (ValueError) before anything loads."""
         why = self.state_dict_mismatch(state_dict)
         if why is not None:
             raise ValueError(why)

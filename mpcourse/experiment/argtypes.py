@@ -100,7 +100,7 @@ def did_you_mean(name: str, choices) -> str | None:
 
 def comma_list(choices, *, what: str = "name") -> Callable[[str], list[str]]:
     """An argparse type for a comma-separated list of names, each one of ``choices``; an unknown name that is close
-    to one gets a "did you mean" (``did_you_mean``)."""
+    to one gets a "did you mean" (``did_you_mean``); a name given twice is refused (it would run twice)."""
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in choices]
@@ -108,6 +108,9 @@ def comma_list(choices, *, what: str = "name") -> Callable[[str], list[str]]:
             named = ", ".join(f"{n} (did you mean {g}?)" if (g := did_you_mean(n, choices)) else n for n in unknown)
             raise argparse.ArgumentTypeError(
                 f"unknown {what}(s) {named or '(none given)'}; choose from: {', '.join(choices)}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{what}(s) {', '.join(twice)} named more than once; name each once")
         return names
 
     parse.__name__ = f"comma-separated {what}s"

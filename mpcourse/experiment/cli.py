@@ -40,12 +40,21 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
+def _out_path(text: str) -> Path:
+    """An argparse type: a non-empty folder path (``--out ""``, e.g. an unset shell variable, would be Path("."),
+    the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a folder (or omit --out for the default one)")
+    return Path(text)
+
+
 # ``--quick``: every recipe, on under a third of the default's tokens (a first contact, not a measurement:
 # 50 steps are barely past the 20-step warm-up, so the gaps between recipes are mostly noise).
 QUICK = {"steps": 50, "batch_size": 8}
 DEFAULT_OUT, QUICK_OUT = Path("mpcourse-out"), Path("mpcourse-out-quick")
 #: where a run other than the default one (or --quick alone) writes: RUNS_OUT/NAME, NAME from ``run_name``
 RUNS_OUT = Path("mpcourse-out-runs")
+OUT_FILES = ("results.json", "loss_curves.png")     # what a run writes into its folder (compare.run_compare)
 MAX_RUN_NAME = 80
 
 
@@ -115,8 +124,8 @@ def output_folder(args: argparse.Namespace) -> Path:
 
 
 def out_folder_error(out: Path) -> str | None:
-    """Why ``out`` cannot be the output folder (a file, under a file, not writable), as the error's text; None
-    if it can. Creates nothing."""
+    """Why ``out`` cannot be the output folder (a file, under a file, not writable, holding a folder where a file
+    of ``OUT_FILES`` goes), as the error's text; None if it can. Creates nothing."""
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file; give a folder"
     for parent in out.parents:
@@ -128,6 +137,9 @@ def out_folder_error(out: Path) -> str | None:
             break
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         return f"--out {out}: cannot write there (permission denied); pass another folder"
+    for name in OUT_FILES:                   # the run writes these files; a folder of the name fails it at the end
+        if (out / name).is_dir():
+            return f"--out {out}: {out / name} is a folder, where the run writes a file; pass another folder"
     return None
 
 
@@ -217,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
-    c.add_argument("--out", type=Path, default=None,
+    c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
                         "each flag that changes what the run computes, as flag=value joined by + in this list's order "

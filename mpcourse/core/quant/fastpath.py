@@ -426,7 +426,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     check_edges(edges)
     b = resolve_block(x.shape, block)
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
-    amax_t = (tensor.compute_amax(amax_b) if tensor_amax is None else tensor_amax.float()).reshape(())
+    amax_t = nvfp4.given_tensor_amax(tensor_amax, amax_b)
     t = nvfp4.nvfp4_tensor_scale_inv(amax_t, edges)
     s = ((amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))).clamp(
         FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)

@@ -328,18 +328,21 @@ def convert_to_float8_training(module: nn.Module, *,
         return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim,
                                          functions=functions)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
+    slots: list[tuple[nn.Module, str, int]] = []   # (parent, name, id(old linear)): set only once all are built
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent._modules.items()):  # not named_children(): it hides aliases
             fqn = f"{prefix}.{name}" if prefix else name
             if id(child) in swapped:
-                setattr(parent, name, swapped[id(child)])
+                slots.append((parent, name, id(child)))
             elif wanted(child, fqn):
                 swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim,
                                                               functions=functions)
-                setattr(parent, name, swapped[id(child)])
+                slots.append((parent, name, id(child)))
             else:
                 visit(child, fqn)
 
-    visit(module, "")
+    visit(module, "")           # a filter or a layer that raises here leaves the model as it was
+    for parent, name, key in slots:
+        setattr(parent, name, swapped[key])
     return module

@@ -52,8 +52,10 @@ HARDWARE_MULTIPLE = 16   # FP8 tensor cores need every GEMM dim a multiple of 16
 
 def block_index(fqn: str, container: str = "blocks") -> int | None:
     """The transformer block a module belongs to: 4 for "blocks.4.mlp.fc" (``container`` names the ModuleList,
-    "blocks" in the course's GPT, "layers" in torchtitan's Llama); None outside every block (e.g. "head")."""
-    m = re.search(rf"(?:^|\.){re.escape(container)}\.(\d+)(?:\.|$)", fqn)
+    "blocks" in the course's GPT, "layers" in torchtitan's Llama; "" for a model that is itself the list, e.g. an
+    ``nn.Sequential`` of blocks: 4 for "4.mlp.fc"); None outside every block (e.g. "head")."""
+    start = rf"(?:^|\.){re.escape(container)}\." if container else "^"
+    m = re.search(rf"{start}(\d+)(?:\.|$)", fqn)
     return int(m.group(1)) if m else None
 
 
@@ -77,11 +79,12 @@ def summarize_fqns(fqns: Sequence[str]) -> str:
 
 def block_containers(model: nn.Module) -> dict[str, list[int]]:
     """{container path: its block indices}: every module of ``model`` with children named by integers
-    (a ModuleList, a Sequential, torchtitan's ModuleDict of layers), e.g. {"blocks": [0, 1, 2, 3, 4]}."""
+    (a ModuleList, a Sequential, torchtitan's ModuleDict of layers), e.g. {"blocks": [0, 1, 2, 3, 4]}; "" where
+    the model itself is one (an ``nn.Sequential`` of blocks)."""
     out = {}
     for fqn, m in model.named_modules(remove_duplicate=False):
         idx = sorted(int(n) for n in m._modules if n.isdigit())
-        if idx and fqn:
+        if idx:
             out[fqn] = idx
     return out
 
@@ -90,7 +93,8 @@ def edge_blocks_filter(n_blocks: int, first: int = 0, last: int = 1, container: 
     """Filter keeping the linears of the first ``first`` and last ``last`` of ``n_blocks`` blocks high (False);
     every other linear, inside a block or not, is converted (True). ``first = last = 0`` keeps nothing high.
 
-    ``container`` is the dotted path of the blocks' ModuleList ("blocks", "layers", "model.layers"). Its
+    ``container`` is the dotted path of the blocks' ModuleList ("blocks", "layers", "model.layers"; "" where the
+    model itself is the list, an ``nn.Sequential`` of blocks). Its
     ``check_model`` refuses a model where ``container`` holds no numbered block, or holds a block numbered
     ``n_blocks`` or more (fewer blocks than ``n_blocks`` pass: a pipeline stage holds some of the blocks, under
     their global numbers)."""

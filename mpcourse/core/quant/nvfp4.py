@@ -42,6 +42,21 @@ def nvfp4_tensor_scale_inv(amax: torch.Tensor, edges: str = "course") -> torch.T
     return t
 
 
+def given_tensor_amax(tensor_amax, amax_b: torch.Tensor) -> torch.Tensor:
+    """The tensor amax the rule uses, an FP32 tensor of shape (): max |x| from the block amaxes ``amax_b`` when
+    ``tensor_amax`` is None, else ``tensor_amax`` (a number or a one-element tensor, e.g. a delayed amax; NaN passes
+    as NaN). A negative one or one of several elements is a ValueError: it has no meaning as an amax, and the rule
+    would otherwise store a negative tensor scale (every element decoded with its sign flipped) or fail in a reshape."""
+    if tensor_amax is None:
+        return compute_amax(amax_b).reshape(())
+    amax = torch.as_tensor(tensor_amax, dtype=torch.float32, device=amax_b.device)
+    if amax.numel() != 1:
+        raise ValueError(f"tensor_amax must be one number (the tensor's max |x|), got shape {tuple(amax.shape)}")
+    if bool(amax < 0):
+        raise ValueError(f"tensor_amax must be >= 0 (a max of magnitudes), got {amax.item()!r}")
+    return amax.reshape(())
+
+
 def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Tensor] = None, edges: str = "course"):
     """Lesson 09's two scale levels: (t () float32, s (M/r, K/c) float8_e4m3fn) for x (M, K).
 
@@ -51,7 +66,7 @@ def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Ten
     """
     amax_b = block_amax(x, resolve_block(x.shape, block))     # (M/r, K/c) fp32
     # max |x| is the largest block max (exact, NaN propagates): no second pass over x
-    amax_t = (compute_amax(amax_b) if tensor_amax is None else tensor_amax.float()).reshape(())
+    amax_t = given_tensor_amax(tensor_amax, amax_b)
     t = nvfp4_tensor_scale_inv(amax_t, edges)
     safe_t = torch.where(t > 0, t, torch.ones_like(t))
     s = ((amax_b / E2M1_MAX) / safe_t).clamp(FORMATS["e4m3"].min_normal, E4M3_MAX).to(torch.float8_e4m3fn)
