@@ -211,3 +211,13 @@ def test_a_filter_that_raises_midway_leaves_the_model_unconverted():
         convert_to_float8_training(model, module_filter_fn=raises_on_the_last_block)
     assert [(fqn, type(m)) for fqn, m in model.named_modules()] == before
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_an_empty_name_in_filter_fqns_is_refused():
+    """"" is a substring of every fqn: torchao would keep every layer high without a word."""
+    from mpcourse.core.quant.module_filter import small_gemm_filter
+
+    for bad in ([""], ["head", ""], [None]):
+        with pytest.raises(ValueError, match="non-empty name"):
+            small_gemm_filter(filter_fqns=bad)
+    small_gemm_filter(filter_fqns=["head"])            # a real name still builds

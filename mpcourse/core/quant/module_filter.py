@@ -134,13 +134,16 @@ def small_gemm_filter(recipe: str = "tensorwise", filter_fqns: Sequence[str] = (
     ``filter_fqns``: torchao's ``_auto_filter_for_recipe(recipe, filter_fqns)``, decision for decision.
 
     Its ``check_model`` refuses an entry of ``filter_fqns`` contained in no ``nn.Linear``'s fqn of the model (it
-    would keep nothing high). ``filter_fqns`` is a list of names: a bare string is refused (torchao would match
-    its characters one by one)."""
+    would keep nothing high). ``filter_fqns`` is a list of non-empty names: a bare string is refused (torchao would
+    match its characters one by one), and so is an empty name (torchao would keep every layer high)."""
     is_small_gemm(16, 16, recipe)                     # an unknown recipe fails here, not at the first layer
     if isinstance(filter_fqns, str):
         raise TypeError(f"filter_fqns must be a list of names, got the string {filter_fqns!r}: "
                         f"pass [{filter_fqns!r}]")
     filter_fqns = tuple(filter_fqns)
+    if any(not isinstance(f, str) or not f for f in filter_fqns):
+        raise ValueError(f"filter_fqns holds {filter_fqns!r}: every entry must be a non-empty name (an empty one is "
+                         "contained in every fqn and would keep every layer high)")
 
     def convert(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or any(f in fqn for f in filter_fqns):
