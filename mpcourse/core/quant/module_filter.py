@@ -77,6 +77,11 @@ def summarize_fqns(fqns: Sequence[str]) -> str:
     return ", ".join(out) or "none"
 
 
+def linear_fqns(model: nn.Module) -> list[str]:
+    """The fqns of ``model``'s ``nn.Linear`` layers, in model order (shared ones under each name)."""
+    return [fqn for fqn, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
+
+
 def block_containers(model: nn.Module) -> dict[str, list[int]]:
     """{container path: its block indices}: every module of ``model`` with children named by integers
     (a ModuleList, a Sequential, torchtitan's ModuleDict of layers), e.g. {"blocks": [0, 1, 2, 3, 4]}; "" where
@@ -152,7 +157,7 @@ def small_gemm_filter(recipe: str = "tensorwise", filter_fqns: Sequence[str] = (
         return not is_small_gemm(k, n, recipe)
 
     def check_model(model: nn.Module) -> None:
-        linears = [fqn for fqn, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
+        linears = linear_fqns(model)
         for name in filter_fqns:
             if not any(name in fqn for fqn in linears):
                 raise ValueError(f"small_gemm_filter: filter_fqns names {name!r}, which matches no nn.Linear of "

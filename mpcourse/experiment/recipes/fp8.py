@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from mpcourse.core import quant
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
+from mpcourse.core.quant.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
 FP8_FORMAT = Format.HYBRID               # E4M3 forward, E5M2 gradients (TE's default)
@@ -74,11 +75,11 @@ def keep_linear_in_fp8(module: nn.Module, fqn: str) -> bool:
 
 def _check_high_precision_modules(model: nn.Module) -> None:
     """A kept-high name the model lacks would silently convert the layer it meant (a renamed head)."""
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = linear_fqns(model)
     missing = [n for n in HIGH_PRECISION_MODULES if n not in linears]
     if missing:
         raise ValueError(f"keep_linear_in_fp8 keeps {missing} in high precision, but the model has no nn.Linear of "
-                         f"that name; its nn.Linear layers are: {', '.join(linears)}")
+                         f"that name; its nn.Linear layers are: {summarize_fqns(linears)}")
 
 
 keep_linear_in_fp8.check_model = _check_high_precision_modules
