@@ -11,10 +11,10 @@ COURSE_COMMANDS = {"lab": "open the course in JupyterLab (lessons, exercises and
 
 def unknown_command(word: str, commands: list[str]) -> str:
     """The one-line error for a word that is no sub-command: every sub-command, and the closest as a guess."""
-    import difflib
+    from mpcourse.experiment.argtypes import did_you_mean
 
-    close = difflib.get_close_matches(word, commands, n=1)
-    guess = f"; did you mean {close[0]}?" if close else ""
+    close = did_you_mean(word, commands)
+    guess = f"; did you mean {close}?" if close else ""
     return f"mpcourse: error: unknown command {word!r}{guess} (commands: {', '.join(commands)}; mpcourse --help)"
 
 
