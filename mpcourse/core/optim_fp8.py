@@ -27,7 +27,7 @@ from .formats import get_format
 E4M3 = get_format("e4m3")
 BLOCK_SIZE = 256
 AMAX_FLOOR = 1e-12        # an all-zero block gets this amax (no division by zero)
-SMALLEST_CODE = 2.0 ** -9  # E4M3's smallest positive value (subnormal, bits 0x01)
+SMALLEST_CODE = E4M3.min_subnormal  # E4M3's smallest positive value, 2**-9 (subnormal, bits 0x01)
 
 
 def quantize_fp8_state(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
