@@ -1,4 +1,4 @@
-"""Exhaustive check of the compiled FP8 casts (``mpcourse.core.quant.fused``) against torch's own casts.
+"""Exhaustive check of the compiled FP8 casts (``mpcourse.core.quant.kernels.fused``) against torch's own casts.
 
 Every one of the 2^32 FP32 bit patterns is cast to E4M3 and to E5M2 by ``fused.quantize_fp8`` (one block, scale
 1) and by torch (``y.clamp(-max, max).to(dtype)``, the quantizers' rule), in chunks of 2^27; the codes must be
@@ -19,7 +19,7 @@ import time
 import torch
 
 from mpcourse.core.formats import FORMATS
-from mpcourse.core.quant import fused
+from mpcourse.core.quant.kernels import fused
 
 
 def main() -> None:

@@ -13,10 +13,10 @@ import torch
 
 from mpcourse.core.quant import (Float8BlockScaling, Float8Linear, MXFP8BlockScaling, NVFP4BlockScaling,
                                  PerDirectionBlockScaling, autocast, quantize_mx, quantize_nvfp4, token_multiple)
-from mpcourse.core.quant.block_linear import check_backward_shapes
+from mpcourse.core.quant.layers.block_linear import check_backward_shapes
 from mpcourse.core.quant.block_recipes import block_for, direction_recipe
 from mpcourse.core.quant.engine import quantizers
-from mpcourse.core.quant.hadamard import rht
+from mpcourse.core.quant.rules.hadamard import rht
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, TABLE_ORDER, get_recipe
 
 M, K, N = 64, 128, 96

@@ -1,4 +1,4 @@
-"""FP8 all-gather of the FP8 layers' weights under FSDP2 (``mpcourse.core.quant.fsdp_fp8``, ``--fp8-all-gather``).
+"""FP8 all-gather of the FP8 layers' weights under FSDP2 (``mpcourse.core.quant.layers.fsdp_fp8``, ``--fp8-all-gather``).
 
 Oracles: the one-process cast of the whole weight (``to_float8(W, e4m3, compute_scale(max|W|))``) for the rule, and
 the FSDP2 run that all-gathers FP32 and casts after the gather for the training run: with current scaling both
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, compute_scale, to_float8
-from mpcourse.core.quant.fsdp_fp8 import (FP8AllGatherWeight, enable_fp8_all_gather, pad_rows, padded_shard_rows,
+from mpcourse.core.quant.layers.fsdp_fp8 import (FP8AllGatherWeight, enable_fp8_all_gather, pad_rows, padded_shard_rows,
                                           quantize_shard_for_all_gather)
 from mpcourse.experiment.cli import main
 

@@ -1,4 +1,4 @@
-"""The FP8 linear layer (mpcourse.core.quant.linear, gemm, autocast) against independent references.
+"""The FP8 linear layer (mpcourse.core.quant.layers.linear, gemm, autocast) against independent references.
 
 Oracles: an ml_dtypes quantizer + FP32 torch matmul (dequantize -> FP32 GEMM -> round to the output dtype),
 FP32 autograd, and the "representable inputs give identical outputs" property (after replacing inputs and
@@ -352,8 +352,8 @@ def test_no_autocast_region_only_when_an_autocast_is_on():
     from torch.overrides import _get_current_function_mode
     import mpcourse.core.autocast as mpa
     from mpcourse.core.autocast.state import STATE
-    from mpcourse.core.quant import linear as linear_mod
-    from mpcourse.core.quant.tensor import compute_scale
+    from mpcourse.core.quant.layers import linear as linear_mod
+    from mpcourse.core.quant.rules.tensor import compute_scale
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""Scaled FP8 casts (mpcourse.core.quant.tensor) against ml_dtypes and torch.finfo, plus saturation/tie regression cases.
+"""Scaled FP8 casts (mpcourse.core.quant.rules.tensor) against ml_dtypes and torch.finfo, plus saturation/tie regression cases.
 
 Oracles: ml_dtypes' OCP conversions (float8_e4m3fn, float8_e5m2; non-saturating, round-to-nearest-even),
 torch.finfo, and Transformer Engine's published scale rules (transformer_engine/pytorch/quantization.py
@@ -238,7 +238,7 @@ def test_accepts_mpcourse_formats_descriptions():
 
 def test_huge_margin_never_gives_a_zero_scale():
     """Review finding: (448 / 1) / 2**200 underflows FP32 to 0; the policy clamps to the smallest normal."""
-    from mpcourse.core.quant.tensor import compute_scale
+    from mpcourse.core.quant.rules.tensor import compute_scale
     s = compute_scale(1.0, "e4m3", margin=200)
     assert float(s) == torch.finfo(torch.float32).tiny
     assert float(compute_scale(1.0, "e4m3", margin=1)) == 224.0          # ordinary margins untouched

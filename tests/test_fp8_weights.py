@@ -1,4 +1,4 @@
-"""FP8 weights with an FP32 master (mpcourse.core.quant.fp8_weights, recipe fp8-delayed-fp8-weights).
+"""FP8 weights with an FP32 master (mpcourse.core.quant.layers.fp8_weights, recipe fp8-delayed-fp8-weights).
 
 Oracles: torch's own cast to float8_e4m3fn (saturated by hand) for the master -> weight cast; Float8Linear on the
 FP32 weight for the layer's outputs and gradients; the fp8-delayed recipe for whole training runs (the two must

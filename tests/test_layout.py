@@ -48,8 +48,8 @@ def test_experiment_does_not_import_course_tooling():
 
 def test_the_check_sees_relative_imports(tmp_path):
     # the checker itself must catch `from ...experiment import x` written relatively
-    f = PKG / "core" / "quant" / "linear.py"
-    assert "mpcourse.core.quant.gemm" in _imports(f)
+    f = PKG / "core" / "quant" / "layers" / "linear.py"
+    assert "mpcourse.core.quant.layers.gemm" in _imports(f)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -180,8 +180,8 @@ def test_no_rule_module_imports_its_kernel(rule, kernel):
 PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unscale_grads_",
                "mpcourse.core.scaling.check:check_and_unscale_", "mpcourse.core.bf16:stochastic_round_bf16",
                "mpcourse.core.bf16:kahan_add_", "mpcourse.core.formats:round_to",
-               "mpcourse.core.quant.fsdp_fp8:quantize_shard_for_all_gather",
-               "mpcourse.core.quant.fsdp_fp8:padded_shard_rows", "mpcourse.core.quant.fsdp_fp8:pad_rows",
+               "mpcourse.core.quant.layers.fsdp_fp8:quantize_shard_for_all_gather",
+               "mpcourse.core.quant.layers.fsdp_fp8:padded_shard_rows", "mpcourse.core.quant.layers.fsdp_fp8:pad_rows",
                # low-precision optimizer state (torchao's AdamWFp8 / AdamW8bit as rules)
                "mpcourse.core.optim_fp8:quantize_fp8_state", "mpcourse.core.optim_fp8:dequantize_fp8_state",
                "mpcourse.core.optim_int8:dynamic_map", "mpcourse.core.optim_int8:quantize_int8_state",

@@ -8,7 +8,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.optim_state import LowPrecisionState
-from mpcourse.core.quant import Float8Linear, fastpath
+from mpcourse.core.quant import Float8Linear
+from mpcourse.core.quant.kernels import fastpath
 from mpcourse.experiment.data import load_corpus
 from mpcourse.experiment.memory import PeakTracker, measure_step
 from mpcourse.experiment.model import GPTConfig

@@ -1,4 +1,4 @@
-"""Which layers convert: ``mpcourse.core.quant.module_filter``. Oracles: torchao 0.18's own auto filter
+"""Which layers convert: ``mpcourse.core.quant.layers.module_filter``. Oracles: torchao 0.18's own auto filter
 (``torchao.float8.float8_linear_utils._auto_filter_for_recipe``) on the same modules, side by side, and the
 model's block structure read from the module tree (not from names) for the edge-blocks rule."""
 import itertools
@@ -153,7 +153,7 @@ def test_small_gemm_filter_refuses_a_bare_string():
 
 
 def test_summarize_fqns_folds_numbered_siblings():
-    from mpcourse.core.quant.module_filter import summarize_fqns
+    from mpcourse.core.quant.layers.module_filter import summarize_fqns
     assert summarize_fqns(["blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "head"]) == "blocks.{0..2}.fc, head"
     assert summarize_fqns(["a.0.x", "a.2.x", "a.1.e.3", "a.5.x"]) == "a.{0,2,5}.x, a.1.e.3"
     assert summarize_fqns([]) == "none"
@@ -215,7 +215,7 @@ def test_a_filter_that_raises_midway_leaves_the_model_unconverted():
 
 def test_an_empty_name_in_filter_fqns_is_refused():
     """"" is a substring of every fqn: torchao would keep every layer high without a word."""
-    from mpcourse.core.quant.module_filter import small_gemm_filter
+    from mpcourse.core.quant.layers.module_filter import small_gemm_filter
 
     for bad in ([""], ["head", ""], [None]):
         with pytest.raises(ValueError, match="non-empty name"):

@@ -193,7 +193,7 @@ def test_te_recipe_defaults_and_refusals():
 def test_backward_requantizes_along_each_contraction_dim():
     """1x128 forward tiles of x become 128x1 tiles for the weight gradient; 2-D weight blocks are shared."""
     from mpcourse.core.quant.engine import quantizers
-    from mpcourse.core.quant.hadamard import rht
+    from mpcourse.core.quant.rules.hadamard import rht
     r, x = quantizers(Float8BlockScaling()), spread(256, 256)
     assert r["input"](x, 1).block == (1, 128) and r["input"](x, 0).block == (128, 1)
     assert r["weight"](x, 0).block == r["weight"](x, 1).block == (128, 128)

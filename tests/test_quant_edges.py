@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
-                                 MXFP8BlockScaling, NVFP4BlockScaling, blockwise, engine, hadamard, mx, nvfp4, tensor)
+                                 MXFP8BlockScaling, NVFP4BlockScaling, engine)
+from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
 from mpcourse.core.quant.block_recipes import block_for
-from mpcourse.core.quant.linear import Float8Linear
+from mpcourse.core.quant.layers.linear import Float8Linear
 
 BLOCK_RECIPES = {"fp8-block": (Float8BlockScaling(), 128), "mxfp8": (MXFP8BlockScaling(), 32),
                  "nvfp4": (NVFP4BlockScaling(), 16)}
@@ -145,7 +146,7 @@ def _exact_ceil_log2(v: float) -> int:
 def test_mx_scale_matches_torchao_to_mx_at_every_e8m0_boundary(elem, rule, mode):
     mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     from mpcourse.core.formats import FORMATS
-    from mpcourse.core.quant import fastpath
+    from mpcourse.core.quant.kernels import fastpath
     top = FORMATS[elem].max
     amax = _boundary_amaxes(top)
     x = _boundary_blocks(amax)
@@ -230,7 +231,8 @@ def test_nvfp4_tensor_amax_given_is_checked(impl):
     """quantize_nvfp4's tensor_amax: a negative one used to be stored as a negative tensor scale (every element
     decoded with its sign flipped, no error), several elements failed in an internal reshape, a Python number in
     ``.float()``. A number is the one-element tensor; negative or several elements: a ValueError saying so."""
-    from mpcourse.core.quant import fastpath, nvfp4
+    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.rules import nvfp4
 
     q = nvfp4.quantize_nvfp4 if impl == "rule" else fastpath.quantize_nvfp4
     x = torch.linspace(-3, 3, 256).reshape(16, 16)

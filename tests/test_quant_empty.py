@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
-                                 MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling, blockwise,
-                                 convert_to_float8_training, engine, fastpath, fp8_gemm, fused, hadamard, mx, nvfp4,
-                                 tensor)
-from mpcourse.core.quant.block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
-from mpcourse.core.quant.scaled import block_amax, grid, resolve_block
+                                 MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
+                                 convert_to_float8_training, engine, fp8_gemm)
+from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
+from mpcourse.core.quant.layers.block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
+from mpcourse.core.quant.rules.scaled import block_amax, grid, resolve_block
 
 SHAPES = [(0, 256), (256, 0), (0, 0)]
 FP32_BLOCKS = [(1, 128), (128, 1), (128, 128), (1, -1), (-1, 1), (-1, -1), (1, 32), (32, 1), (1, 16), (16, 16)]

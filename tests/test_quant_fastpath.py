@@ -1,4 +1,4 @@
-"""The fused fast paths of ``mpcourse.core.quant.fastpath`` equal the rules they replace, bit for bit.
+"""The fused fast paths of ``mpcourse.core.quant.kernels.fastpath`` equal the rules they replace, bit for bit.
 
 Rules: torch's own float8 -> float32 cast, ``torch._scaled_mm`` on a CPU, ``formats.round_to(..., "e2m1",
 saturate=True)`` (itself checked against ml_dtypes in tests/test_formats_mx.py), and the block layer's
@@ -9,11 +9,11 @@ import torch
 
 from mpcourse.core.formats import round_to
 from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
-from mpcourse.core.quant.block_gemm import scaled_gemm
-from mpcourse.core.quant.block_linear import same_both_axes
+from mpcourse.core.quant.layers.block_gemm import scaled_gemm
+from mpcourse.core.quant.layers.block_linear import same_both_axes
 from mpcourse.core.quant.engine import BlockQuantizer
-from mpcourse.core.quant.fastpath import cpu_scaled_mm, fp8_to_float32, quantize_fp32_scaled, round_e2m1
-from mpcourse.core.quant.mx import mx_shared_exponent
+from mpcourse.core.quant.kernels.fastpath import cpu_scaled_mm, fp8_to_float32, quantize_fp32_scaled, round_e2m1
+from mpcourse.core.quant.rules.mx import mx_shared_exponent
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -181,7 +181,7 @@ def _edge_matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 def test_compute_amax_equals_abs_then_amax(dtype):
-    from mpcourse.core.quant.tensor import compute_amax
+    from mpcourse.core.quant.rules.tensor import compute_amax
     x = _edge_matrix(16, 128, 5)
     cases = [x, x[:, 40:], x[4:6, 48:80], -torch.zeros(7), x.t(), torch.randn(33, 7) * 1e-40, x[1:2, 16:32]]
     for t in cases:
@@ -192,8 +192,8 @@ def test_compute_amax_equals_abs_then_amax(dtype):
 
 
 def test_block_amax_1x16_pooling_equals_the_reduction():
-    from mpcourse.core.quant.fastpath import block_amax
-    from mpcourse.core.quant.scaled import block_view
+    from mpcourse.core.quant.kernels.fastpath import block_amax
+    from mpcourse.core.quant.rules.scaled import block_view
     for x in (_edge_matrix(32, 256, 6), _edge_matrix(16, 128, 7)[:, :16].contiguous(), _edge_matrix(48, 128, 8).bfloat16()):
         rule = block_view(x.float().abs(), (1, 16)).amax(dim=(1, 3))
         fast = block_amax(x, (1, 16))
@@ -203,7 +203,7 @@ def test_block_amax_1x16_pooling_equals_the_reduction():
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
 def test_nvfp4_tensor_amax_from_the_block_maxima_is_the_tensor_amax(block):
-    from mpcourse.core.quant.fastpath import quantize_nvfp4
+    from mpcourse.core.quant.kernels.fastpath import quantize_nvfp4
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 3
     x[5, 7] = 40.0
     for t in (x, torch.zeros_like(x), x.bfloat16()):
@@ -239,8 +239,9 @@ def test_fp8_linear_cpu_backward_equals_the_fp8_gemm_path(recipe, x_dtype):
 
 @pytest.mark.parametrize("mk", [(1024, 128), (1024, 384), (1024, 512), (64, 48), (16, 16)])
 def test_rht_batched_matmul_equals_the_einsum_rule(mk):
-    from mpcourse.core.quant import fastpath, hadamard
-    from mpcourse.core.quant.hadamard import random_hadamard
+    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.rules import hadamard
+    from mpcourse.core.quant.rules.hadamard import random_hadamard
     M, K = mk
     x = _edge_matrix(max(M, 16), max(K, 128), 11)[:M, :K].contiguous() * 5
     x[0:16, 0] = torch.tensor([1e4] + [1e-2] * 15)                  # an outlier spread over its group
@@ -258,8 +259,9 @@ def test_rht_kernel_equals_the_rule_on_narrow_and_tiny_tensors(mk, scale):
     """Shapes where an einsum of the same matrices sums in another order (K < 12) and inputs whose products with
     +-1/4 are FP32 subnormals (rounded, or not, before they are added): the kernel is the rule's own batched GEMM,
     so the bits agree; both are within FP32 rounding of the float64 transform."""
-    from mpcourse.core.quant import fastpath, hadamard
-    from mpcourse.core.quant.hadamard import random_hadamard
+    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.rules import hadamard
+    from mpcourse.core.quant.rules.hadamard import random_hadamard
     M, K = mk
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(K)) * scale).float()
     x[:16, 0] = 0.0                                                  # an all-zero column group
@@ -287,8 +289,8 @@ def _amax_cases() -> torch.Tensor:
 
 
 def test_pow2_scale_equals_compute_scale_with_power_of_two_scales():
-    from mpcourse.core.quant.fastpath import pow2_scale
-    from mpcourse.core.quant.tensor import compute_scale
+    from mpcourse.core.quant.kernels.fastpath import pow2_scale
+    from mpcourse.core.quant.rules.tensor import compute_scale
     a = _amax_cases()
     a = a[~(a < 0)]                                   # amaxes are >= 0 (or NaN); -0.0 stays in
     for top in (448.0, 57344.0):
@@ -301,7 +303,7 @@ def test_pow2_scale_equals_compute_scale_with_power_of_two_scales():
 def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
     """2^k from the bits equals exp2 of mx_shared_exponent's k (RCEIL) on every boundary; NaN is the caller's."""
     from mpcourse.core.formats import FORMATS
-    from mpcourse.core.quant.fastpath import rceil_scale_inv
+    from mpcourse.core.quant.kernels.fastpath import rceil_scale_inv
     a = _amax_cases()
     a = a[~torch.isnan(a) & ~(a < 0)]
     rule = torch.exp2(mx_shared_exponent(a, elem, "rceil").double()).float()
@@ -311,7 +313,7 @@ def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
 def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
     """Where torch's E4M3 cast saturates (the import-time check), clamping first changes no bit, on a sweep of the
     whole FP32 range; the check itself tells E5M2 (which overflows to inf) apart."""
-    from mpcourse.core.quant.fastpath import E4M3_CAST_SATURATES, _cast_saturates
+    from mpcourse.core.quant.kernels.fastpath import E4M3_CAST_SATURATES, _cast_saturates
     g = torch.Generator().manual_seed(13)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=g, dtype=torch.int64).to(torch.int32)
     v = torch.cat([bits.view(torch.float32), torch.linspace(-1000, 1000, 100001)])
@@ -323,10 +325,10 @@ def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
 
 def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     """The quantizers give the same bits with the flag off (clamp, then cast) as with it on."""
-    import mpcourse.core.quant.fastpath as fastpath
+    import mpcourse.core.quant.kernels.fastpath as fastpath
     x = _edge_matrix(64, 256, 14) * 1e3
     x[9, :] = 3e38
-    import mpcourse.core.quant.tensor as tensor
+    import mpcourse.core.quant.rules.tensor as tensor
     saturates = fastpath.E4M3_CAST_SATURATES
     outs = []
     for flag in (True, False):
@@ -360,8 +362,8 @@ def _code_grid(dtype, block) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp8_blocks_to_float32_equals_the_dequantize_rule(dtype, block, mults):
     """folded: every 2^8 * m exact; overflow: finite m whose 2^8 * m overflows (the two-multiply order); all: inf
     and NaN multipliers too."""
-    from mpcourse.core.quant.fastpath import fp8_blocks_to_float32
-    from mpcourse.core.quant.scaled import ScaledTensor
+    from mpcourse.core.quant.kernels.fastpath import fp8_blocks_to_float32
+    from mpcourse.core.quant.rules.scaled import ScaledTensor
     data, m = _code_grid(dtype, block)
     if mults != "all":
         m = torch.where(torch.isfinite(m) & ((m.abs() < 2.0 ** 119) | (mults == "overflow")), m, 1.0)
@@ -426,7 +428,7 @@ def _learner_nvfp4_scales(x):
 def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):
     """Non-power-of-two scales, an amax epsilon and lesson 09's functions (exponents that saturate blocks,
     negative block scales; a learner's scale with a negative value): the copy is dequantize's bits."""
-    from mpcourse.core.quant.fastpath import encode_fp32_scaled
+    from mpcourse.core.quant.kernels.fastpath import encode_fp32_scaled
     recipe, functions = make()
     x = _edge_matrix(256, 256, 19).nan_to_num(nan=0.5, posinf=7e4, neginf=-7e4) * 0.05   # the seams refuse NaN scales
     x[7, :] = -3e38
@@ -444,7 +446,7 @@ def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_grad
     import dataclasses
     import weakref
     from mpcourse.core.quant import Float8Linear
-    import mpcourse.core.quant.block_gemm as bg
+    import mpcourse.core.quant.layers.block_gemm as bg
     kept = quantize_fp32_scaled(torch.randn(64, 128), (1, 128), keep_fp32=True)
     assert kept.dequantized is not None
     assert dataclasses.replace(kept, scale_inv=kept.scale_inv * 2).dequantized is None

@@ -1,4 +1,4 @@
-"""The numba kernels of ``mpcourse.core.quant.fused`` equal, bit for bit, the torch rules they replace.
+"""The numba kernels of ``mpcourse.core.quant.kernels.fused`` equal, bit for bit, the torch rules they replace.
 
 ``fused`` holds compiled loops that ``fastpath``'s quantizers take for 2-D float32 CPU tensors: ``block_amax`` (max |x| per
 block, NaN propagating) and the FP8 quantizer (``quantize_fp8``: y = x *
@@ -35,11 +35,12 @@ import torch
 
 pytest.importorskip("numba")
 
-from mpcourse.core.quant import blockwise, fastpath, fused, mx, nvfp4, scaled, tensor  # noqa: E402
-from mpcourse.core.quant.scaled import block_view, resolve_block  # noqa: E402
+from mpcourse.core.quant.rules import blockwise, mx, nvfp4, scaled, tensor
+from mpcourse.core.quant.kernels import fastpath, fused  # noqa: E402
+from mpcourse.core.quant.rules.scaled import block_view, resolve_block  # noqa: E402
 
 if not fused.AVAILABLE:
-    pytest.skip("mpcourse.core.quant.fused is off (numba missing or MPCOURSE_FUSED=0)", allow_module_level=True)
+    pytest.skip("mpcourse.core.quant.kernels.fused is off (numba missing or MPCOURSE_FUSED=0)", allow_module_level=True)
 
 E4M3 = torch.float8_e4m3fn
 INF, NAN = float("inf"), float("nan")
@@ -427,7 +428,7 @@ def _learner_mx(x, block, fn, keep_fp32=True):
 
 
 def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
-    from mpcourse.core.quant.mx import mx_shared_exponent
+    from mpcourse.core.quant.rules.mx import mx_shared_exponent
     def fn(amax, elem):                               # 2^3 too small: blocks saturate
         return (mx_shared_exponent(amax, elem, "floor") - 3).clamp(min=-127)
     for x in _quant_cases():
@@ -575,7 +576,7 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
     """``fastpath.to_float8`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
     forced torch rule (clamp, then torch's cast), for a 3-D and a 2-D float32 tensor with every special value,
     and scales that push values past the format's max (and FP32's: to inf) or into its subnormals."""
-    from mpcourse.core.quant.fastpath import to_float8
+    from mpcourse.core.quant.kernels.fastpath import to_float8
     real, count = fused.quantize_fp8, [0]
 
     def spy(*args, **kwargs):
@@ -602,7 +603,7 @@ def test_fp8_upcast_kernel_equals_the_torch_rule(dtype, scale):
     """``fastpath.fp8_to_float32`` (the per-tensor GEMMs' upcast) through ``fused.dequantize_fp8`` against the forced
     rule and against torch's own upcast times the scale: every code, row-major, transposed and 3-D codes; the
     result keeps the codes' layout."""
-    from mpcourse.core.quant.fastpath import fp8_to_float32
+    from mpcourse.core.quant.kernels.fastpath import fp8_to_float32
     codes = torch.arange(96 * 64, dtype=torch.int64).remainder(256).to(torch.uint8)
     data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(81))].view(dtype)
     s = None if scale is None else torch.tensor(scale)
@@ -619,8 +620,8 @@ def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
     """``fastpath.pow2_scale`` and ``fastpath.rceil_scale_inv`` through ``fused`` against their torch bodies (forced)
     and the rules they stand for (``compute_scale(..., power_2_scale=True)``, 2^k of ``mx_shared_exponent``), on
     amaxes that are 0, -0, subnormal, tiny (scale inf -> 2^127), ordinary, E4M3 and FP32 maxima, inf and NaN."""
-    from mpcourse.core.quant.fastpath import pow2_scale, rceil_scale_inv
-    from mpcourse.core.quant.tensor import compute_scale
+    from mpcourse.core.quant.kernels.fastpath import pow2_scale, rceil_scale_inv
+    from mpcourse.core.quant.rules.tensor import compute_scale
     g = torch.Generator().manual_seed(91)
     amax = torch.cat([torch.tensor([0.0, -0.0, F32_SUB_MIN, 1e-40, F32_TINY, 1e-30, 1e-3, 0.5, 1.0, 447.9, 448.0,
                                     448.1, 6.0, 5.99, 57344.0, 1e30, F32_MAX, INF, NAN]),
@@ -640,7 +641,7 @@ def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
 def test_per_tensor_amax_kernel_equals_the_torch_rule():
     """``tensor.compute_amax`` through ``fused.block_amax`` (one block: the whole tensor) against its torch body
     (forced) on 1-D, 2-D and 3-D tensors with and without NaN, inf, -0.0 only, and subnormals only."""
-    from mpcourse.core.quant.fastpath import compute_amax
+    from mpcourse.core.quant.kernels.fastpath import compute_amax
     x = _special_matrix(128, 256, 93)
     cases = [x, x.reshape(4, 32, 256), x.reshape(-1), torch.full((8, 16), -0.0), torch.full((3, 5), F32_SUB_MIN),
              _special_matrix(128, 256, 94, nan=False), _special_matrix(128, 256, 95, nan=False, inf=False)]

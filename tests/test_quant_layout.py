@@ -23,8 +23,9 @@ from mpcourse.core.quant import engine
 
 RULES = ["compute_amax", "compute_scale", "quantize", "quantize_fp32_scaled", "block_quantize", "mx_shared_exponent",
          "quantize_mx", "nvfp4_scales", "quantize_nvfp4", "amax_and_scale_update"]
-RULE_MODULES = ["tensor", "delayed", "scaled", "blockwise", "mx", "nvfp4", "hadamard", "recipe", "block_recipes"]
-KERNEL_MODULES = {"fastpath", "fused", "engine"}
+RULE_MODULES = ["rules.tensor", "rules.delayed", "rules.scaled", "rules.blockwise", "rules.mx", "rules.nvfp4",
+                "rules.hadamard", "recipe", "block_recipes"]
+KERNEL_MODULES = {"kernels.fastpath", "kernels.fused", "engine"}
 FORBIDDEN = re.compile(r"fused|fastpath|kernel|numba|hook|_fn\b|learner", re.IGNORECASE)
 PACKAGE = Path(quant.__file__).parent
 
@@ -50,7 +51,7 @@ def _code(fn) -> str:
 @pytest.mark.parametrize("name", RULES)
 def test_each_rule_is_a_plain_function_of_at_most_30_lines(name):
     fn = getattr(quant, name)
-    assert inspect.isfunction(fn) and inspect.getmodule(fn).__name__.split(".")[-1] in RULE_MODULES, name
+    assert inspect.isfunction(fn) and inspect.getmodule(fn).__name__.removeprefix("mpcourse.core.quant.") in RULE_MODULES, name
     code = _code(fn)
     assert not FORBIDDEN.search(code), f"{name} names {FORBIDDEN.search(code).group()}"
     assert _body_lines(fn) <= 30, f"{name}: {_body_lines(fn)} lines"
@@ -59,15 +60,21 @@ def test_each_rule_is_a_plain_function_of_at_most_30_lines(name):
 def test_the_layout_checks_can_fail():
     def planted(x):
         """A rule with a fast path."""
-        from mpcourse.core.quant import fused   # noqa: F401
+        from mpcourse.core.quant.kernels import fused   # noqa: F401
         return x
     assert FORBIDDEN.search(_code(planted))
     assert _body_lines(planted) == 2
-    assert _imports(ast.parse("def f():\n    from .fastpath import x\n"), "mpcourse.core.quant.m") == {"fastpath"}
+    tree = ast.parse("def f():\n    from ..kernels import fastpath\n    from ..layers.gemm import fp8_gemm\n")
+    assert _imports(tree, "mpcourse.core.quant.rules.m") == {"kernels.fastpath", "layers.gemm"}
+    # a planted edge from a rule to a kernel is caught by the room check
+    graph = _graph()
+    graph["rules.tensor"] = graph["rules.tensor"] | {"kernels.fastpath"}
+    assert _room_violations(graph)
 
 
 def _imports(tree: ast.AST, module: str) -> set[str]:
-    """The ``mpcourse.core.quant`` modules that ``tree`` (the source of ``module``) imports, anywhere in it."""
+    """The ``mpcourse.core.quant`` modules (as ``room.name`` or ``name`` relative to the package) that ``tree``
+    (the source of ``module``) imports, anywhere in it, function-level imports included."""
     package = "mpcourse.core.quant"
     out = set()
     for node in ast.walk(tree):
@@ -76,18 +83,43 @@ def _imports(tree: ast.AST, module: str) -> set[str]:
             if node.level:
                 parts = module.split(".")[:-node.level]
                 base = ".".join(parts + ([base] if base else []))
-            if base == package:
-                out |= {a.name for a in node.names}
-            elif base.startswith(package + "."):
-                out.add(base[len(package) + 1:].split(".")[0])
+            if base == package or base.startswith(package + "."):
+                rel = base[len(package) + 1:]
+                for a in node.names:   # `from pkg import sub` names a submodule where there is one
+                    sub = f"{rel}.{a.name}" if rel else a.name
+                    out.add(sub if sub in MODULES else rel)
         elif isinstance(node, ast.Import):
-            out |= {a.name[len(package) + 1:].split(".")[0] for a in node.names if a.name.startswith(package + ".")}
-    return {m for m in out if (PACKAGE / f"{m}.py").exists()}
+            out |= {a.name[len(package) + 1:] for a in node.names if a.name.startswith(package + ".")}
+    return {m for m in out if m in MODULES}
+
+
+#: every module of the package, as ``room.name`` (``rules.tensor``) or ``name`` (``engine``), rooms' __init__ aside
+MODULES = {str(p.relative_to(PACKAGE).with_suffix("")).replace("/", "."): p
+           for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"}
+#: what each room may not import: a rule no kernel, layer, engine or recipe; a kernel no layer or engine
+FORBIDDEN_ROOMS = {"rules": ("kernels.", "layers.", "engine", "region", "recipe", "block_recipes"),
+                   "kernels": ("layers.", "engine", "region")}
 
 
 def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(ast.parse(p.read_text()), f"mpcourse.core.quant.{p.stem}")
-            for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    return {m: _imports(ast.parse(p.read_text()), f"mpcourse.core.quant.{m}") - {m} for m, p in MODULES.items()}
+
+
+def _room_violations(graph) -> list[str]:
+    return [f"{m} imports {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
+            if m.split(".")[0] in FORBIDDEN_ROOMS and t.startswith(FORBIDDEN_ROOMS[m.split(".")[0]])]
+
+
+def test_the_rooms_are_there():
+    rooms = {m.split(".")[0] for m in MODULES if "." in m}
+    assert rooms == {"rules", "kernels", "layers"}
+    for rule in ("tensor", "delayed", "scaled", "blockwise", "mx", "nvfp4", "hadamard"):
+        assert f"rules.{rule}" in MODULES
+    assert {"kernels.fastpath", "kernels.fused"} <= set(MODULES)
+
+
+def test_rules_import_no_kernel_or_layer_and_kernels_no_layer():
+    assert not _room_violations(_graph()), "\n".join(_room_violations(_graph()))
 
 
 def test_no_rule_module_imports_a_kernel_module_or_the_engine():

@@ -44,9 +44,11 @@ import torch
 
 from mpcourse.core.formats import FORMATS
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
-                                 MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling, blockwise,
-                                 convert_to_float8_training, fastpath, fused, hadamard, mx, nvfp4, tensor)
-from mpcourse.core.quant.delayed import amax_and_scale_update
+                                 MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
+                                 convert_to_float8_training)
+from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
+from mpcourse.core.quant.rules.delayed import amax_and_scale_update
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)

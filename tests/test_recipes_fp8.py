@@ -92,7 +92,7 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
     gradient operand in the backward, HYBRID) through torch._scaled_mm (on a CPU its bit-exact equivalent
     ``fastpath.cpu_scaled_mm``; the CPU backward upcasts dy, W and x once each for both GEMMs, the same bits);
     the head does not. Evaluation runs the forward GEMMs only."""
-    from mpcourse.core.quant import gemm
+    from mpcourse.core.quant.layers import gemm
     calls, upcasts = [], []
     real_upcast = gemm.fp8_to_float32
 

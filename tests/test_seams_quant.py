@@ -9,7 +9,7 @@ import torch
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling,
                                  NVFP4BlockScaling)
 from mpcourse.core.quant.engine import learner_cast, quantizers
-from mpcourse.core.quant.tensor import quantize_current, to_float8
+from mpcourse.core.quant.rules.tensor import quantize_current, to_float8
 from mpcourse.core.seams import SeamError
 from mpcourse.experiment.learner import load_functions
 

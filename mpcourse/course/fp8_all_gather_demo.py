@@ -3,7 +3,7 @@ its worker function, so it lives here).
 
 ``run(width, steps)`` trains a small MLP of two ``Float8Linear`` layers (current scaling, with biases) under
 FSDP2 twice: all-gathering the FP32 weights and casting after the gather, then with
-``mpcourse.core.quant.fsdp_fp8.enable_fp8_all_gather`` (each rank casts its shard with the whole weight's scale).
+``mpcourse.core.quant.layers.fsdp_fp8.enable_fp8_all_gather`` (each rank casts its shard with the whole weight's scale).
 It returns, per way, the loss history and the bytes this rank sent into FSDP2's all-gathers per step
 (``mpcourse.experiment.parallel.AllGatherLog``, counted at FSDP2's all-gather).
 """
@@ -21,7 +21,7 @@ def _train(width: int, steps: int, fp8_all_gather: bool) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from mpcourse.core.quant import CurrentScaling, Float8Linear, autocast
-    from mpcourse.core.quant.fsdp_fp8 import enable_fp8_all_gather
+    from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
     from mpcourse.experiment.parallel import AllGatherLog, counting_all_gather
 
     # FSDP2 warns that the root's output is a view (Float8Linear reshapes its (M, N) result); nothing here

@@ -37,7 +37,7 @@ reduce-scatters its gradients. Per recipe:
   ``reduce_dtype`` (if given) is the policy's. The FP8 layers all-gather their FP32 weights and quantize after
   the all-gather; with ``fp8_all_gather`` (``--fp8-all-gather``, ``fp8-current`` only) each rank casts its
   shard to E4M3 with the whole weight's scale and the ranks gather the FP8 bytes instead: the same FP8
-  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.fsdp_fp8``; a weight whose rows
+  weight, bit for bit, a quarter of the weights' bytes (``mpcourse.core.quant.layers.fsdp_fp8``; a weight whose rows
   do not divide among the ranks has its FP8 shards padded to FSDP2's padded sharded size, as the FP32 ones are).
   ``AllGatherLog`` counts what each rank sends into FSDP2's all-gathers (every FSDP2 run).
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
@@ -291,13 +291,13 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
                  reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False) -> TrainingRecipe:
     """Build ``recipe_cls`` over ``model`` (FP32, the same init on every rank) and shard it with FSDP2.
 
-    ``fp8_all_gather``: the FP8 layers' weights travel in FP8 (``mpcourse.core.quant.fsdp_fp8``; recipes in
+    ``fp8_all_gather``: the FP8 layers' weights travel in FP8 (``mpcourse.core.quant.layers.fsdp_fp8``; recipes in
     ``FP8_ALL_GATHER_RECIPES``). Returns the recipe, with ``recipe.model`` the sharded module (forward
     all-gathers), an optimizer rebuilt over the sharded parameters and ``recipe.all_gather_log`` (an
     ``AllGatherLog``). Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``, or one ``fp8_all_gather`` refuses.
     """
     from mpcourse.core.quant import Float8Linear
-    from mpcourse.core.quant.fsdp_fp8 import enable_fp8_all_gather
+    from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

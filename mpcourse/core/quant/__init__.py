@@ -32,22 +32,22 @@ Sources: Micikevicius et al. 2022 (arXiv 2209.05433); NVIDIA/TransformerEngine
 pytorch/ao ``torchao/float8``.
 """
 from .region import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
-from .gemm import check_fp8_gemm_supported, fp8_gemm, fp8_gemm_support_error
-from .linear import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from .fp8_weights import Float8WeightLinear, convert_to_fp8_weights
+from .layers.gemm import check_fp8_gemm_supported, fp8_gemm, fp8_gemm_support_error
+from .layers.linear import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from .layers.fp8_weights import Float8WeightLinear, convert_to_fp8_weights
 from .recipe import ROLES, CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, Recipe, fp8_format_for
-from .delayed import DelayedScalingState, amax_and_scale_update
-from .block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
+from .rules.delayed import DelayedScalingState, amax_and_scale_update
+from .layers.block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
 from .block_recipes import (BLOCK_RECIPES, token_multiple, BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling, PerDirectionBlockScaling)
-from .scaled import ScaledTensor
-from .blockwise import block_quantize, quantize_fp32_scaled
-from .mx import mx_shared_exponent, quantize_mx
-from .nvfp4 import nvfp4_scales, quantize_nvfp4
+from .rules.scaled import ScaledTensor
+from .rules.blockwise import block_quantize, quantize_fp32_scaled
+from .rules.mx import mx_shared_exponent, quantize_mx
+from .rules.nvfp4 import nvfp4_scales, quantize_nvfp4
 from .engine import learner_functions, quantizers
-from .module_filter import (all_of, block_containers, block_index, check_filter, edge_blocks_filter, is_small_gemm,
+from .layers.module_filter import (all_of, block_containers, block_index, check_filter, edge_blocks_filter, is_small_gemm,
                             small_gemm_filter, split_by_filter)
-from .tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
+from .rules.tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
                      fp8_max, quantize, quantize_current, round_down_to_power_of_2, to_float8)
 
 __all__ = [

@@ -34,14 +34,15 @@ import torch
 
 from ..seams import (check_block_scaled, check_delayed_update, check_exponents, check_fp8, check_nvfp4_scales,
                      check_scale)
-from . import blockwise, fastpath, hadamard, mx, nvfp4, tensor
+from .rules import blockwise, hadamard, mx, nvfp4, tensor
+from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling, block_for, direction_recipe)
-from .delayed import DelayedScalingState
+from .rules.delayed import DelayedScalingState
 from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe, fp8_format_for, recipe_names
 from .region import schedule_update
-from .scaled import ScaledTensor, block_amax, check_floating, resolve_block
-from .tensor import Float8Tensor, fp8_max
+from .rules.scaled import ScaledTensor, block_amax, check_floating, resolve_block
+from .rules.tensor import Float8Tensor, fp8_max
 
 #: the learner's functions each recipe takes (the exercise's function names, lessons 07, 08 and 10)
 LEARNER_FUNCTIONS = {CurrentScaling: ("compute_scale", "quantize"), DelayedScaling: ("quantize", "update"),

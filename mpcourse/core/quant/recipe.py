@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
 
-from .tensor import fp8_max
+from .rules.tensor import fp8_max
 
 
 class _FormatHelper(NamedTuple):

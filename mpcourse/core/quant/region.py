@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import all_reduce_max_, world_size
-from .delayed import DelayedScalingState
+from .rules.delayed import DelayedScalingState
 from .recipe import DelayedScaling, check_recipe
 
 

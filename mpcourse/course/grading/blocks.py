@@ -5,7 +5,7 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
 
 * ``check_block_quantize``: Transformer Engine ``Float8BlockScaling`` / DeepSeek-V3 (arXiv 2412.19437, 3.3.1):
   per block, ``scale = 448 / amax`` (one FP32 division), FP32 max where that overflows (TE's cap), rounded *down*
-  to a power of two; an amax of 0, inf or NaN gives 1 (TE's ``compute_scale`` rule, ``core/quant/tensor.py``); then
+  to a power of two; an amax of 0, inf or NaN gives 1 (TE's ``compute_scale`` rule, ``core/quant/rules/tensor.py``); then
   ``e4m3(clip(x * scale, -448, 448))``; the returned ``scale_inv`` is ``1 / scale``. Constructed blocks: amaxes
   whose ``448 / amax`` is one FP32 ulp below a power of two (``floor(log2)`` in FP32 rounds up there), amaxes whose
   ``448 / amax`` overflows FP32, zero, +-inf and NaN blocks.
@@ -19,7 +19,7 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
   elements and dequantized values, with the edges lesson 09 states (zero, subnormal, inf and NaN blocks).
 * ``check_nvfp4_scales``: NVFP4 (torchao ``nvfp4_quantize`` with a per-tensor scale): ``t = amax / (448 * 6)``
   per tensor (one FP32 division; at least 2^-121 for a non-zero tensor, the library's floor,
-  ``core/quant/nvfp4.py``), ``s_b = e4m3(clip((amax_b / 6) / t, 2^-6, 448))`` per 16 elements, in that FP32
+  ``core/quant/rules/nvfp4.py``), ``s_b = e4m3(clip((amax_b / 6) / t, 2^-6, 448))`` per 16 elements, in that FP32
   order. Constructed blocks: block maxima whose quotient lies within a few FP32 ulps of an E4M3 rounding midpoint,
   chosen (by a search in IEEE FP32 and FP64 arithmetic) where another order of the same operations, FP64, or a
   detour through BF16/FP16 rounds to another E4M3 code; a tensor amax where ``amax / 448 / 6`` and
@@ -375,7 +375,7 @@ def check_columnwise_quantize(fn) -> None:
     verdict("columnwise_quantize", f"{n} cases agree bit for bit with the 128x1 rule on the source")
 
 
-NVFP4_MIN_T = np.float32(2.0 ** -121)   # the library's floor on the tensor decode scale (core/quant/nvfp4.py)
+NVFP4_MIN_T = np.float32(2.0 ** -121)   # the library's floor on the tensor decode scale (core/quant/rules/nvfp4.py)
 
 
 def nvfp4_tensor_oracle(amax: np.float32) -> np.float32:

@@ -28,7 +28,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from mpcourse.core.quant import Float8Linear
-from mpcourse.core.quant.tensor import fp8_max
+from mpcourse.core.quant.rules.tensor import fp8_max
 from mpcourse.core.scaling import StaticLossScaler
 from mpcourse.experiment.recipes import get_recipe
 from .common import AblationConfig, over_seeds
@@ -106,7 +106,7 @@ def plant_amax_spike(model: torch.nn.Module, step: int = AMAX_SPIKE_STEP, factor
 def clamped(x: torch.Tensor, scale, top: float) -> int:
     """How many elements of ``x`` the saturating cast ``fp8(saturate(float32(x) * scale))`` clamps: those with
     ``|float32(x) * scale| > top`` (``top``: the format's max, 448 for E4M3, 57344 for E5M2; +-inf counts, NaN
-    does not). The FP32 product is the one the cast rounds (``mpcourse.core.quant.tensor.quantize``, lesson 07)."""
+    does not). The FP32 product is the one the cast rounds (``mpcourse.core.quant.rules.tensor.quantize``, lesson 07)."""
     return int(((x.detach().float() * scale).abs() > top).sum())
 
 

@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from mpcourse.core import quant
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
-from mpcourse.core.quant.module_filter import linear_fqns, summarize_fqns
+from mpcourse.core.quant.layers.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
 FP8_FORMAT = Format.HYBRID               # E4M3 forward, E5M2 gradients (TE's default)

@@ -17,7 +17,7 @@ and NVIDIA's NVFP4 recipe (arXiv 2509.25149: embeddings and head in BF16) keep t
 
 Block GEMMs other than rowwise run in the exact emulation (dequantize, then one FP32 GEMM) on this CPU: the
 losses are those of the real formats and scales, but not of a tensor core's accumulator (see
-``mpcourse.core.quant.block_gemm``). The token count per step (batch_size x block_size) and the model widths
+``mpcourse.core.quant.layers.block_gemm``). The token count per step (batch_size x block_size) and the model widths
 must be multiples of the block (128 for ``fp8-block``, 32 for ``mxfp8``, 16 for ``nvfp4``); the defaults are.
 Nothing here keeps state between steps, so a checkpoint resumes bit for bit (NVFP4's stochastic rounding
 draws from torch's global generator, which the trainer's checkpoint saves).

@@ -12,7 +12,7 @@ master's amax recorded), as TE's FusedAdam writes an FP8 parameter with the scal
 reasons: it is TE's path for FP8 parameters under ``DelayedScaling``, and it makes this row differ from
 ``fp8-delayed`` in memory only. With the master started from the FP32 initial weights (TE's
 ``preserve_high_precision_init_val=True``; ``MASTER_INIT``), each forward's FP8 weight is bit for bit the one
-``fp8-delayed`` quantizes from its FP32 weight (``mpcourse.core.quant.fp8_weights`` explains why), so the losses
+``fp8-delayed`` quantizes from its FP32 weight (``mpcourse.core.quant.layers.fp8_weights`` explains why), so the losses
 are identical, which the tests check. The master is an FP32 copy the model lacks in ``fp8-delayed`` (there the
 FP32 weight is its own master), so the rounding "master -> FP8 once per step" is the same rounding
 ``fp8-delayed`` does once per forward.

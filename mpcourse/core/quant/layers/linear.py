@@ -54,15 +54,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
-from .region import get_fp8_recipe, is_fp8_enabled
+from ...autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
+from ..region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
-from .block_recipes import backward_operand
-from .engine import check_functions, quantizers
+from ..block_recipes import backward_operand
+from ..engine import check_functions, quantizers
 from .module_filter import check_filter
-from .recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
-from .tensor import Float8Tensor
+from ..recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
+from ..rules.tensor import Float8Tensor
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 

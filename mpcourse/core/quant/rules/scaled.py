@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import FORMATS, round_to
+from ...formats import FORMATS, round_to
 from .tensor import FP8_DTYPES
 
 ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FORMATS
+from ...formats import FORMATS
 from .scaled import (ELEMENT_FORMATS, ScaledTensor, block_amax, block_view, cast_elements, check_edges, expand,
                      resolve_block)
 

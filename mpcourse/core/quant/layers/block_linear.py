@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from .block_gemm import scaled_gemm
-from .block_recipes import block_for
-from .scaled import ScaledTensor
+from ..block_recipes import block_for
+from ..rules.scaled import ScaledTensor
 
 
 def fprop_operands(q: dict, x: torch.Tensor, weight: torch.Tensor) -> tuple[ScaledTensor, ScaledTensor]:

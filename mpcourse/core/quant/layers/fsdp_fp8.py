@@ -58,9 +58,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..distributed import all_reduce_max_
-from .recipe import CurrentScaling
-from .tensor import Float8Tensor, apply_amax_epsilon, compute_amax, compute_scale, fp8_max, to_float8
+from ...distributed import all_reduce_max_
+from ..recipe import CurrentScaling
+from ..rules.tensor import Float8Tensor, apply_amax_epsilon, compute_amax, compute_scale, fp8_max, to_float8
 
 
 def quantize_shard_for_all_gather(shard: torch.Tensor, fp8_format, *, use_power_2_scales: bool = False,

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import FORMATS
+from ...formats import FORMATS
 from .tensor import compute_amax
 from .scaled import ScaledTensor, block_amax, block_view, cast_elements, check_edges, expand, resolve_block
 

@@ -44,7 +44,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..formats import FORMATS
+from ...formats import FORMATS
 
 try:
     if os.environ.get("MPCOURSE_FUSED", "1") == "0":

@@ -45,9 +45,10 @@ from typing import Optional
 
 import torch
 
-from ..formats import FORMATS
-from . import blockwise, fused, hadamard, mx, nvfp4, scaled, tensor
-from .scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, check_edges, expand, resolve_block
+from ...formats import FORMATS
+from ..rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
+from . import fused
+from ..rules.scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, check_edges, expand, resolve_block
 
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -230,7 +231,7 @@ def round_e2m1(y: torch.Tensor, rounding: str = "nearest", generator: Optional[t
 _INT32_MIN = -(2 ** 31)
 # The int64 draws are read as (lo, hi) int32 pairs, which is how a little-endian machine stores them: checked here.
 if torch.tensor([1 + (2 << 32)], dtype=torch.int64).view(torch.int32).tolist() != [1, 2]:
-    raise ImportError("mpcourse.core.quant.fastpath reads int64 as (low, high) int32 words: a little-endian machine")
+    raise ImportError("mpcourse.core.quant.kernels.fastpath reads int64 as (low, high) int32 words: a little-endian machine")
 
 
 def _stochastic_magnitude(a: torch.Tensor, e: torch.Tensor, generator) -> torch.Tensor:

@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..formats import NumberFormat, round_to
-from .fastpath import dequantize
-from .scaled import ScaledTensor
+from ...formats import NumberFormat, round_to
+from ..kernels.fastpath import dequantize
+from ..rules.scaled import ScaledTensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FORMATS
+from ...formats import FORMATS
 from .scaled import ScaledTensor, block_amax, block_view, cast_elements, expand, resolve_block
 from .tensor import apply_amax_epsilon, compute_scale, fp8_format_name
 

@@ -50,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import FORMATS
+from ...formats import FORMATS
 
 # The two OCP FP8 formats and the torch dtypes that hold them (facts from mpcourse.core.formats). E4M3 is the
 # "fn" variant (finite, single NaN pattern S.1111.111, max 448); E5M2 is IEEE-like (inf, NaNs, max 57344).

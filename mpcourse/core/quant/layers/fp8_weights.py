@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from .gemm import fp8_gemm
 from .linear import Float8Linear, _FP8LinearFunction
-from .tensor import Float8Tensor, fp8_dtype
+from ..rules.tensor import Float8Tensor, fp8_dtype
 
 MASTER_INITS = ("fp32", "fp8")     # the master starts from the FP32 initial weight / from the FP8 weight
 

@@ -33,14 +33,13 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .recipe import DelayedScaling
 from .tensor import compute_scale
 
 
 def amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                           margin: int = 0, amax_compute_algo: Union[str, Callable] = "max",
                           scaling_factor_compute_algo: Optional[Callable] = None,
-                          recipe: Optional[DelayedScaling] = None):
+                          recipe=None):
     """One delayed-scaling update, out of place: returns ``(new_amax_history, new_scale)``.
 
     Args:
@@ -69,7 +68,7 @@ def amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_m
     return new_history, new_scale.reshape(())
 
 
-def library_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: DelayedScaling):
+def library_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe):
     """``amax_and_scale_update`` with ``recipe``'s margin and algorithms: a state's default update."""
     return amax_and_scale_update(amax_history, scale, fp8_max, recipe.margin, recipe.amax_compute_algo,
                                  recipe.scaling_factor_compute_algo, recipe)
@@ -93,7 +92,7 @@ class DelayedScalingState:
         """``amax_history[0] = max(amax_history[0], amax)`` (NaN propagates)."""
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(self.amax_history))
 
-    def update(self, fp8_max: float, recipe: DelayedScaling) -> None:
+    def update(self, fp8_max: float, recipe) -> None:
         history, scale = self.rule(self.amax_history, self.scale, fp8_max, recipe)
         self.amax_history.copy_(history)
         self.scale.copy_(scale)

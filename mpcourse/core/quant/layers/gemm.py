@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .fastpath import cpu_scaled_mm, fp8_to_float32
-from .tensor import Float8Tensor
+from ..kernels.fastpath import cpu_scaled_mm, fp8_to_float32
+from ..rules.tensor import Float8Tensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 16  # cuBLASLt FP8 GEMMs need these dimensions in multiples of 16

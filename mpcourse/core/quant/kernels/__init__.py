@@ -1,0 +1,6 @@
+"""The kernels: faster passes that give the same bits as a rule, each naming the rule it equals.
+
+``fastpath``: fused torch paths (one ATen call where the rule takes several); ``fused``: compiled numba passes
+for CPU tensors. A kernel imports rules (to name and reuse them), never a layer or the engine; the engine is the
+one place that chooses between a rule and its kernel (``MPCOURSE_FUSED=0``: the rules everywhere).
+"""
