@@ -28,10 +28,10 @@ import torch
 
 import mpcourse.core.autocast as mpa
 from mpcourse.core import emulation
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.recipes import OptimConfig, TrainingRecipe
-from mpcourse.experiment.model import GPT, GPTConfig
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,6 +1,6 @@
 """Step time of each emulated low-precision recipe over the FP32 step, on the course's GPT (default config).
 
-Times ``--steps`` training steps (after ``--warmup`` untimed ones) of ``mpcourse.experiment.train.Trainer``
+Times ``--steps`` training steps (after ``--warmup`` untimed ones) of ``mpcourse.experiment.training.train.Trainer``
 per recipe, interleaving the recipes round by round so that a busy machine slows them alike, and prints the
 median (``--stat min``: fastest) step time of each, by wall clock or by CPU time (``--clock cpu``), and its
 ratio to ``fp32``. On a CPU the FP8 / MX / NVFP4 GEMMs are emulated
@@ -53,8 +53,8 @@ import time
 
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 DEFAULT = "fp32,fp8-current,fp8-delayed,fp8-rowwise,fp8-block,mxfp8,nvfp4"
 

@@ -26,9 +26,9 @@ import time
 import torch
 
 from mpcourse.core import emulation
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 PURE_RECIPE = {torch.float32: "fp32", torch.bfloat16: "bf16-pure", torch.float16: "fp16-pure"}
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 
 def time_steps(recipe, corpus, steps, every):

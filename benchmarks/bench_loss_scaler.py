@@ -26,10 +26,10 @@ import time
 import torch
 
 from mpcourse.core import emulation
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.master import MasterWeights, cast_model
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.core.scaling import DynamicLossScaler
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**16, 50

@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 
 def _rank(rank, port, recipes, steps, warmup, profile):
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.distributed import DataParallelTrainer
-    from mpcourse.experiment.train import TrainConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.parallel.distributed import DataParallelTrainer
+    from mpcourse.experiment.training.train import TrainConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -76,7 +76,7 @@ def _rank(rank, port, recipes, steps, warmup, profile):
 
 
 def main(argv=None):
-    from mpcourse.experiment.distributed import free_port, spawn
+    from mpcourse.experiment.parallel.distributed import free_port, spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipes", default="fp32,bf16-pure-sr")

@@ -20,7 +20,7 @@ machine (``pair`` in the JSON):
 
 Timing: best of ``--repeats`` runs, the high and the low variant interleaved in every repeat so that both see
 the same load (the machine may be shared: read ratios, not absolute times). The JSON also holds the
-machine record (``mpcourse.experiment.machine.describe``) and the constants a break-even model of this
+machine record (``mpcourse.experiment.measure.machine.describe``) and the constants a break-even model of this
 machine needs (``model_chip``: the two GEMM rates and the casts' bandwidth at the largest shape, the cost of
 a one-element cast), all measured in the same run. Under three minutes on two CPU cores.
 """
@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpcourse.experiment import machine  # noqa: E402
+from mpcourse.experiment.measure import machine  # noqa: E402
 
 TOKENS = (32, 128, 512, 2048)                 # M
 WIDTHS = (128, 256, 512, 1024, 2048)          # K = N

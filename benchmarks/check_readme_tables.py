@@ -125,7 +125,7 @@ def _restore(d: dict) -> dict:
 def fresh_table(payload: dict) -> tuple[list[str], dict[str, list[str]]]:
     """The table ``mpcourse compare`` printed for a ``results.json`` payload (one seed or several)."""
     from mpcourse.experiment.compare import format_seed_table, format_table
-    from mpcourse.experiment.train import RunResult
+    from mpcourse.experiment.training.train import RunResult
 
     names = {f.name for f in dataclasses.fields(RunResult)}
     by_seed: dict[int, list] = {}

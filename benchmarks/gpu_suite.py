@@ -353,10 +353,10 @@ def train_step_rows(suite: Suite, cfg: dict, iters: int, warmup: int, per_row_s:
     recipe's step, zero_grad), timed after ``warmup`` steps; ``+ torch.autocast(bf16)`` rows wrap the forward
     in BF16 autocast as TE is usually run on GPUs (the first ``autocast_rows`` fp8 recipes; None: all). Each
     step reads its loss back (the trainer's record), so a CUDA step ends synchronised."""
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.gpt.model import GPTConfig
     from mpcourse.experiment.recipes import RECIPES
-    from mpcourse.experiment.train import TrainConfig, Trainer
+    from mpcourse.experiment.training.train import TrainConfig, Trainer
 
     class AutocastTrainer(Trainer):
         def forward_loss(self, x, y):

@@ -1,5 +1,5 @@
 """Memory of one training step of the compare model (defaults) for every recipe, counted from live tensors
-(``mpcourse.experiment.memory.measure_step``): bytes per parameter by kind, activations, FP8 weight copies, peak.
+(``mpcourse.experiment.measure.memory.measure_step``): bytes per parameter by kind, activations, FP8 weight copies, peak.
 
     python benchmarks/memory_table.py [--batch-size 16]
     python benchmarks/memory_table.py --tiny      # the 1-block GPT of tests/test_memory.py (4 x 16 tokens), in bytes
@@ -9,9 +9,9 @@ import argparse
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.memory import measure_step
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.measure.memory import measure_step
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import RECIPES, OptimConfig
 
 

@@ -1,10 +1,10 @@
 """Test helper shared by the recipe tests: build a recipe on a small GPT and step it with the trainer's own
-step (``mpcourse.experiment.train.Trainer.train_step``), with an optional hook after backward."""
+step (``mpcourse.experiment.training.train.Trainer.train_step``), with an optional hook after backward."""
 import torch
 
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 
 def make_recipe(name, corpus, model_cfg: GPTConfig, seed=0, optim=None):

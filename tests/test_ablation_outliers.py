@@ -7,7 +7,7 @@ import torch
 from mpcourse.core.quant import quantize_fp32_scaled, quantize_mx
 from mpcourse.experiment.ablations.common import AblationConfig, run_one
 from mpcourse.experiment.ablations.outlier_channels import OUTLIER_CHANNELS, RATIO, main, plant_outliers
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import get_recipe
 
 

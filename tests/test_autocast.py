@@ -537,12 +537,12 @@ def _gpt_run(model, idx, targets, ctx):
 @pytest.mark.parametrize("emulate", [False, True], ids=["native kernels", "tensor-core emulation"])
 @pytest.mark.parametrize("low", LOW_DTYPES, ids=str)
 def test_gpt_matches_torch_autocast_bit_for_bit(low, emulate):
-    """mpcourse.experiment.model.GPT: logits, loss, every parameter gradient and the dtype/shape of every aten op
+    """mpcourse.experiment.gpt.model.GPT: logits, loss, every parameter gradient and the dtype/shape of every aten op
     run in forward and backward equal torch.autocast's, on CPU, with dropout and tied weights.
 
     Both runs use the same matmul kernels: emulation off (``tensor_cores(enabled=False)``, the
     documented switch of mpcourse.core.emulation), and, as the training loop runs, emulation on for both."""
-    model_mod = pytest.importorskip("mpcourse.experiment.model")
+    model_mod = pytest.importorskip("mpcourse.experiment.gpt.model")
     emulation = pytest.importorskip("mpcourse.core.emulation")
     torch.manual_seed(0)
     cfg = model_mod.GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)

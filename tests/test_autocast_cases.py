@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mpcourse.core.autocast import autocast
 from mpcourse.core.autocast import mode as mode_mod
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.core.scaling import has_inf_or_nan
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32

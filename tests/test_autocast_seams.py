@@ -10,7 +10,7 @@ from mpcourse.core.autocast import autocast
 from mpcourse.core.autocast.policy import FP32, LOWER_PRECISION_FP, PROMOTE, policy_for
 from mpcourse.core.autocast.state import STATE
 from mpcourse.core.seams import SeamError
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 
 
 def cast_args(op_name, args, device_type, dtype):

@@ -1,13 +1,13 @@
 """The FP8 break-even model (mpcourse.core.breakeven) against torchao's published H100 measurements, and the
-speed helpers (mpcourse.experiment.speed) against hand counts. The model's inputs are datasheet peaks and
+speed helpers (mpcourse.experiment.measure.speed) against hand counts. The model's inputs are datasheet peaks and
 published achievable fractions only; nothing here is fitted to the numbers it is checked against."""
 import dataclasses
 
 import pytest
 
 from mpcourse.core.breakeven import H100_TORCHAO, H200, break_even_width, fp8_speedup, linear_times, model_speedup
-from mpcourse.experiment.model import GPT, GPTConfig
-from mpcourse.experiment.speed import flops_per_token, fraction_of_peak, gpu_peak
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
+from mpcourse.experiment.measure.speed import flops_per_token, fraction_of_peak, gpu_peak
 
 
 @pytest.mark.parametrize("mkn,published", [((1024, 2048, 1024), 0.80), ((4096, 8192, 16384), 1.39)])

@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.distributed import init_ranks, ranks, rendezvous
+from mpcourse.experiment.parallel.distributed import init_ranks, ranks, rendezvous
 from mpcourse.core.checkpoint import CheckpointError
 from mpcourse.core.quant import Float8Linear
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.distributed import DataParallelTrainer, spawn
-from mpcourse.experiment.model import GPTConfig
-from mpcourse.experiment.parallel import local
-from mpcourse.experiment.train import TrainConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.parallel.distributed import DataParallelTrainer, spawn
+from mpcourse.experiment.gpt.model import GPTConfig
+from mpcourse.experiment.parallel.data_parallel import local
+from mpcourse.experiment.training.train import TrainConfig
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -141,7 +141,7 @@ def _one_rank_group(directory):
 ])
 def test_a_mismatched_job_is_refused_by_name(runs, parallel, name, match):
     import json
-    from mpcourse.experiment import dist_checkpoint
+    from mpcourse.experiment.parallel import dist_checkpoint
 
     path = os.path.join(runs["dir"], "ddp-fp16-dynamic")
     _one_rank_group(runs["dir"])

@@ -14,10 +14,10 @@ import torch
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict, load_checkpoint, save_checkpoint
 from mpcourse.core.master import MasterWeights, cast_model
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 
 def fp16_model(seed=0):

@@ -14,7 +14,7 @@ import pytest
 
 from mpcourse.experiment import argtypes
 from mpcourse.experiment.cli import QUICK, build_parser, main
-from mpcourse.experiment.train import TrainConfig
+from mpcourse.experiment.training.train import TrainConfig
 
 # flag -> (bad values, what the message must say)
 BAD = {
@@ -217,14 +217,14 @@ def test_preset_large_on_the_cpu_warns_with_the_expected_time(monkeypatch, tmp_p
     """The large preset is for a GPU: on the CPU the run goes on, with a warning giving a lower bound of its
     time from the model FLOPs (6 N per token, as speed.flops_per_token) at the measured peak."""
     from mpcourse.experiment import cli
-    from mpcourse.experiment.speed import flops_per_token
+    from mpcourse.experiment.measure.speed import flops_per_token
 
     monkeypatch.setattr("mpcourse.experiment.compare.run_compare", lambda *a, **k: None)
     monkeypatch.setattr(cli, "_peak_flops", lambda device, threads=None: 1e11)
     assert main(["compare", "--preset", "large", "--recipes", "fp32", "--steps", "10", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     p = cli.PRESETS["large"]
-    from mpcourse.experiment.data import load_corpus
+    from mpcourse.experiment.gpt.data import load_corpus
     flops = flops_per_token(p["n_layer"], p["n_embd"], p["block_size"], load_corpus().vocab_size) \
         * p["block_size"] * cli.PRESET_BATCH["large"]
     minutes = flops * 10 / 1e11 / 60

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.pool import Task, WorkerError, default_jobs, run_pool
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, default_recipes
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 
@@ -63,10 +63,10 @@ def test_longest_runs_start_first_and_results_keep_the_task_order():
 
 _LONG_JOB = """
 import sys
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.pool import Task, run_pool
-from mpcourse.experiment.train import TrainConfig
+from mpcourse.experiment.training.train import TrainConfig
 cfg = TrainConfig(steps=100000, batch_size=2, eval_interval=100000, eval_batches=1,
                   model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
 run_pool([Task("fp32", cfg), Task("fp32", cfg)], load_corpus(), jobs=2, progress=True)

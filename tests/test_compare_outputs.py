@@ -12,8 +12,8 @@ import pytest
 
 from mpcourse.experiment.compare import (family, format_seed_table, format_table, peak_after, plot_curves,
                                          results_payload, spike_reports, strict_json)
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.train import RunResult, TrainConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.training.train import RunResult, TrainConfig
 
 
 def reject(name):
@@ -137,7 +137,7 @@ def test_peak_key_rule():
     """Which peak a row is measured against: on a CPU its GEMM dtype where that dtype's GEMMs run on native units,
     FP32 where they are emulated (FP32 GEMMs plus one rounding) and for FP8/MX/NVFP4 (computed as FP32 GEMMs of
     the upcast codes on a CPU); on a GPU the FP8 tensor-core peak for quantized rows, the BF16 one otherwise."""
-    from mpcourse.experiment.speed import peak_key
+    from mpcourse.experiment.measure.speed import peak_key
 
     native = {"bf16": True, "fp16": True}
     emulated = {"bf16": True, "fp16": False}            # emulated[dtype]: True where the emulation computes it
@@ -156,7 +156,7 @@ def test_gemm_peak_is_the_best_of_several_timings_in_its_dtype(monkeypatch):
     GEMMs' operand dtype."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from mpcourse.experiment import speed
+    from mpcourse.experiment.measure import speed
 
     intervals = [0.5, 0.25, 0.9, 0.2, 0.3, 0.4, 0.35, 0.6]
     ticks = iter([t for d in intervals for t in (0.0, d)])
@@ -183,7 +183,7 @@ def _gemm_flops_by_dtype(name, corpus):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mpcourse.core import emulation
-    from mpcourse.experiment.model import GPT, GPTConfig
+    from mpcourse.experiment.gpt.model import GPT, GPTConfig
     from mpcourse.experiment.recipes import OptimConfig, get_recipe
 
     flops: dict = {}
@@ -220,7 +220,7 @@ def test_each_recipes_declared_gemm_dtype_is_what_its_gemms_compute_in(name, cor
     import torch
 
     from mpcourse.experiment.recipes import get_recipe
-    from mpcourse.experiment.speed import peak_key
+    from mpcourse.experiment.measure.speed import peak_key
 
     flops = _gemm_flops_by_dtype(name, corpus)
     most = max(flops, key=flops.get)
@@ -232,7 +232,7 @@ def test_a_row_above_its_peak_has_the_peak_measured_again(corpus, tmp_path):
     """run_compare: a row faster than its peak makes it measure that dtype's peak again (the better of the two
     counts); a row below its peak measures nothing; a row still above after that prints 100.0* with the note."""
     from mpcourse.experiment.compare import run_compare
-    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.gpt.model import GPTConfig
 
     cfg = TrainConfig(steps=2, batch_size=4, eval_interval=2, eval_batches=1,
                       model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))

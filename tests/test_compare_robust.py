@@ -2,7 +2,7 @@
 
 - A recipe's row for a seed is the same bits in this process or in a worker, alone or beside other recipes, and
   the learner's ``[yours]`` row (trained in this process after the workers) equals the library's for the same
-  functions: every run trains on ``TRAINING_THREADS`` intra-op threads (``mpcourse.experiment.threads``). The
+  functions: every run trains on ``TRAINING_THREADS`` intra-op threads (``mpcourse.experiment.training.threads``). The
   oracle is the run itself under another placement: equality, bit for bit.
 - ``--with`` prints one verdict line per recipe after the table (not between progress bars).
 - A run that fails, or is interrupted (Ctrl-C, in this process or in the workers), keeps every finished row in
@@ -25,14 +25,14 @@ import nbformat
 import pytest
 import torch
 
-from mpcourse.experiment import machine
+from mpcourse.experiment.measure import machine
 from mpcourse.experiment.cli import QUICK_OUT, main
 from mpcourse.experiment.compare import CompareFailed, run_compare
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.learner import load_functions
-from mpcourse.experiment.model import GPTConfig
-from mpcourse.experiment.threads import TRAINING_THREADS, training_threads
-from mpcourse.experiment.train import RunResult, TrainConfig
+from mpcourse.experiment.gpt.model import GPTConfig
+from mpcourse.experiment.training.threads import TRAINING_THREADS, training_threads
+from mpcourse.experiment.training.train import RunResult, TrainConfig
 from mpcourse.course.yours import Comparison
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,7 +258,7 @@ def test_a_data_parallel_run_has_its_own_folder_too(monkeypatch, tmp_path, capsy
         job.out.mkdir(parents=True)
         (job.out / "results.json").write_text("{}")
         return [{"recipe": "fp32"}]
-    monkeypatch.setattr("mpcourse.experiment.distributed.run_distributed_compare", fake)
+    monkeypatch.setattr("mpcourse.experiment.parallel.distributed.run_distributed_compare", fake)
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "--recipes", "fp32", "--nproc", "2", "--parallel", "fsdp", "--reduce-dtype", "bf16",
                  "--steps", "2", "--batch-size", "4"]) == 0

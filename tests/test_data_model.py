@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from mpcourse.experiment.data import CorpusError, load_corpus
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.data import CorpusError, load_corpus
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")

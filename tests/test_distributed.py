@@ -23,12 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.distributed import ranks as gloo_ranks, rendezvous
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.distributed import DataParallelTrainer, Job, RankFailed, run_distributed_compare, spawn
-from mpcourse.experiment.model import GPTConfig
-from mpcourse.experiment.parallel import local
-from mpcourse.experiment.train import Trainer, TrainConfig
+from mpcourse.experiment.parallel.distributed import ranks as gloo_ranks, rendezvous
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.parallel.distributed import DataParallelTrainer, Job, RankFailed, run_distributed_compare, spawn
+from mpcourse.experiment.gpt.model import GPTConfig
+from mpcourse.experiment.parallel.data_parallel import local
+from mpcourse.experiment.training.train import Trainer, TrainConfig
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

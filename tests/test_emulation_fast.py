@@ -150,7 +150,7 @@ def test_nested_regions_and_an_error_leave_nothing_registered():
 
 @pytest.fixture(scope="module")
 def corpus():
-    from mpcourse.experiment.data import load_corpus
+    from mpcourse.experiment.gpt.data import load_corpus
 
     return load_corpus()
 
@@ -159,8 +159,8 @@ def corpus():
 def test_training_steps_equal_the_mode_bit_for_bit(recipe, corpus):
     """Three steps (the first one counts memory under the peak tracker, a mode pushed inside the region) and
     the final evaluation, once by each path: losses, parameters and the memory count are identical."""
-    from mpcourse.experiment.model import GPTConfig
-    from mpcourse.experiment.train import TrainConfig, Trainer
+    from mpcourse.experiment.gpt.model import GPTConfig
+    from mpcourse.experiment.training.train import TrainConfig, Trainer
 
     set_emulation(True)                       # emulated on every machine
     out = {}

@@ -123,11 +123,11 @@ def _rule_case():
 
 
 def _training_case(batch_size: int = 4, steps: int = 3):
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.distributed import DataParallelTrainer
-    from mpcourse.experiment.model import GPTConfig
-    from mpcourse.experiment.parallel import local
-    from mpcourse.experiment.train import TrainConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.parallel.distributed import DataParallelTrainer
+    from mpcourse.experiment.gpt.model import GPTConfig
+    from mpcourse.experiment.parallel.data_parallel import local
+    from mpcourse.experiment.training.train import TrainConfig
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, eval_interval=1000, eval_batches=1,
                       model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64))
@@ -167,7 +167,7 @@ def _uneven_case(world: int, steps: int = 2):
     and this rank's shard of every parameter's gradient, per step."""
     from torch.distributed.fsdp import fully_shard
 
-    from mpcourse.experiment.parallel import local
+    from mpcourse.experiment.parallel.data_parallel import local
 
     rank, out = dist.get_rank(), {}
     for flag in (False, True):
@@ -209,7 +209,7 @@ def _uneven_case(world: int, steps: int = 2):
 
 
 def _worker(rank, init_method, out_dir):
-    from mpcourse.experiment.distributed import ranks
+    from mpcourse.experiment.parallel.distributed import ranks
 
     with ranks(rank, WORLD, init_method, threads=1):
         torch.save({"rule": _rule_case(), "train": _training_case(), "uneven": _uneven_case(WORLD)},
@@ -217,7 +217,7 @@ def _worker(rank, init_method, out_dir):
 
 
 def _worker3(rank, init_method, out_dir):
-    from mpcourse.experiment.distributed import ranks
+    from mpcourse.experiment.parallel.distributed import ranks
 
     with ranks(rank, 3, init_method, threads=1):
         torch.save({"train": _training_case(batch_size=6, steps=2), "uneven": _uneven_case(3)},
@@ -225,7 +225,7 @@ def _worker3(rank, init_method, out_dir):
 
 
 def _spawned(worker, world):
-    from mpcourse.experiment.distributed import rendezvous, spawn
+    from mpcourse.experiment.parallel.distributed import rendezvous, spawn
 
     with tempfile.TemporaryDirectory() as d:
         spawn(worker, world, (rendezvous(d), d))
@@ -318,17 +318,17 @@ def test_fp8_all_gather_trains_bit_for_bit_on_3_ranks(seen3):
 # ---------------------------------------------------------------------------------------------- stored for lesson 10
 @pytest.mark.slow
 def test_stored_reduce_dtype_runs_are_what_the_command_gives():
-    """``notebooks/data/10/reduce-dtype-fp32-params.json`` (``python -m mpcourse.experiment.reduce_precision``): strict JSON with
+    """``notebooks/data/10/reduce-dtype-fp32-params.json`` (``python -m mpcourse.experiment.parallel.reduce_precision``): strict JSON with
     its command; the command's first two steps on 2 ranks, re-run here, give the stored losses bit for bit (one
     thread per rank, the same seed), and the BF16 reduction changed the losses (the measurement is not empty)."""
     import json
     from pathlib import Path
 
-    from mpcourse.experiment.reduce_precision import measure
+    from mpcourse.experiment.parallel.reduce_precision import measure
 
     path = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "10" / "reduce-dtype-fp32-params.json"
     stored = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path.name}"))
-    assert stored["command"].startswith("python -m mpcourse.experiment.reduce_precision")
+    assert stored["command"].startswith("python -m mpcourse.experiment.parallel.reduce_precision")
     runs = {r["nproc"]: r for r in stored["runs"]}
     assert set(runs) == {2, 4} and all(r["max_rel_diff"] > 0 for r in runs.values())
     short = measure(2, 2, runs[2]["batch_size"])

@@ -13,11 +13,11 @@ from mpcourse.core.checkpoint import CheckpointError
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8Linear, Float8RowwiseScaling,
                                  Float8WeightLinear, Format, autocast, convert_to_float8_training,
                                  convert_to_fp8_weights)
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, RECIPES, get_recipe
 from mpcourse.experiment.recipes.fp8_weights import FP8DelayedFP8Weights
-from mpcourse.experiment.train import TrainConfig, train
+from mpcourse.experiment.training.train import TrainConfig, train
 from recipe_loop import make_recipe, run_steps
 
 SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -213,7 +213,7 @@ def test_master_init_fp8_stays_close_to_fp8_delayed(corpus):
         master_init = "fp8"
 
     torch.manual_seed(0)
-    from mpcourse.experiment.model import GPT
+    from mpcourse.experiment.gpt.model import GPT
     model = GPT(GPTConfig(**{**SMALL.__dict__, "vocab_size": corpus.vocab_size}))
     mine = FromFP8(model)
     ref = make_recipe("fp8-delayed", corpus, SMALL)
@@ -264,7 +264,7 @@ def test_bad_checkpoints_are_refused_before_loading(corpus):
 
 
 def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training.train import Trainer
     t = Trainer(NAME, corpus, TrainConfig(steps=1, batch_size=B, eval_batches=1, model=SMALL), inspect_every=1)
     t.train_step()
     got = {(r["layer"], r["role"]) for r in t.inspector.records}
@@ -275,7 +275,7 @@ def test_inspector_reads_the_master_of_an_fp8_stored_weight(corpus):
 def test_data_parallel_modes_refuse_it_with_the_reason(tmp_path):
     import subprocess
     import sys
-    from mpcourse.experiment.parallel import unsupported
+    from mpcourse.experiment.parallel.data_parallel import unsupported
     assert "unreduced" in unsupported(NAME, "ddp") and "all-gather" in unsupported(NAME, "fsdp")
     proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", "--recipes", NAME, "--nproc", "2",
                            "--parallel", "ddp", "--steps", "1", "--out", str(tmp_path)],

@@ -15,7 +15,7 @@ from mpcourse.course.grading import GradingError
 from mpcourse.course.grading import distributed
 from mpcourse.course.grading.distributed import (check_all_reduce_found_inf, check_distributed_skip_step,
                                                  grade_all_reduce_found_inf, grade_distributed_skip_step)
-from mpcourse.experiment.distributed import RankFailed
+from mpcourse.experiment.parallel.distributed import RankFailed
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

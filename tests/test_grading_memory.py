@@ -2,7 +2,7 @@
 (master copy forgotten or in the wrong dtype, master's gradient forgotten, moments counted as one or in the
 wrong dtype, .grad counted beside the recipe's FP32 gradient buffers, bits for bytes), refuses a float where the
 contract says int, and turns a learner's exception into one GradingError naming the recipe. The oracle is the
-live-tensor count of mpcourse.experiment.memory. ``memory_yours`` (the exercise's last cell) puts the learner's
+live-tensor count of mpcourse.experiment.measure.memory. ``memory_yours`` (the exercise's last cell) puts the learner's
 count beside real training runs' counts."""
 import pytest
 import torch

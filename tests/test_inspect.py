@@ -84,9 +84,9 @@ def test_hooks_record_every_role_every_n_steps(tmp_path):
 
 def test_trainer_inspect_every_hooks_the_inspector(tmp_path):
     """``Trainer(..., inspect_every=N)`` (what ``compare --inspect N`` builds) records every N-th step."""
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.model import GPTConfig
-    from mpcourse.experiment.train import TrainConfig, Trainer
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.gpt.model import GPTConfig
+    from mpcourse.experiment.training.train import TrainConfig, Trainer
 
     cfg = TrainConfig(steps=3, batch_size=2, eval_interval=10 ** 9,
                       model=GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))

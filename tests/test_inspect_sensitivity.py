@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpcourse.core.inspect import layer_sensitivity, relative_error
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=24, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LAYERS = [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
@@ -95,7 +95,7 @@ def test_nvfp4_on_every_layer_runs_with_the_recipe_region(setup):
 
 
 def test_sensitivity_cli_refuses_a_recipe_without_quantized_layers(capsys):
-    from mpcourse.experiment.sensitivity import main
+    from mpcourse.experiment.ablations.sensitivity import main
     with pytest.raises(SystemExit) as e:
         main(["--recipe", "fp32", "--steps", "0"])
     assert e.value.code == 2 and "does not quantize linear layers" in capsys.readouterr().err
@@ -105,7 +105,7 @@ def test_sensitivity_cli_refuses_a_recipe_without_quantized_layers(capsys):
 
 
 def test_block_means_groups_by_block():
-    from mpcourse.experiment.sensitivity import block_means
+    from mpcourse.experiment.ablations.sensitivity import block_means
     rows = [{"layer": "blocks.1.mlp.fc", "grad_error": 0.3}, {"layer": "blocks.0.attn.qkv", "grad_error": 0.2},
             {"layer": "blocks.1.attn.qkv", "grad_error": 0.1}, {"layer": "head", "grad_error": 9.0}]
     assert block_means(rows) == {0: 0.2, 1: pytest.approx(0.2)}

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mpcourse.experiment.compare import train_with_learner
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.learner import LearnerLoadError, load_functions
-from mpcourse.experiment.model import GPTConfig
-from mpcourse.experiment.train import TrainConfig, train
+from mpcourse.experiment.gpt.model import GPTConfig
+from mpcourse.experiment.training.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)

@@ -12,9 +12,9 @@ import torch
 
 from mpcourse.core.lost_updates import is_update_lost, lost_update_fraction
 from mpcourse.core.seams import SeamError
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.train import TrainConfig, train
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.training.train import TrainConfig, train
+from mpcourse.experiment.gpt.model import GPTConfig
 
 
 def _oracle(w: torch.Tensor, dw: torch.Tensor) -> list[bool]:

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.distributed import init_ranks, rendezvous
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.parallel.distributed import init_ranks, rendezvous
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import get_recipe
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 CASES = [("bf16-master", torch.bfloat16), ("fp16-master", torch.float16), ("fp16-dynamic", torch.float16),
          ("bf16-master-bf16-moments", torch.bfloat16)]
@@ -71,7 +71,7 @@ def one_rank_group():
 
 @pytest.mark.parametrize("name,dtype", CASES)
 def test_fsdp2_masters_and_state_are_fp32_for_a_low_precision_model(corpus, one_rank_group, name, dtype):
-    from mpcourse.experiment.parallel import shard_recipe
+    from mpcourse.experiment.parallel.data_parallel import shard_recipe
 
     low, full = _models(corpus, dtype)
     cls = get_recipe(name)
@@ -80,7 +80,7 @@ def test_fsdp2_masters_and_state_are_fp32_for_a_low_precision_model(corpus, one_
 
 
 def test_fsdp2_refuses_a_non_fp32_master_naming_the_fix(corpus, one_rank_group):
-    from mpcourse.experiment.parallel import ShardedMasterRecipe
+    from mpcourse.experiment.parallel.data_parallel import ShardedMasterRecipe
 
     low, _ = _models(corpus, torch.bfloat16)
     recipe = ShardedMasterRecipe(get_recipe("bf16-master"), low, None)

@@ -1,4 +1,4 @@
-"""Memory counted from live tensors (mpcourse.experiment.memory), against hand-computed byte totals and,
+"""Memory counted from live tensors (mpcourse.experiment.measure.memory), against hand-computed byte totals and,
 for the peak, against torch's own tracker (torch.distributed._tools.mem_tracker.MemTracker)."""
 from types import SimpleNamespace
 
@@ -10,9 +10,9 @@ from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.optim_state import LowPrecisionState
 from mpcourse.core.quant import Float8Linear
 from mpcourse.core.quant.kernels import fastpath
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.memory import PeakTracker, measure_step
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.measure.memory import PeakTracker, measure_step
+from mpcourse.experiment.gpt.model import GPTConfig
 from recipe_loop import make_recipe
 
 L, C, H, T, B = 1, 32, 2, 16, 4

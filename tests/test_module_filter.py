@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from mpcourse.core.quant import (Float8Linear, NVFP4BlockScaling, all_of, block_index, convert_to_float8_training,
                                  edge_blocks_filter, is_small_gemm, small_gemm_filter, split_by_filter)
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 
 # dims around every threshold of both recipes, multiples of 16 and not
 DIMS = (8, 24, 512, 1008, 1024, 1040, 2000, 2048, 2064, 4096, 4112, 8192)

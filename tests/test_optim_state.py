@@ -101,10 +101,10 @@ def test_bad_arguments():
 
 
 def test_sr_recipe_stores_bf16_moments_rounded_stochastically_and_is_not_in_the_default_run():
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.gpt.model import GPTConfig
     from mpcourse.experiment.recipes import RECIPES, default_recipes
-    from mpcourse.experiment.train import TrainConfig, Trainer
+    from mpcourse.experiment.training.train import TrainConfig, Trainer
 
     assert "bf16-master-bf16-moments-sr" in RECIPES and "bf16-master-bf16-moments-sr" not in default_recipes()
     assert "stochastic" in RECIPES["bf16-master-bf16-moments-sr"].description

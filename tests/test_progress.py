@@ -3,11 +3,12 @@ stops there): the one bar over all runs of ``--jobs N`` and the per-recipe bar o
 import pytest
 import tqdm
 
-from mpcourse.experiment import pool, train
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment import pool
+from mpcourse.experiment.training import train
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.pool import Task, run_pool
-from mpcourse.experiment.train import TrainConfig, Trainer
+from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 CFG = TrainConfig(steps=4, batch_size=2, eval_interval=2, eval_batches=1, model=SMALL)

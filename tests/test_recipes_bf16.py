@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import RECIPES, OptimConfig, get_recipe
 from recipe_loop import make_recipe, run_steps
-from mpcourse.experiment.train import TrainConfig, lr_at, train
+from mpcourse.experiment.training.train import TrainConfig, lr_at, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 BF16_RECIPES = ["bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan"]
@@ -28,7 +28,7 @@ def make(name, corpus, seed=0, optim=None):
 
 
 def run(recipe, corpus, gen, steps, start=0, inject=None):
-    """The training loop of mpcourse.experiment.train, step by step; returns the losses."""
+    """The training loop of mpcourse.experiment.training.train, step by step; returns the losses."""
     hook = (lambda step, r: inject(r)) if inject is not None else None
     return [loss for loss, _ in run_steps(recipe, corpus, gen, steps, block_size=SMALL.block_size,
                                           batch_size=B, start=start, inject=hook)]

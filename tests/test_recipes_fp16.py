@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import RECIPES, OptimConfig, get_recipe
 from recipe_loop import make_recipe, run_steps
 from mpcourse.experiment.recipes.fp16 import STATIC_LOSS_SCALE
 from mpcourse.core.scaling import DynamicLossScaler
-from mpcourse.experiment.train import TrainConfig, lr_at, train
+from mpcourse.experiment.training.train import TrainConfig, lr_at, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 FP16_RECIPES = ["fp16-master", "fp16-static", "fp16-dynamic"]
@@ -29,7 +29,7 @@ def make(name, corpus, seed=0, optim=None):
 
 
 def run(recipe, corpus, gen, steps, start=0, inject=None):
-    """The training loop of mpcourse.experiment.train, step by step; returns [(loss, StepResult)]."""
+    """The training loop of mpcourse.experiment.training.train, step by step; returns [(loss, StepResult)]."""
     return run_steps(recipe, corpus, gen, steps, block_size=SMALL.block_size, batch_size=B,
                      start=start, inject=inject)
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpcourse.experiment.data import load_corpus
+from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.core.quant import CurrentScaling, Float8Linear, Format
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import RECIPES, get_recipe
 from recipe_loop import make_recipe, run_steps
 from mpcourse.experiment.recipes.fp8 import AMAX_HISTORY_LEN
-from mpcourse.experiment.train import TrainConfig, evaluate, train
+from mpcourse.experiment.training.train import TrainConfig, evaluate, train
 
 SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 FP8_RECIPES = ["fp8-current", "fp8-delayed"]
@@ -33,7 +33,7 @@ def make(name, corpus, seed=0):
 
 
 def run(recipe, corpus, gen, steps, start=0):
-    """The training loop of mpcourse.experiment.train, step by step; returns the losses."""
+    """The training loop of mpcourse.experiment.training.train, step by step; returns the losses."""
     return [loss for loss, _ in run_steps(recipe, corpus, gen, steps, block_size=SMALL.block_size,
                                           batch_size=B, start=start)]
 

@@ -7,8 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpcourse.core.quant import Float8Linear, NVFP4BlockScaling
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import RECIPES, TABLE_ORDER, get_recipe
 from mpcourse.experiment.recipes.selective import NVFP4Selective
 from recipe_loop import make_recipe, run_steps

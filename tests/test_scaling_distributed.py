@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcourse.experiment.distributed import ranks, rendezvous, spawn
+from mpcourse.experiment.parallel.distributed import ranks, rendezvous, spawn
 from mpcourse.core import distributed
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
 
@@ -159,7 +159,7 @@ def test_a_failing_rank_is_reported_at_once_not_after_the_timeout():
     """``ranks`` closes the group only on success: the failing rank exits at once (no barrier on its error
     path), and ``spawn`` ends the other rank and names the failure, long before the 120 s timeout."""
     import time
-    from mpcourse.experiment.distributed import RankFailed
+    from mpcourse.experiment.parallel.distributed import RankFailed
 
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""The loss-spike rule (``mpcourse.experiment.spikes``) on planted curves and on real histories.
+"""The loss-spike rule (``mpcourse.experiment.measure.spikes``) on planted curves and on real histories.
 
 Planted: a clean curve, a noisy but healthy one, the same with one real spike, a curve whose noise
 is larger than the spike, and the pattern that broke the earlier rule (one unusually easy batch,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpcourse.experiment.spikes import (SPIKE_MIN_JUMP, SPIKE_SIGMAS, consensus, find_spikes, finite_losses,
+from mpcourse.experiment.measure.spikes import (SPIKE_MIN_JUMP, SPIKE_SIGMAS, consensus, find_spikes, finite_losses,
                                         robust_std)
 
 DATA = json.loads((Path(__file__).parent / "data" / "loss_histories.json").read_text())

@@ -9,10 +9,10 @@ import torch
 
 from mpcourse.core.emulation import emulation_enabled
 from mpcourse.experiment.compare import format_table, gap_percent
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, RECIPES, get_recipe
-from mpcourse.experiment.train import TrainConfig, train
+from mpcourse.experiment.training.train import TrainConfig, train
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 
@@ -131,7 +131,7 @@ def test_cli_lists_recipes():
 def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
     """Every registered recipe: 3 steps, save (Trainer.save: torch.save with a checksum), load into a fresh Trainer,
     3 more steps == 6 uninterrupted steps, bit for bit (losses, scales, every parameter)."""
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training.train import Trainer
 
     cfg = small(6, recipe)
     straight = Trainer(recipe, corpus, cfg).run()
@@ -152,7 +152,7 @@ def test_checkpoint_resumes_bit_for_bit(recipe, corpus, tmp_path):
 
 
 def test_checkpoint_from_another_recipe_is_refused(corpus):
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training.train import Trainer
 
     sd = Trainer("fp32", corpus, small(1)).state_dict()
     with pytest.raises(ValueError, match="from recipe 'fp32'"):
@@ -162,8 +162,8 @@ def test_checkpoint_from_another_recipe_is_refused(corpus):
 def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeypatch):
     import contextlib
 
-    from mpcourse.experiment import train as train_mod
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training import train as train_mod
+    from mpcourse.experiment.training.train import Trainer
     entered, real = [], train_mod.tensor_cores
 
     @contextlib.contextmanager
@@ -191,7 +191,7 @@ def test_run_enters_emulation_once_and_hooks_see_inside_the_step(corpus, monkeyp
 @pytest.mark.parametrize("recipe", ["fp32", "fp8-current"])
 def test_runs_without_low_precision_matmuls_drop_the_emulation_after_one_step_same_bits(recipe, corpus):
     from mpcourse.core.emulation import set_emulation
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training.train import Trainer
     set_emulation(True)                                    # the dispatch mode is active where it is entered
     try:
         fast = Trainer(recipe, corpus, small(steps=4)).run()
@@ -215,8 +215,10 @@ def test_runs_without_low_precision_matmuls_drop_the_emulation_after_one_step_sa
 def test_one_training_step_the_memory_measurement_wraps_it(corpus, monkeypatch):
     """The first step's memory is measured around the trainer's own step function, not a copy of it: every step,
     measured or timed, is one call of ``step.training_step`` (the measured one through ``memory.measure_step``)."""
-    from mpcourse.experiment import memory, step, train as train_mod
-    from mpcourse.experiment.train import Trainer
+    from mpcourse.experiment.training import step
+    from mpcourse.experiment.training import train as train_mod
+    from mpcourse.experiment.measure import memory
+    from mpcourse.experiment.training.train import Trainer
 
     assert memory.training_step is step.training_step and train_mod.training_step is step.training_step
     calls = []

@@ -70,7 +70,7 @@ How the second moment is stored (``state_rule``; the first moment is torchao's u
 Which tensors are quantized (torchao following bitsandbytes): those with at least 4096 elements and a
 ``numel`` divisible by the block size; the others keep FP32-exact moments in the parameter's dtype.
 The state is plain tensors (``exp_avg``, ``exp_avg_sq`` codes; ``exp_avg_scale``, ``exp_avg_sq_scale`` per
-block; ``step`` an FP32 scalar), so ``state_dict``/``load_state_dict`` and ``mpcourse.experiment.memory`` see
+block; ``step`` an FP32 scalar), so ``state_dict``/``load_state_dict`` and ``mpcourse.experiment.measure.memory`` see
 what is stored; loading keeps each tensor's stored dtype (torch would cast FP8 codes to the parameter's dtype).
 ``state_dict`` records the ``state_rule`` (the codes of ``exp_avg_sq`` mean ``v`` or ``sqrt(v)``); loading
 state stored under the other rule is refused, naming the rule to build the optimizer with.

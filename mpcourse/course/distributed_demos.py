@@ -17,7 +17,7 @@ Workers (each a few collectives on tensors of a few kilobytes):
   relative to the mean and relative to the mean of the magnitudes (the quantity the rounding bound is about).
 * ``sharding``: one AdamW step of a small MLP in ZeRO's mixed-precision Adam (BF16 working weights and gradients,
   FP32 master and moments) under DDP, ZeRO-1, ZeRO-2 and FSDP2; the bytes each rank holds after the step, by
-  kind, counted from the live tensors by ``mpcourse.experiment.memory.count_bytes`` (the course's one counter).
+  kind, counted from the live tensors by ``mpcourse.experiment.measure.memory.count_bytes`` (the course's one counter).
 
 The FP8 all-gather of section 5 trains a small FSDP2 model; its worker is in ``fp8_all_gather_demo``.
 """
@@ -162,7 +162,7 @@ def sharding(layouts=LAYOUTS, width: int = 64, depth: int = 4) -> dict:
     once), ``n_params``, and the BF16 ``weights`` after the step, flat (n_params,). No biases, and 64 rows over
     2 or 4 ranks pad no shard, so the counts are exact. Sources: Rajbhandari et al. 2020, "ZeRO", §3.1
     (16 B per parameter) and §5 (the stages)."""
-    from mpcourse.experiment.memory import count_bytes
+    from mpcourse.experiment.measure.memory import count_bytes
 
     unknown = [layout for layout in layouts if layout not in LAYOUTS]
     if unknown:
@@ -180,7 +180,7 @@ def sharding(layouts=LAYOUTS, width: int = 64, depth: int = 4) -> dict:
 
 
 def _rank(rank, world, init_method, out_dir, worker, args):
-    from mpcourse.experiment.distributed import ranks
+    from mpcourse.experiment.parallel.distributed import ranks
 
     with ranks(rank, world, init_method, threads=1):
         result = worker(*args)
@@ -189,7 +189,7 @@ def _rank(rank, world, init_method, out_dir, worker, args):
 
 def run(worker, world: int, *args) -> list:
     """``worker(*args)`` on ``world`` spawned gloo ranks; returns their results, rank 0's first."""
-    from mpcourse.experiment.distributed import rendezvous, spawn
+    from mpcourse.experiment.parallel.distributed import rendezvous, spawn
 
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of ranks, got {world!r}")

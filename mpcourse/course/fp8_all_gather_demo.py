@@ -5,7 +5,7 @@ its worker function, so it lives here).
 FSDP2 twice: all-gathering the FP32 weights and casting after the gather, then with
 ``mpcourse.core.quant.layers.fsdp_fp8.enable_fp8_all_gather`` (each rank casts its shard with the whole weight's scale).
 It returns, per way, the loss history and the bytes this rank sent into FSDP2's all-gathers per step
-(``mpcourse.experiment.parallel.AllGatherLog``, counted at FSDP2's all-gather).
+(``mpcourse.experiment.parallel.data_parallel.AllGatherLog``, counted at FSDP2's all-gather).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _train(width: int, steps: int, fp8_all_gather: bool) -> dict:
 
     from mpcourse.core.quant import CurrentScaling, Float8Linear, autocast
     from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
-    from mpcourse.experiment.parallel import AllGatherLog, counting_all_gather
+    from mpcourse.experiment.parallel.data_parallel import AllGatherLog, counting_all_gather
 
     # FSDP2 warns that the root's output is a view (Float8Linear reshapes its (M, N) result); nothing here
     # modifies it in place, which is what the warning is about

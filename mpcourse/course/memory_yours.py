@@ -3,7 +3,7 @@
 ``memory_yours(globals(), ["bf16-pure-sr", "fp8-delayed"])`` trains the course's GPT under each named recipe (the
 run of every exercise's last cell, ``mpcourse.course.yours.YOURS_CONFIG``: 2 layers, width 64, 20 steps), with the
 training loop's own memory count (``Trainer`` counts the live tensors of its first step,
-``mpcourse.experiment.memory.measure_step``, and reports them as ``RunResult.bytes_per_param``, the ``B/param``
+``mpcourse.experiment.measure.memory.measure_step``, and reports them as ``RunResult.bytes_per_param``, the ``B/param``
 column of ``mpcourse compare``). It reads the dtypes the recipe keeps at that same moment, after the first ``step()`` and before
 ``zero_grad()`` (``mpcourse.course.grading.memory.recipe_dtypes``: parameters, gradient buffers, master copy,
 AdamW's moments),
@@ -33,7 +33,7 @@ import torch
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.experiment.recipes import get_recipe
-from mpcourse.experiment.train import RunResult, Trainer
+from mpcourse.experiment.training.train import RunResult, Trainer
 
 from .grading.memory import KINDS, recipe_dtypes
 from .yours import YOURS_CONFIG, _default_corpus

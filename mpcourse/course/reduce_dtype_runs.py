@@ -28,11 +28,11 @@ SETTINGS = dict(steps=150, batch_size=16, eval_interval=50, eval_batches=4, lr=3
 
 def produce(steps: int) -> dict:
     """Train every (ranks, reduce dtype) run of ``steps`` steps; the strict-JSON payload."""
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.distributed import Job, run_distributed_compare
-    from mpcourse.experiment.model import GPTConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.parallel.distributed import Job, run_distributed_compare
+    from mpcourse.experiment.gpt.model import GPTConfig
     from mpcourse.experiment.recipes import OptimConfig
-    from mpcourse.experiment.train import TrainConfig
+    from mpcourse.experiment.training.train import TrainConfig
 
     s = SETTINGS
     cfg = TrainConfig(steps=steps, batch_size=s["batch_size"], eval_interval=s["eval_interval"],

@@ -43,9 +43,9 @@ class StoredRun:
     threads: int = 2            # what the lesson's kernel uses (torch.set_num_threads(2))
 
     def train_config(self, steps: int | None = None):
-        from mpcourse.experiment.model import GPTConfig
+        from mpcourse.experiment.gpt.model import GPTConfig
         from mpcourse.experiment.recipes import OptimConfig
-        from mpcourse.experiment.train import TrainConfig
+        from mpcourse.experiment.training.train import TrainConfig
 
         return TrainConfig(steps=steps or self.steps, batch_size=self.batch_size, eval_interval=self.eval_interval,
                            eval_batches=self.eval_batches, optim=OptimConfig(lr=self.lr),
@@ -70,8 +70,8 @@ def produce(name: str, steps: int | None = None, recipes: tuple[str, ...] | None
     as the lesson's kernel runs (emulation is left on auto after); the strict-JSON payload."""
     from mpcourse.core import emulation
     from mpcourse.experiment.compare import results_payload
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.train import train
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.training.train import train
 
     spec = RUNS[name]
     recipes = tuple(recipes or spec.recipes)

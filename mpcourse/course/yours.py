@@ -50,11 +50,11 @@ import torch
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.experiment.compare import first_difference, train_with_learner, yours
-from mpcourse.experiment.data import Corpus, load_corpus
-from mpcourse.experiment.model import GPTConfig
+from mpcourse.experiment.gpt.data import Corpus, load_corpus
+from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe
 from mpcourse.experiment.recipes.base import OptimConfig, learner_functions
-from mpcourse.experiment.train import RunResult, TrainConfig, train
+from mpcourse.experiment.training.train import RunResult, TrainConfig, train
 
 #: The run every exercise's last cell trains: the course's GPT at 2 layers x width 64 (about 108k
 #: parameters), 20 AdamW steps of 8 sequences x 32 characters, warm-up 5 steps, validation at steps 10
@@ -210,7 +210,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         library_runs: a cache of the library's runs by recipe name, made with the same ``cfg`` and ``corpus``
             (tests reuse one run across many learners); recipes missing from it are trained and added.
         nproc, parallel: with ``nproc`` > 1, both rows train data-parallel over ``nproc`` gloo processes
-            spawned here (``mpcourse.experiment.distributed``, ``parallel`` "fsdp" or "ddp"), for the functions
+            spawned here (``mpcourse.experiment.parallel.distributed``, ``parallel`` "fsdp" or "ddp"), for the functions
             that only run with several ranks (lesson 10's ``all_reduce_found_inf_``). The functions reach the
             processes as their source (``inspect.getsource``): they may use ``torch`` and ``dist`` only.
             ``library_runs`` is not used then.
@@ -283,8 +283,8 @@ def _compare_distributed(namespace, recipes, cfg: TrainConfig, corpus: Corpus, n
     import textwrap
     from pathlib import Path
 
-    from mpcourse.experiment.distributed import Job, RankFailed, run_distributed_compare
-    from mpcourse.experiment.parallel import overridable
+    from mpcourse.experiment.parallel.distributed import Job, RankFailed, run_distributed_compare
+    from mpcourse.experiment.parallel.data_parallel import overridable
 
     used = {r: tuple(n for n in learner_functions(get_recipe(r), namespace) if n in overridable(get_recipe(r), parallel))
             for r in recipes}

@@ -1,6 +1,9 @@
-"""The experiment: the corpus (``data``), the GPT (``model``), the precision recipes
-(``recipes``), the training loop (``train``), the compare job (``compare``) and the command line
-(``cli``).
+"""The experiment: the course's GPT trained under every precision recipe, side by side.
+
+Rooms by what they do: ``gpt`` (the model and its corpus), ``recipes`` (the precision recipes), ``training`` (the
+step and the loop), ``measure`` (memory, speed, spikes, the CPU kind), ``parallel`` (DDP / FSDP2 runs over
+processes), ``ablations`` (the studies the lessons cite, and ``rank-layers``), and the comparison with its
+command line (``compare``, ``cli``).
 
 The experiment imports the library (``mpcourse.core``); the library never imports it.
 """

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from mpcourse.core import emulation
 from .argtypes import comma_list, did_you_mean, positive_float, positive_int, ratio, seed
-from .data import CorpusError, load_corpus
-from .model import GPTConfig
+from .gpt.data import CorpusError, load_corpus
+from .gpt.model import GPTConfig
 from .recipes import NOT_IN_DEFAULT_RUN, RECIPES, OptimConfig, default_recipes
-from .train import TrainConfig
+from .training.train import TrainConfig
 
 # model-size presets: "small" is the default every recipe runs in a few minutes on a laptop CPU; "large" has
 # GEMMs (M = 32 x 256 = 8192 tokens, K, N = 1024..4096) near or past the FP8 break-even on an H100-class GPU
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--with", dest="with_notebooks", action="append", default=[], metavar="NOTEBOOK",
                    help="an exercise notebook whose functions (e.g. update_scale) train a second row per recipe, "
                         "'NAME [yours]'; repeat for several notebooks")
-    d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.distributed)")
+    d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.parallel.distributed)")
     d.add_argument("--nproc", type=positive_int, default=1,
                    help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
                         "under torchrun the processes torchrun started)")
@@ -274,7 +274,7 @@ def _peak_flops(device: str, threads: int | None = None) -> dict[str, float]:
     """The peaks for the %peak column by GEMM dtype key (``speed.peak_key``): the GPU's dense datasheet peaks
     (BF16, FP8; {} for a GPU not in ``speed.GPU_PEAKS``), or this CPU's measured GEMMs on ``threads`` threads (a
     worker's, so that its tok/s and the peak count the same cores): FP32, and BF16/FP16 where native."""
-    from .speed import cpu_peaks, emulated_dtypes, gpu_peaks
+    from .measure.speed import cpu_peaks, emulated_dtypes, gpu_peaks
 
     if device == "cuda":
         import torch
@@ -286,7 +286,7 @@ def _peak_flops(device: str, threads: int | None = None) -> dict[str, float]:
 def large_on_cpu_warning(cfg: TrainConfig, vocab_size: int, n_runs: int, peak_flops: float) -> str:
     """The warning for ``--preset large`` on a CPU: a lower bound of the run's time from the model FLOPs
     (``speed.flops_per_token``) at the measured FP32 GEMM peak (the emulated recipes take longer)."""
-    from .speed import flops_per_token
+    from .measure.speed import flops_per_token
 
     m = cfg.model
     flops = flops_per_token(m.n_layer, m.n_embd, m.block_size, vocab_size) * m.block_size * cfg.batch_size
@@ -346,7 +346,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"mpcourse compare: error: {bad}", file=sys.stderr)
         return 2
     if args.fp8_all_gather:
-        from .parallel import fp8_all_gather_error
+        from .parallel.data_parallel import fp8_all_gather_error
         if args.parallel != "fsdp":
             print("mpcourse compare: error: --fp8-all-gather needs --parallel fsdp (it changes what FSDP2 all-gathers)",
                   file=sys.stderr)
@@ -355,7 +355,7 @@ def _main(argv: list[str] | None) -> int:
         if bad:
             print(f"mpcourse compare: error: {bad[0]}", file=sys.stderr)
             return 2
-    from .distributed import launched_by_torchrun
+    from .parallel.distributed import launched_by_torchrun
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         return _main_distributed(args, corpus, cfg, recipes, side)
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
@@ -363,7 +363,7 @@ def _main(argv: list[str] | None) -> int:
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
     print(_where_line(args.out, side))
     print(f"tensor cores: {emulation.status()}")
-    from . import machine
+    from .measure import machine
     print(f"cpu: {machine.summary()}")
     learner = {}
     if args.with_notebooks:
@@ -376,7 +376,7 @@ def _main(argv: list[str] | None) -> int:
             return 2
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     n_runs = len(recipes) * len(args.seeds or [args.seed])
-    from .threads import TRAINING_THREADS
+    from .training.threads import TRAINING_THREADS
     if args.jobs is not None:
         jobs, threads = args.jobs, TRAINING_THREADS
     elif args.device == "cuda":
@@ -397,7 +397,7 @@ def _main(argv: list[str] | None) -> int:
         print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peaks["fp32"]), file=sys.stderr)
     remeasure = None
     if args.device != "cuda":
-        from .speed import measure_gemm_peak
+        from .measure.speed import measure_gemm_peak
         remeasure = lambda key: measure_gemm_peak(key, threads=threads)      # noqa: E731
     earlier = _earlier_run(args.out)
     try:
@@ -459,7 +459,7 @@ def _peak_line(peaks: dict[str, float], device: str, threads: int) -> str:
     """The start-up line naming the peaks %peak is taken against."""
     if not peaks:
         return "peak FLOP/s: unknown GPU, %peak not shown"
-    from .speed import GEMM_REPEATS
+    from .measure.speed import GEMM_REPEATS
     where = ("dense tensor-core datasheet" if device == "cuda" else
              f"this CPU, the best of {GEMM_REPEATS} timed 1024^3 GEMMs on {threads} thread(s) per dtype")
     values = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in peaks.items())
@@ -490,7 +490,7 @@ def _token_count_error(recipes, cfg, nproc: int) -> str | None:
 
 def _main_distributed(args, corpus, cfg, recipes, side: bool = False) -> int:
     """``compare --nproc N --parallel ddp|fsdp`` (or under torchrun): rank 0 prints and writes."""
-    from .distributed import Job, RankFailed, is_rank_zero, run_distributed_compare
+    from .parallel.distributed import Job, RankFailed, is_rank_zero, run_distributed_compare
 
     if args.parallel is None:
         print("mpcourse compare: error: --nproc > 1 (or torchrun) needs --parallel ddp or --parallel fsdp",
@@ -509,7 +509,7 @@ def _main_distributed(args, corpus, cfg, recipes, side: bool = False) -> int:
         except LearnerLoadError as e:
             print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
             return 2
-    from .parallel import unsupported
+    from .parallel.data_parallel import unsupported
     refused = {name: unsupported(name, args.parallel) for name in recipes}
     if all(refused.values()):                        # nothing would run: say why instead of an empty table
         print(f"mpcourse compare: error: --parallel {args.parallel} runs none of the recipes asked for: "

@@ -1,10 +1,10 @@
 """``mpcourse compare``: train one model under every precision recipe and report side by side.
 
 For each recipe: final train and validation loss and the gap to FP32, its largest loss spike
-(``mpcourse.experiment.spikes``, judged against the runs of the same seed on the same batches), skipped steps, the final
+(``mpcourse.experiment.measure.spikes``, judged against the runs of the same seed on the same batches), skipped steps, the final
 loss scale, tokens per second, bytes per parameter (weights + gradients + master copy + optimizer
-state), the activation bytes and the peak bytes of one step (``mpcourse.experiment.memory``), and the
-fraction of the machine's peak FLOP/s the step reaches (``mpcourse.experiment.speed``). With several
+state), the activation bytes and the peak bytes of one step (``mpcourse.experiment.measure.memory``), and the
+fraction of the machine's peak FLOP/s the step reaches (``mpcourse.experiment.measure.speed``). With several
 seeds (``seeds=[0, 1, 2]``) every recipe runs once per seed and the table shows mean +- standard
 deviation (sample std, n-1) of the final losses and of the gap to FP32 (the gap is taken per seed, each
 recipe against the FP32 run of the same seed). Writes ``DIR/results.json`` (one object per run,
@@ -24,12 +24,12 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
-from .data import Corpus
+from .gpt.data import Corpus
 from mpcourse.core.seams import SeamError
 from .recipes import get_recipe
 from .recipes.base import OverrideError, learner_functions
-from .spikes import SPIKE_MIN_JUMP, SpikeReport, consensus, find_spikes, finite_losses
-from .train import RunResult, TrainConfig, train, train_inspected
+from .measure.spikes import SPIKE_MIN_JUMP, SpikeReport, consensus, find_spikes, finite_losses
+from .training.train import RunResult, TrainConfig, train, train_inspected
 
 
 def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
@@ -48,7 +48,7 @@ def _fmt(x, spec):
 
 
 def spike_reports(results: list[RunResult], seeds: list[int] | None = None) -> list[SpikeReport]:
-    """Each run's :class:`~mpcourse.experiment.spikes.SpikeReport`, judged against the consensus of the runs
+    """Each run's :class:`~mpcourse.experiment.measure.spikes.SpikeReport`, judged against the consensus of the runs
     of its seed (``seeds[i]`` is run i's; default: all one seed): they all trained on the same batches."""
     seeds = seeds if seeds is not None else [0] * len(results)
     groups: dict[int, list[list[dict]]] = {}
@@ -90,7 +90,7 @@ def _row_peak(name: str, peak_flops) -> float | None:
 def _peak_pct(r: RunResult, peak_flops, clamped: list[str]) -> str:
     """The %peak cell of ``r`` against its peak (``_row_peak``); a row above it is clamped to ``100.0*`` and its
     name appended to ``clamped`` (``speed.percent_of_peak``)."""
-    from .speed import percent_of_peak
+    from .measure.speed import percent_of_peak
 
     peak = _row_peak(r.recipe, peak_flops)
     if not peak or not r.flops_per_token or not math.isfinite(r.tokens_per_s):
@@ -364,14 +364,14 @@ def strict_json(obj):
 
 def environment(device: str = "cpu") -> dict:
     """What produced the numbers: versions, device, tensor-core emulation per low-precision dtype, and the CPU's
-    kind (``cpu``: instruction set, flags, BF16/FP16 GEMMs native or emulated; ``mpcourse.experiment.machine``)."""
+    kind (``cpu``: instruction set, flags, BF16/FP16 GEMMs native or emulated; ``mpcourse.experiment.measure.machine``)."""
     import platform
 
     import torch
 
     from mpcourse.core import emulation
 
-    from . import machine
+    from .measure import machine
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "device": device,
             "emulation": {str(dt).replace("torch.", ""): {"emulated": emulation.emulation_enabled(dt),
@@ -479,7 +479,7 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     verdict line under the table (``learner_verdicts``).
     ``jobs`` > 1: the library's rows train in that many worker processes (``mpcourse.experiment.pool``); the
     learner's rows train afterwards in this process. Every run, wherever it trains, uses ``TRAINING_THREADS``
-    intra-op threads (``mpcourse.experiment.threads``): a row's bits do not depend on ``jobs``, on the other
+    intra-op threads (``mpcourse.experiment.training.threads``): a row's bits do not depend on ``jobs``, on the other
     recipes of the job or on the process. ``threads`` is accepted for old callers and must be that count.
 
     A run that fails does not stop the others: the table and ``results.json`` hold every finished row,
@@ -488,11 +488,11 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     same way: the finished rows are written, the others named in ``failed`` as interrupted, and
     ``CompareInterrupted`` is raised. When no run finished nothing is written (``out`` keeps what it held).
     """
-    from .threads import TRAINING_THREADS, training_threads
+    from .training.threads import TRAINING_THREADS, training_threads
 
     if threads not in (None, TRAINING_THREADS):
         raise ValueError(f"threads={threads}: every training run uses {TRAINING_THREADS} intra-op thread(s) "
-                         "(mpcourse.experiment.threads); drop the argument")
+                         "(mpcourse.experiment.training.threads); drop the argument")
     seeds = list(seeds) if seeds else [cfg.seed]
     pooled: dict[tuple[int, str], RunResult] = {}
     failed: dict[tuple[int, str], str] = {}
@@ -586,7 +586,7 @@ def _settle_peaks(flat: list[tuple[int, RunResult]], peaks, cfg: TrainConfig, re
     in ``peaks``; a row still above it is clamped when the table is printed."""
     if not isinstance(peaks, dict):
         return peaks
-    from .speed import emulated_dtypes, peak_key, row_peaks
+    from .measure.speed import emulated_dtypes, peak_key, row_peaks
 
     device, emulated = getattr(cfg, "device", "cpu"), emulated_dtypes()
     names = list(dict.fromkeys(r.recipe for _, r in flat))

@@ -7,7 +7,7 @@ spawned, not forked: a forked child of a process that already ran OpenMP threads
 (``default_jobs``), each worker on ``TRAINING_THREADS`` (one) intra-op thread. What a run computes does not
 depend on which worker runs it or when: every run seeds its own model, batches and torch's global generator
 (``Trainer``), and every run, in a worker or in the parent, trains on the same thread count
-(``mpcourse.experiment.threads``: the reduction order of a GEMM follows the thread count), so a row's bits do
+(``mpcourse.experiment.training.threads``: the reduction order of a GEMM follows the thread count), so a row's bits do
 not depend on ``--jobs`` or on the other recipes of the job. tok/s is one worker's speed on one thread while
 the other workers run too.
 
@@ -39,9 +39,9 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from .data import Corpus
-from .threads import TRAINING_THREADS
-from .train import RunResult, TrainConfig
+from .gpt.data import Corpus
+from .training.threads import TRAINING_THREADS
+from .training.train import RunResult, TrainConfig
 
 
 # step time over the FP32 step (benchmarks/bench_block_recipes.py, one interleaved 1-thread run, after the FP8 and
@@ -70,7 +70,7 @@ def usable_cores() -> int:
 def default_jobs(n_runs: int, cores: Optional[int] = None) -> tuple[int, int]:
     """(jobs, threads per job) for ``n_runs`` runs: one single-threaded worker per core, at most one per run
     (e.g. 8 cores, 3 runs: 3 workers x 1 thread). The cores left over stay idle: a run's bits depend on its
-    thread count, so every run trains on ``TRAINING_THREADS`` (``mpcourse.experiment.threads``)."""
+    thread count, so every run trains on ``TRAINING_THREADS`` (``mpcourse.experiment.training.threads``)."""
     cores = usable_cores() if cores is None else cores
     jobs = max(1, min(cores, n_runs))
     return jobs, TRAINING_THREADS
@@ -113,7 +113,7 @@ def _init_worker(threads: int, progress, parent_pid: Optional[int] = None) -> No
 
 
 def _run_task(task: Task, corpus: Corpus) -> RunResult:
-    from .train import Trainer, train_inspected
+    from .training.train import Trainer, train_inspected
 
     def tick(_trainer):
         if _progress is not None:
@@ -128,7 +128,7 @@ def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINI
              failures: Optional[dict[int, str]] = None,
              finished: Optional[dict[int, RunResult]] = None) -> list[Optional[RunResult]]:
     """Run ``tasks`` in ``jobs`` spawned workers of ``threads`` threads each (default ``TRAINING_THREADS``, the
-    count every training run uses: ``mpcourse.experiment.threads``); results in the order of ``tasks``.
+    count every training run uses: ``mpcourse.experiment.training.threads``); results in the order of ``tasks``.
 
     A run that fails raises ``WorkerError`` (the other runs are cancelled); with ``failures`` (a dict) the
     other runs go on instead, the failed task's index maps to ``"ExceptionType: message"`` there, and its

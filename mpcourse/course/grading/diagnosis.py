@@ -2,7 +2,7 @@
 
 ``check_diagnose(fn)``: ``fn(log) -> str`` names the cause of a run, one of ``CAUSES``. A log is a dict of lists
 with one entry per step, and two numbers. Step k is index k of every list: steps count from 0, as the training
-loop counts them (``mpcourse.experiment.train.Trainer``), and n = ``len(log["loss"])`` steps ran.
+loop counts them (``mpcourse.experiment.training.train.Trainer``), and n = ``len(log["loss"])`` steps ran.
 
     loss               [float | None]  training loss per step (None: inf/NaN). The run stops at its first None:
                                        the step k where the loss dies is the first index with loss[k] None,

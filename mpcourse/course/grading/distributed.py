@@ -233,7 +233,7 @@ def _fence(k: int) -> None:
 def _spawned(rank, init_method, on_rank, sources, out_dir, group_timeout_s):
     """One rank: every function of ``sources`` in turn, ``on_rank(rank, fn, group, oracle_group)`` in fresh groups,
     then the fence; writes ``<rank>.pt``: per function its records or ``Raised``."""
-    from mpcourse.experiment.distributed import close_ranks, init_ranks
+    from mpcourse.experiment.parallel.distributed import close_ranks, init_ranks
 
     init_ranks(rank, WORLD, init_method, timeout_s=WORLD_TIMEOUT_S, threads=1)
     out = []
@@ -251,7 +251,7 @@ def _spawned(rank, init_method, on_rank, sources, out_dir, group_timeout_s):
 def _spawn(on_rank, sources) -> list[list]:
     """Run the functions of ``sources`` (``_sources``' pairs) in one job of WORLD ranks; per rank, per function,
     what ``_spawned`` recorded. Raises RankFailed when a rank fails."""
-    from mpcourse.experiment.distributed import rendezvous, spawn
+    from mpcourse.experiment.parallel.distributed import rendezvous, spawn
 
     with tempfile.TemporaryDirectory() as d:
         spawn(_spawned, WORLD, (rendezvous(d), on_rank, sources, d, GROUP_TIMEOUT_S))
@@ -292,7 +292,7 @@ def _judge(check: _Check, got: list) -> None:
 
 def _on_ranks(check: _Check, fns: list) -> list[GradingError | None]:
     """Verdicts of ``fns`` graded on the ranks in one job; if the job fails, each in its own job."""
-    from mpcourse.experiment.distributed import RankFailed
+    from mpcourse.experiment.parallel.distributed import RankFailed
 
     if not fns:
         return []

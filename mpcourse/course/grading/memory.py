@@ -5,7 +5,7 @@
   kind: ``{"weights", "grads", "master", "optimizer"}``, each a Python ``int`` (a dtype argument is a
   ``torch.dtype`` or None for "none kept"; the contract is in the exercise's docstring).
 
-Oracle: the bytes counted from the live tensors of a real step (``mpcourse.experiment.memory.measure_step`` on
+Oracle: the bytes counted from the live tensors of a real step (``mpcourse.experiment.measure.memory.measure_step`` on
 a one-block GPT, each storage once), divided by the number of parameters, for the recipes of ``RECIPES``:
 FP32, pure FP16 and pure BF16, FP16/BF16 with an FP32 master copy, BF16 moments with an FP32 master
 (DeepSeek-V3's choice) and FP8 compute (``fp8-current``: FP32 state, FP8 copies outside the state). The
@@ -63,9 +63,9 @@ def recipe_dtypes(recipe) -> dict:
 def measured(name: str) -> tuple[dict, dict]:
     """(the dtypes recipe ``name`` keeps, its bytes per parameter measured from live tensors) on a 1-block GPT."""
     from mpcourse.core.emulation import tensor_cores
-    from mpcourse.experiment.data import load_corpus
-    from mpcourse.experiment.memory import measure_step
-    from mpcourse.experiment.model import GPT, GPTConfig
+    from mpcourse.experiment.gpt.data import load_corpus
+    from mpcourse.experiment.measure.memory import measure_step
+    from mpcourse.experiment.gpt.model import GPT, GPTConfig
     from mpcourse.experiment.recipes import OptimConfig, get_recipe
 
     corpus = load_corpus(None)

@@ -2,7 +2,7 @@
 
 ``run_one(label, make_recipe, cfg)`` builds the GPT from ``cfg.seed`` (the same FP32 initialisation as
 ``mpcourse compare``), wraps the recipe ``make_recipe(model, optim)`` returns in the project's one training
-step (``mpcourse.experiment.train.Trainer``), trains ``cfg.steps`` steps and returns a JSON-ready record:
+step (``mpcourse.experiment.training.train.Trainer``), trains ``cfg.steps`` steps and returns a JSON-ready record:
 
     label, seed, final_train_loss, final_val_loss (None where the run diverged), diverged_at,
     history: one record per step with loss, skipped, loss_scale, and from the gradients right after the
@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mpcourse.experiment.data import load_corpus
-from mpcourse.experiment.model import GPT, GPTConfig
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import OptimConfig
-from mpcourse.experiment.train import Trainer, TrainConfig
+from mpcourse.experiment.training.train import Trainer, TrainConfig
 
 
 @dataclass(frozen=True)

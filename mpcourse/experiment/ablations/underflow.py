@@ -19,7 +19,7 @@ own scale). The reported loss is the true loss (divided back by the multiplier).
 from __future__ import annotations
 
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
-from mpcourse.experiment.train import Trainer
+from mpcourse.experiment.training.train import Trainer
 from .common import AblationConfig, over_seeds
 
 LOSS_MULTIPLIER = 2.0 ** -12

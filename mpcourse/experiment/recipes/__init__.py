@@ -7,7 +7,7 @@ registered recipe missing from it, or a name in it that is not registered, is an
 from .base import RECIPES, MasterWeightsRecipe, OptimConfig, TrainingRecipe, StepResult, get_recipe, register
 from . import baseline  # noqa: F401  fp32, torch-amp-bf16, torch-amp-fp16, fp16-pure
 from . import fp16  # noqa: F401  fp16-master, fp16-static, fp16-dynamic
-from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments(-sr)
+from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pure-sr, bf16-pure-kahan, bf16-master-bf16-moments(-sr
 from . import low_state  # noqa: F401  fp8-moments, int8-moments
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights

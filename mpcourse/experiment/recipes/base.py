@@ -9,7 +9,7 @@ precision:
     step       ``step``             how gradients update the weights (master copy, loss-scaler
                                     skip/update, stochastic rounding, Kahan compensation)
 
-The training loop (``mpcourse.experiment.train``) calls only these methods, so a new recipe is one small
+The training loop (``mpcourse.experiment.training.train``) calls only these methods, so a new recipe is one small
 class: subclass ``TrainingRecipe``, override what differs, decorate it with ``@register``. Every recipe
 gets the same FP32-initialised model, the same batches and the same optimizer hyper-parameters;
 only precision differs. ``mpcourse recipes`` lists the registry.
@@ -138,7 +138,7 @@ class TrainingRecipe:
     """Base recipe: plain FP32 training with AdamW. Subclasses override what differs.
 
     Args:
-        model: an FP32 model (``mpcourse.experiment.model.GPT``), freshly initialised; the recipe may cast or
+        model: an FP32 model (``mpcourse.experiment.gpt.model.GPT``), freshly initialised; the recipe may cast or
             convert it in ``prepare_model``.
         optim: optimizer hyper-parameters.
 
@@ -154,7 +154,7 @@ class TrainingRecipe:
     OVERRIDABLE: tuple[str, ...] = ()
     #: the dtype most of a step's GEMM FLOPs run in: "fp32", "bf16", "fp16", or "fp8" for quantized linears (FP8,
     #: MX, NVFP4 operands). ``mpcourse compare``'s %peak measures the row against that dtype's peak
-    #: (``mpcourse.experiment.speed.peak_key``); ``tests/test_compare_outputs.py`` checks it against the matmuls
+    #: (``mpcourse.experiment.measure.speed.peak_key``); ``tests/test_compare_outputs.py`` checks it against the matmuls
     #: one step runs.
     gemm_dtype: str = "fp32"
 
@@ -207,9 +207,9 @@ class TrainingRecipe:
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (weights, grads, master, optimizer, extra), each storage counted once;
-        counted by ``mpcourse.experiment.memory`` (the one place that does). Call after ``step()`` and before
+        counted by ``mpcourse.experiment.measure.memory`` (the one place that does). Call after ``step()`` and before
         ``zero_grad()``; ``memory.measure_step`` adds activations and the peak of a step."""
-        from mpcourse.experiment.memory import count_bytes, state_tensors
+        from mpcourse.experiment.measure.memory import count_bytes, state_tensors
 
         return count_bytes(state_tensors(self))
 

@@ -7,7 +7,7 @@ linears each): 16% of 5 blocks is 0.8 of a block, so the last block
 (``KEEP_LAST = 1``, its qkv, attention proj, MLP fc and proj: 4 of the 20 block linears, 20%) stays high and the
 first ones (``KEEP_FIRST = 0``) are NVFP4 as in ``nvfp4``. ``mpcourse.core.inspect.layer_sensitivity`` measured on
 this model after 80 FP32 steps ranks the *first* block's linears as the ones NVFP4 hurts most (the last block
-carries about 6% of the summed gradient error; see lesson 11 and ``python -m mpcourse.experiment.sensitivity``):
+carries about 6% of the summed gradient error; see lesson 11 and ``python -m mpcourse.experiment.ablations.sensitivity``):
 the last block is the production recipe's choice, kept here as that, not as this model's measured optimum.
 
 * ``nvfp4-selective``: TE ``NVFP4BlockScaling`` (the ``nvfp4`` row's defaults) for blocks 0 .. n_layer-2;

@@ -1,7 +1,7 @@
 """Memory of one training step, counted from the live tensors: the one place that does it.
 
 For any recipe (``mpcourse.experiment.recipes``), ``measure_step`` wraps the training loop's own step
-(``mpcourse.experiment.step.training_step``, the call ``Trainer.train_step`` makes) and reports the bytes held,
+(``mpcourse.experiment.training.step.training_step``, the call ``Trainer.train_step`` makes) and reports the bytes held,
 by kind:
 
     weights       the model's parameters (a tied head counted once)
@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .step import training_step
+from ..training.step import training_step
 
 KINDS = ("weights", "grads", "master", "optimizer", "extra", "fp8_cache", "activations")
 STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")

@@ -1,6 +1,6 @@
 """Does reducing gradients in BF16 instead of FP32 change the losses? The same FSDP2 run twice, on N gloo ranks.
 
-``python -m mpcourse.experiment.reduce_precision --nproc 4 --steps 40 --out notebooks/data/10/reduce-dtype-fp32-params.json``
+``python -m mpcourse.experiment.parallel.reduce_precision --nproc 4 --steps 40 --out notebooks/data/10/reduce-dtype-fp32-params.json``
 
 Both runs train the ``fp32`` recipe (everything FP32, so the only difference is the reduction) under FSDP2, with
 ``MixedPrecisionPolicy(reduce_dtype=float32)`` and ``reduce_dtype=bfloat16`` (torch.distributed.fsdp docs):
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from .model import GPTConfig
-from .train import TrainConfig
+from ..gpt.model import GPTConfig
+from ..training.train import TrainConfig
 
 MODEL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)
 
 
 def _rank(rank: int, nproc: int, init_method: str, steps: int, batch_size: int, out_dir: str) -> None:
-    from .data import load_corpus
+    from ..gpt.data import load_corpus
     from .distributed import DataParallelTrainer, ranks
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, eval_interval=steps, eval_batches=2, model=MODEL)
@@ -58,7 +58,7 @@ def measure(nproc: int, steps: int, batch_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpcourse.experiment.reduce_precision", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mpcourse.experiment.parallel.reduce_precision", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="rank counts to measure (default 2 4)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"{n} ranks: largest per-step loss difference {r['max_rel_diff']:.2e} relative, final val "
               f"fp32 {r['val']['fp32']:.4f} bf16 {r['val']['bf16']:.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"command": "python -m mpcourse.experiment.reduce_precision " + " ".join(argv or sys.argv[1:]),
+    payload = {"command": "python -m mpcourse.experiment.parallel.reduce_precision " + " ".join(argv or sys.argv[1:]),
                "torch": torch.__version__, "model": vars(MODEL) if hasattr(MODEL, "__dict__") else str(MODEL),
                "runs": runs}
     args.out.write_text(json.dumps(payload, indent=1))

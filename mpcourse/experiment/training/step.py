@@ -1,6 +1,6 @@
 """The training step of the project, one function: `training_step` (forward, backward, ``recipe.step()``).
 
-``Trainer.train_step`` (``mpcourse.experiment.train``) runs it for every step, timed; ``memory.measure_step``
+``Trainer.train_step`` (``mpcourse.experiment.training.train``) runs it for every step, timed; ``memory.measure_step``
 wraps the same call to count the first step's memory (a region around the forward, a peak tracker around the
 whole), so the step that is measured is the step that trains. Its own module so that both import it without a
 cycle (train imports memory). No kernel here: the recipe decides the precision of each line

@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.checkpoint import CheckpointError
-from .recipes import MasterWeightsRecipe
-from .train import check_same_corpus, corpus_id
+from ..recipes import MasterWeightsRecipe
+from ..training.train import check_same_corpus, corpus_id
 
 META_FILE = "mpcourse.json"
 FORMAT = 1

@@ -4,7 +4,7 @@ Trains the ``fp32`` row for ``steps`` steps (0: the FP32 initialisation), then, 
 quantizes one block linear at a time with a recipe's quantization (``nvfp4`` by default) and ranks the layers by
 how far the step's gradients move from FP32 (``mpcourse.core.inspect.layer_sensitivity``). The measurement behind
 ``nvfp4-selective``'s choice of the last block: NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149) keeps mostly
-the last blocks in BF16. Run as ``python -m mpcourse.experiment.sensitivity --steps 80 --out FILE.json``.
+the last blocks in BF16. Run as ``python -m mpcourse.experiment.ablations.sensitivity --steps 80 --out FILE.json``.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 
 from mpcourse.core import quant
 from mpcourse.core.inspect import layer_sensitivity
-from .data import load_corpus
-from .recipes import get_recipe
-from .recipes.fp8 import keep_linear_in_fp8
-from .train import TrainConfig, Trainer
+from ..gpt.data import load_corpus
+from ..recipes import get_recipe
+from ..recipes.fp8 import keep_linear_in_fp8
+from ..training.train import TrainConfig, Trainer
 
 
 def rank_layers(recipe: str = "nvfp4", steps: int = 80, batch_size: int = 16, seed: int = 0, corpus=None) -> dict:
@@ -70,7 +70,7 @@ def format_ranking(result: dict, top: int | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpcourse.experiment.sensitivity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mpcourse.experiment.ablations.sensitivity", description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="nvfp4")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=16)

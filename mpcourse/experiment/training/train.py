@@ -2,7 +2,7 @@
 
 ``Trainer`` runs one recipe; ``train`` is the one-call form; ``train_inspected`` the same with the numerics
 inspector. ``Trainer.train_step`` runs the one training step of the project, ``training_step`` (module
-``mpcourse.experiment.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
+``mpcourse.experiment.training.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
 inside ``memory.measure_step``, which counts its memory); the recipe decides the precision of each line
 (see ``mpcourse.experiment.recipes.base``)::
 
@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from .data import Corpus
+from ..gpt.data import Corpus
 from mpcourse.core.emulation import emulated_calls, tensor_cores
 from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .memory import STATE_KINDS, measure_step
-from .model import GPT, GPTConfig
-from .speed import flops_per_token
+from ..measure.memory import STATE_KINDS, measure_step
+from ..gpt.model import GPT, GPTConfig
+from ..measure.speed import flops_per_token
 from .step import training_step
-from .recipes import OptimConfig, get_recipe
+from ..recipes import OptimConfig, get_recipe
 
 
 @dataclass
@@ -211,7 +211,7 @@ class Trainer:
             self.inspector = Inspector(self.recipe.model, every=every,
                                        loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
 
-    # -- what a data-parallel trainer (mpcourse.experiment.distributed) replaces --------------------
+    # -- what a data-parallel trainer (mpcourse.experiment.parallel.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model, overrides):
         """The recipe that trains ``model`` (FP32, freshly initialised)."""
         return recipe_cls(model, self.cfg.optim, overrides)

@@ -10,7 +10,7 @@ worker process or in this one, alone or beside others, on ``TRAINING_THREADS`` i
 from running several recipes at once (``--jobs``, ``mpcourse.experiment.pool``), one thread each.
 
 What still differs between machines is the kernels themselves (AVX2 against AVX-512 FP32 GEMMs sum in
-another order; ``mpcourse.experiment.machine`` records which a run used), not the thread count.
+another order; ``mpcourse.experiment.measure.machine`` records which a run used), not the thread count.
 See torch's "CPU threading and TorchScript inference" note (``torch.set_num_threads``, intra-op pool).
 """
 from __future__ import annotations

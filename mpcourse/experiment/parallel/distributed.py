@@ -13,7 +13,7 @@ rank torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` i
 prints the table and writes the files. Failure: a rank that raises ends; the launcher (this module's
 ``spawn`` or torchrun's agent) sees it exit and terminates the others at once, and the error names that
 rank and its message; the process groups' ``timeout`` (default 120 s) bounds any collective that would wait
-for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel``.
+for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel.data_parallel``.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .parallel import PARALLEL_MODES, REDUCE_DTYPES, overridable, shard_recipe, unsupported, wrap_ddp
-from .train import Trainer, TrainConfig
+from .data_parallel import PARALLEL_MODES, REDUCE_DTYPES, overridable, shard_recipe, unsupported, wrap_ddp
+from ..training.train import Trainer, TrainConfig
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -51,7 +51,7 @@ class DataParallelTrainer(Trainer):
     """``Trainer`` for one rank of a data-parallel job (torch.distributed must be initialized).
 
     Args (beyond ``Trainer``'s):
-        parallel: "ddp" or "fsdp" (``mpcourse.experiment.parallel``).
+        parallel: "ddp" or "fsdp" (``mpcourse.experiment.parallel.data_parallel``).
         reduce_dtype: dtype gradients are reduced in (None: DDP reduces in the gradients' dtype; FSDP2 in FP32
             for the master-weights recipes, in the parameters' dtype otherwise).
     Raises ValueError if ``cfg.batch_size`` is not a multiple of the world size, or the recipe cannot run
@@ -104,7 +104,7 @@ class DataParallelTrainer(Trainer):
 
     def save(self, path) -> Path:
         """Write a ``torch.distributed.checkpoint`` directory at ``path`` (every rank, between steps): sharded
-        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.dist_checkpoint``).
+        state under FSDP2, the scaler's and FP8 state included (``mpcourse.experiment.parallel.dist_checkpoint``).
         Not for a ``fp8_all_gather`` run (its weights are tensor subclasses; never saved): ValueError."""
         if self.fp8_all_gather:
             raise ValueError("checkpoints of an --fp8-all-gather run are not supported: train without the flag "
@@ -153,7 +153,7 @@ def all_gather_lines(gathered: dict) -> list[str]:
 
 def learner_functions(job: Job) -> dict:
     """The learner's functions of ``job`` (its notebooks', then its sources'), loaded in this process."""
-    from .learner import functions_from_sources, load_functions
+    from ..learner import functions_from_sources, load_functions
 
     functions = {}
     for nb in job.learner_notebooks:
@@ -166,9 +166,9 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
     """The row ``NAME [yours]`` under ``job.parallel`` with the learner's functions, or None after a line in
     ``job.messages``. Every rank calls the functions at the same points, so a failing one fails on every rank."""
     from mpcourse.core.seams import SeamError
-    from .compare import yours
-    from .recipes import get_recipe
-    from .recipes.base import OverrideError
+    from ..compare import yours
+    from ..recipes import get_recipe
+    from ..recipes.base import OverrideError
 
     accepted = overridable(get_recipe(name), job.parallel)
     overrides = {n: f for n, f in functions.items() if n in accepted}
@@ -189,7 +189,7 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
 def run_rank(job: Job) -> list | None:
     """One rank's part of a compare job (the process group is initialized). Rank 0 prints the table, writes
     ``results.json`` and ``loss_curves.png`` and returns the results; other ranks return None."""
-    from .compare import write_outputs, format_table
+    from ..compare import write_outputs, format_table
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None

@@ -116,7 +116,7 @@ def gpu_peaks(device_name: str) -> dict[str, float]:
 def row_peaks(names, peaks: dict[str, float], device: str, emulated: dict[str, bool]) -> dict[str, float | None]:
     """Each row's peak (``names``: the table's row names; a learner's ``"NAME [yours]"`` row counts as ``NAME``):
     ``peaks[peak_key(recipe.gemm_dtype, ...)]``, None where that peak is unknown."""
-    from .recipes import get_recipe
+    from ..recipes import get_recipe
 
     out = {}
     for name in names:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
+from ..recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
 
 PARALLEL_MODES = ("ddp", "fsdp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
