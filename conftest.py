@@ -18,13 +18,13 @@ import pytest
 # Groups measured to take longest, longest first (a prefix of a test's node id: a module, a folder of
 # notebooks, one test); measured with one worker per core on a 2-core CPU (see README, For contributors).
 COSTLY = [
-    "tests/test_checkpoint_distributed.py",       # spawned gloo ranks: one job for every resume case
-    "tests/test_distributed.py",                  # spawned gloo ranks: one job for every DDP/FSDP case
-    "tests/test_train_yours.py",                  # the library's runs, made once, against every learner
-    "tests/test_compare_jobs.py",                 # worker processes
+    "tests/experiment/parallel/test_checkpoint_distributed.py",       # spawned gloo ranks: one job for every resume case
+    "tests/experiment/parallel/test_distributed.py",                  # spawned gloo ranks: one job for every DDP/FSDP case
+    "tests/course/test_train_yours.py",                  # the library's runs, made once, against every learner
+    "tests/experiment/test_compare_jobs.py",                 # worker processes
     "solutions/",                                 # a kernel each, training the last cell's rows
     "notebooks/",                                 # a kernel each
-    "tests/test_course.py",                       # a kernel for every shipped exercise
+    "tests/course/test_course.py",                       # a kernel for every shipped exercise
 ]
 
 

@@ -11,7 +11,7 @@ jobs on a shared machine disturb far less than the wall clock). Target: at most 
 policy should cost little next to the math).
 
 Before timing, one step of each from the same weights is checked to give the same loss bits (the
-two are the same computation; lesson 05 and tests/test_autocast.py check every gradient too).
+two are the same computation; lesson 05 and tests/core/autocast/test_autocast.py check every gradient too).
 
     python benchmarks/bench_autocast.py [--repeats 12] [--dtypes bf16,fp16] [--threads N]
 

@@ -4,7 +4,7 @@ Every one of the 2^32 FP32 bit patterns is cast to E4M3 and to E5M2 by ``fused.q
 1) and by torch (``y.clamp(-max, max).to(dtype)``, the quantizers' rule), in chunks of 2^27; the codes must be
 equal byte for byte (NaN inputs: a NaN code on both sides), and the kernel's FP32 copy must be the code's value.
 Also every code of both formats through ``fused.dequantize_fp8`` against torch's upcast. About 7 minutes per
-format on one CPU core; ``tests/test_quant_fused.py`` keeps the cases that matter (every midpoint, its
+format on one CPU core; ``tests/core/quant/kernels/test_quant_fused.py`` keeps the cases that matter (every midpoint, its
 neighbours, the specials, random patterns) for CI.
 
     python benchmarks/check_fused_casts.py

@@ -2,7 +2,7 @@
 (``mpcourse.experiment.measure.memory.measure_step``): bytes per parameter by kind, activations, FP8 weight copies, peak.
 
     python benchmarks/memory_table.py [--batch-size 16]
-    python benchmarks/memory_table.py --tiny      # the 1-block GPT of tests/test_memory.py (4 x 16 tokens), in bytes
+    python benchmarks/memory_table.py --tiny      # the 1-block GPT of tests/experiment/measure/test_memory.py (4 x 16 tokens), in bytes
 """
 import argparse
 

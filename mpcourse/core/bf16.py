@@ -28,7 +28,7 @@ Where each dtype lives (bytes per parameter, persistent unless noted)::
 
 The rules (lesson 06's functions, plain: no kernel, no fast path): `stochastic_round_bf16(x, generator)` and
 `kahan_add_(w, comp, update)`. They have no kernel module; round to nearest is torch's own FP32 -> BF16 cast
-(`formats.round_to(x, "bf16")` is its rule, checked against it in tests/test_formats.py). `BF16Optimizer` binds
+(`formats.round_to(x, "bf16")` is its rule, checked against it in tests/core/test_formats.py). `BF16Optimizer` binds
 a learner's functions (``mpcourse.core.seams`` checks their results) or these.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ almost nothing: launch and tail). The model has no free parameter: every input i
 published achievable fraction (``H100_TORCHAO``, from torchao's ``torchao/testing/training/roofline_utils.py``:
 989 / 1979 TFLOP/s dense, 2.4 TB/s for the H100 variant torchao measured on, 78% of peak for large
 GEMMs, 92% of bandwidth for pointwise kernels, 2 us for a one-element kernel). It is not fitted to the
-torchao speedups it is tested against (tests/test_breakeven.py): 0.80x at M,K,N = 1024,2048,1024 and
+torchao speedups it is tested against (tests/core/test_breakeven.py): 0.80x at M,K,N = 1024,2048,1024 and
 1.39x at 4096,8192,16384 (torchao ``torchao/float8/README.md``, tensorwise, H100), nor to torchao's
 auto-filter, which keeps layers out of FP8 when K <= 4096 and N <= 1024.
 

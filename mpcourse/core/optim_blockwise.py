@@ -18,14 +18,14 @@ for bit where torch runs the same ops eagerly):
 How the second moment is stored (``state_rule``; the first moment is torchao's under both):
 
 * ``"torchao"``: ``v`` itself, with the unsigned map (int8) or as E4M3 (fp8): torchao's rule, bit for bit
-  (tests/test_optim_state_torchao.py). It stores ``v = 0`` under a surviving ``m``. ``v`` spans the square of
+  (tests/core/test_optim_state_torchao.py). It stores ``v = 0`` under a surviving ``m``. ``v`` spans the square of
   the gradients' range, so a coordinate whose gradient is ``r`` times its block's largest sits ``r**2`` under
   the block's largest ``v`` while its ``m`` sits only about ``r`` under: for r ~ 1e-3 (FP8: half of the smallest
   code is 2**-10 / 448 = 2.2e-6 of the block's amax) or r ~ 3e-4 (8-bit: half the map's smallest positive value
   is 1.6e-7) ``v`` is stored as 0 and ``m`` is not. The next step reads ``v = 0``, so ``sqrt(v_hat)`` is
   ``|g| * sqrt(1 - beta2)`` of this step alone, and once the gradient is 0 (a rare token's embedding row, a sparse
   feature) the step is ``lr * m_hat / eps``: measured 8.8e4 lr (FP8, r = 1e-3) and 8.0e3 lr (8-bit, r = 1e-4)
-  where FP32 AdamW steps 0.91 lr (tests/test_optim_state_stopped.py). torchao's 4-bit optimizer avoids exactly
+  where FP32 AdamW steps 0.91 lr (tests/core/test_optim_state_stopped.py). torchao's 4-bit optimizer avoids exactly
   this with an unsigned map that has no zero (``torchao/optim/subclass_4bit.py``, after Li, Chen, Zhu 2023,
   "Memory Efficient Optimizers with 4-bit States", arXiv 2309.01507: the "zero-point problem");
   its FP8 and 8-bit optimizers do not.

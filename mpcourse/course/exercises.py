@@ -33,7 +33,7 @@ Commands (contributors)::
     python -m mpcourse.course check              # fail if exercises/ drifted from solutions/
     python -m mpcourse.course from-script lesson.py notebooks/NN_name.ipynb   # jupytext percent -> executed notebook
 
-``tests/test_course.py`` runs ``check`` in CI, so the two cannot drift.
+``tests/course/test_course.py`` runs ``check`` in CI, so the two cannot drift.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ The generator is MkDocs (https://www.mkdocs.org) with the Material theme
 (https://squidfunk.github.io/mkdocs-material/) and the mkdocs-jupyter plugin, pinned in the
 package's ``site`` extra. Everything the pages need (styles, scripts, the search index) ships in
 those packages, so the build fetches nothing: web fonts are switched off (``font: false``) and so
-is mkdocs-jupyter's require.js from a CDN. ``tests/test_site.py`` opens the result in headless
+is mkdocs-jupyter's require.js from a CDN. ``tests/course/test_site.py`` opens the result in headless
 Chromium and checks that every lesson loads with its figures, that no internal link is broken,
 that search works and that no page asks for anything outside the site.
 """

@@ -10,7 +10,7 @@ the thread count. NAME is one of ``RUNS``:
 
     bf16-recipes   lesson 06: fp32 and the five BF16 recipes, 120 steps of a 2-layer GPT at lr 3e-4
 
-The lesson prints the command next to the numbers. ``tests/test_stored_runs.py`` re-runs the command on a
+The lesson prints the command next to the numbers. ``tests/course/test_stored_runs.py`` re-runs the command on a
 short setting and checks its first steps against the stored ones (the warm-up's learning rate does not
 depend on the run's length, so a short run's first steps are the long run's).
 """

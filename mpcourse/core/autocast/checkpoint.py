@@ -19,7 +19,7 @@ covered, whatever name the caller imported:
   whose ``fn`` argument is only used to recompute; it is replaced by a wrapper passing the wrapped fn.
 
 This touches two private names of ``torch.utils.checkpoint``; ``install`` checks they exist and
-``tests/test_autocast_trust.py`` checks the gradients, so a torch release that moves them fails there.
+``tests/core/autocast/test_autocast_trust.py`` checks the gradients, so a torch release that moves them fails there.
 Outside this package's regions nothing changes (the original function is passed through).
 """
 from __future__ import annotations

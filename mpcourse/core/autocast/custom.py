@@ -20,7 +20,7 @@ Across the two autocasts:
   ``torch.is_autocast_enabled``, which is False here (see ``state.autocast_dtype_in_effect``). So
   ``cast_inputs`` is ignored, forward's ops are still cast by this autocast (its mode is active), and
   backward runs with no autocast, so a backward that multiplies forward's BF16 output gradient with
-  the FP32 saved inputs fails with a dtype mismatch. ``tests/test_autocast_trust.py`` pins this; use
+  the FP32 saved inputs fails with a dtype mismatch. ``tests/core/autocast/test_autocast_trust.py`` pins this; use
   these decorators with this package's autocast.
 
 Why: the backward of a custom Function runs when ``loss.backward()`` is called, usually after the

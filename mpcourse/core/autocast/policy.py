@@ -10,7 +10,7 @@ This file is a transcription of PyTorch's own lists, for the torch version the c
 
 Entries are aten operator names, ``name`` or ``name.overload``, exactly as the dispatcher registers
 them (``torch._C._dispatch_has_kernel_for_dispatch_key("aten::" + entry, "AutocastCPU")`` is True for
-every CPU entry; ``tests/test_autocast.py`` checks that each table equals the registered set).
+every CPU entry; ``tests/core/autocast/test_autocast.py`` checks that each table equals the registered set).
 
 The policies (``CastPolicy`` in ``autocast_mode.h``):
 
@@ -181,7 +181,7 @@ COMPOSITES = {
 }
 
 # The course's additions to torch's tables (see the module docstring): device type -> {policy: entries}. Each entry
-# is an aten op with no autocast kernel in torch 2.13 (tests/test_autocast.py checks that it still has none).
+# is an aten op with no autocast kernel in torch 2.13 (tests/core/autocast/test_autocast.py checks that it still has none).
 ADDITIONS = {
     "cpu": {LOWER_PRECISION_FP: _ops("_grouped_mm")},
     "cuda": {LOWER_PRECISION_FP: _ops("_grouped_mm")},

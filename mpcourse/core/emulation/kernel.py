@@ -1,6 +1,6 @@
 """The kernel of tensor-core emulation: the rule of ``emulation/rule.py`` on the matmul ops alone, the same bits.
 
-Equals ``rule.TensorCoreEmulation`` bit for bit (``tests/test_emulation_fast.py`` checks it op by op and on a
+Equals ``rule.TensorCoreEmulation`` bit for bit (``tests/core/emulation/test_emulation_fast.py`` checks it op by op and on a
 training step); ``tensor_cores(fast=True)`` (``emulation/__init__.py``, the training loop's) chooses it.
 
 ``rule.TensorCoreEmulation`` is the rule. As a dispatch mode it is called in Python for *every* op, about
@@ -23,7 +23,7 @@ Two cases keep the mode's exact behaviour:
 * Inference tensors inside ``torch.inference_mode()`` skip ``ADInplaceOrView`` altogether: a region entered
   under inference mode pushes the mode instead. (Limit: inference tensors of an ``inference_mode`` opened
   *inside* ``tensor_cores()`` run torch's native kernel.)
-``tests/test_emulation_fast.py`` checks the kernel against the mode bit for bit.
+``tests/core/emulation/test_emulation_fast.py`` checks the kernel against the mode bit for bit.
 """
 from __future__ import annotations
 

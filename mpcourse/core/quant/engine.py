@@ -8,7 +8,7 @@ a quantizer is bound once, here, at construction, to one of three functions:
   ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``learner_functions``
   says which a recipe takes), wrapped so ``mpcourse.core.seams`` checks what it returns;
 * a kernel (``fastpath``, which hands CPU tensors to ``fused``'s compiled passes) where kernels are on: the
-  same bits as the rule, faster (``tests/test_quant_fastpath.py``, ``tests/test_quant_fused.py``);
+  same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``, ``tests/core/quant/kernels/test_quant_fused.py``);
 * the library's rule (``tensor``, ``delayed``, ``blockwise``, ``mx``, ``nvfp4``, ``hadamard``): with
   ``MPCOURSE_FUSED=0`` every step is the rule.
 

@@ -10,7 +10,7 @@
 
 No rule imports this module. A scaler chooses once, at construction (`DynamicLossScaler._set_config`,
 `LossScalerBase.__init__`); ``MPCOURSE_FUSED=0`` (read at import) makes every scaler run the rules.
-`tests/test_scaling.py` compares kernel, rule and torch.amp.GradScaler bit for bit.
+`tests/core/scaling/test_scaling.py` compares kernel, rule and torch.amp.GradScaler bit for bit.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ update. This ablation changes one at a time, as a 2 x 2 grid:
 ``StateDtypeAdamW`` is AdamW (torch's single-tensor ``torch.optim.AdamW`` algorithm, decoupled weight decay)
 whose moments live in, and whose update is computed in, ``state_dtype``, whatever the parameters' dtype; the
 result is rounded once into the parameter. With ``state_dtype`` equal to the parameters' dtype it is
-``torch.optim.AdamW(foreach=False)`` bit for bit (tests/test_ablations.py checks FP32 and FP16).
+``torch.optim.AdamW(foreach=False)`` bit for bit (tests/experiment/ablations/test_ablations.py checks FP32 and FP16).
 
 Why FP16 state fails (Micikevicius et al. 2018; lesson 02): ``exp_avg_sq`` holds g**2, which for the
 GPT's gradients (1e-4 and below) is under FP16's smallest subnormal 2**-24 = 6e-8 and flushes to 0, and

@@ -12,7 +12,7 @@ The plant (``plant_outliers``), in every block, on the two linear layers that re
   the optimizer updates is still W, and x' (W D^-1)^T = x W^T.
 
 RATIO is a power of two, so both products are exact in FP32: the FP32 run computes and trains bit for bit as
-the unplanted model (tests/test_ablation_outliers.py checks it). The low-precision recipes quantize x' and
+the unplanted model (tests/experiment/ablations/test_ablation_outliers.py checks it). The low-precision recipes quantize x' and
 W D^-1. Per-tensor E4M3 scales x' by 448 / amax(x'), which puts the ordinary channels about 2^20 below 448,
 under half of E4M3's smallest subnormal (2^-9): they flush to zero, and the layer sees the two outlier
 channels only. Rowwise scales and 1x128 tiles do no better (every row of x' holds the outlier channels).

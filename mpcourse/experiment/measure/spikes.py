@@ -35,7 +35,7 @@ real spike measured on this model:
   is what makes a recipe's spike stand out of the batch noise.
 * fp32 alone with ``--lr 0.03``: 6.44 nats at step 7, x1.75 its running median.
 
-``tests/test_spikes.py`` replays these histories (``tests/data/loss_histories.json``).
+``tests/experiment/measure/test_spikes.py`` replays these histories (``tests/experiment/measure/loss_histories.json``).
 """
 from __future__ import annotations
 

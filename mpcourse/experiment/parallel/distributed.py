@@ -3,7 +3,7 @@
 The global batch equals the single-process one: every rank draws the same batch of ``batch_size`` sequences
 (the same seeded generator as ``Trainer``) and trains on its slice of ``batch_size / N`` rows, so the
 gradient, once averaged over the ranks, is that of the whole batch and the losses are comparable with the
-single-process table (up to the order of the additions: see ``tests/test_distributed.py`` for the measured
+single-process table (up to the order of the additions: see ``tests/experiment/parallel/test_distributed.py`` for the measured
 tolerance). The reported loss of a step is the mean over the ranks of their slice means, the whole batch's.
 Evaluation runs on every rank on the full evaluation batches (the same as single-process).
 

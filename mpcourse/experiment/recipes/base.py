@@ -154,7 +154,7 @@ class TrainingRecipe:
     OVERRIDABLE: tuple[str, ...] = ()
     #: the dtype most of a step's GEMM FLOPs run in: "fp32", "bf16", "fp16", or "fp8" for quantized linears (FP8,
     #: MX, NVFP4 operands). ``mpcourse compare``'s %peak measures the row against that dtype's peak
-    #: (``mpcourse.experiment.measure.speed.peak_key``); ``tests/test_compare_outputs.py`` checks it against the matmuls
+    #: (``mpcourse.experiment.measure.speed.peak_key``); ``tests/experiment/test_compare_outputs.py`` checks it against the matmuls
     #: one step runs.
     gemm_dtype: str = "fp32"
 

@@ -9,7 +9,7 @@ embeddings, the head, the LayerNorms, attention's own products and the loss stay
 
 Each backward operand is quantized from the high-precision tensor (``backward_operand="source"``), so the forward
 GEMM computes exactly as the ``mxfp8`` row's and the backward GEMMs exactly as the ``nvfp4`` row's, given the same
-tensors (tested in ``tests/test_block_directions.py``). The forward keeps MXFP8's finer values (3 mantissa bits)
+tensors (tested in ``tests/core/quant/layers/test_block_directions.py``). The forward keeps MXFP8's finer values (3 mantissa bits)
 where errors reach the loss directly; the backward, two thirds of the GEMM work, takes NVFP4's cheaper arithmetic,
 with stochastic rounding keeping the gradients unbiased. The recipe is ``PerDirectionBlockScaling`` from
 ``mpcourse.core.quant`` (Transformer Engine expresses such a split with ``CustomRecipe`` and a quantizer factory

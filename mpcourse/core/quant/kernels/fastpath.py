@@ -2,7 +2,7 @@
 
 The rules stay where they are written for reading (``formats.round_to``, ``ScaledTensor.dequantize``,
 ``torch._scaled_mm``); what is here computes the same bits in fewer passes over memory, and
-``tests/test_quant_fastpath.py`` checks each against its rule on every code point and on random tensors
+``tests/core/quant/kernels/test_quant_fastpath.py`` checks each against its rule on every code point and on random tensors
 (NaN, inf, signed zeros and ties included). Measured with ``benchmarks/bench_block_recipes.py``.
 
 * ``fp8_to_float32(data, scale=None)``: upcast of a float8 tensor (E4M3 / E5M2 containers, so E2M1 data too).
@@ -29,11 +29,11 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
   seeded run gives the same bits, and reads each as two 32-bit words (no 64-bit arithmetic).
 
 Where numba imports, ``fp8_to_float32``, ``pow2_scale`` and ``rceil_scale_inv`` hand CPU tensors to the compiled
-kernels of ``fused`` (one pass, the same bits; ``tests/test_quant_fused.py``), and the block quantizers take
+kernels of ``fused`` (one pass, the same bits; ``tests/core/quant/kernels/test_quant_fused.py``), and the block quantizers take
 ``fused``'s quantize-and-copy pass instead of ``fp8_blocks_to_float32``; the torch bodies here run otherwise
 (``MPCOURSE_FUSED=0``) and stay tested against their rules.
 
-The kernels of the quantization rules, each named after the rule it equals (``tests/test_quant_layout.py`` runs
+The kernels of the quantization rules, each named after the rule it equals (``tests/core/quant/test_quant_layout.py`` runs
 every recipe's quantizers both ways): ``compute_amax`` (one ``aminmax`` pass), ``to_float8``, ``block_amax`` (max
 pooling for 1x16 blocks), ``quantize_fp32_scaled``, ``quantize_mx``, ``quantize_nvfp4`` and their ``encode_*``
 steps (the FP32 copy kept with the quantization), ``dequantize`` and ``rht`` (one batched matmul with a cached
@@ -382,7 +382,7 @@ def encode_fp32_scaled(x: torch.Tensor, b: tuple[int, int], name: str, scale: to
     """``blockwise.encode_fp32_scaled`` bit for bit (``amax``: the block amaxes the scales came from, if they did:
     then no NaN code needs searching for)."""
     if keep_fp32 and name == "e4m3" and _fused(x):
-        # the rule's cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        # the rule's cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/core/quant/kernels/test_quant_fused.py)
         scale_inv = scale.reciprocal()
         data, dq = fused.quantize_fp8(x, b, scale, False, scale_inv)
         return _kept(ScaledTensor(data, scale_inv, b, name, None, x.dtype), dq)
@@ -411,7 +411,7 @@ def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
     divisor = mx.mx_divisor(scale_inv, rule, edges)
     if keep_fp32 and elem == "e4m3" and _fused(x):
-        # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/test_quant_fused.py)
+        # the cast and _keep's FP32 copy, in one compiled pass (the same bits: tests/core/quant/kernels/test_quant_fused.py)
         e8m0 = scale_inv.to(torch.float8_e8m0fnu)
         data, dq = fused.quantize_fp8(x, b, divisor, True, block_multiplier(e8m0))
         return _kept(ScaledTensor(data, e8m0, b, elem, None, x.dtype), dq)

@@ -28,7 +28,7 @@ The FP8 cast (OCP FP8: E4M3 "fn" has no inf, S.1111.111 is NaN, max 448; E5M2 ma
     |y| < min_normal (subnormal)     -> |y| / min_subnormal (exact) rounded to an integer, to nearest even, by adding
                                         and subtracting 2^23 in FP32; that integer is the code
     and the sign bit copied in. All 2^32 FP32 bit patterns were checked against torch's cast for both formats
-(``tests/test_quant_fused.py`` keeps every FP8 midpoint, its neighbours, the specials and random patterns, and checks
+(``tests/core/quant/kernels/test_quant_fused.py`` keeps every FP8 midpoint, its neighbours, the specials and random patterns, and checks
 each kernel against its torch rule on tensors with NaN, inf, signed zeros and ties, for every block shape).
 
 Compiled once per machine (``cache=True``: a few seconds the first time, then loaded from numba's cache) and used

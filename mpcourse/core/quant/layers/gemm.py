@@ -14,7 +14,7 @@ Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/floa
   float16 (or FP8). It upcasts both operands to FP32, multiplies by the scales and runs the FP32 GEMM,
   so its result equals ``(float32(A) * scale_a) @ (float32(B) * scale_b)`` rounded to out_dtype, bit for bit.
   On a CPU ``fp8_gemm`` computes exactly that itself (``fastpath.cpu_scaled_mm``: torch's element-by-element FP8
-  upcast replaced by a read of the codes as FP16 bits, many times faster; ``tests/test_quant_fastpath.py`` checks it equals
+  upcast replaced by a read of the codes as FP16 bits, many times faster; ``tests/core/quant/kernels/test_quant_fastpath.py`` checks it equals
   ``torch._scaled_mm`` bit for bit); on a GPU it calls ``torch._scaled_mm``.
 
 Policies here:
@@ -163,7 +163,7 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
     without the layout copies of W and x (row-major already): the row-major dy^T is made by transposing dy's
     1-byte codes and upcasting those (each element the same product; a transposing copy of the FP32 copy moves 4x
     the bytes and cost about 4x the time, 1024 x 512, one thread). Equal bit for bit
-    (``tests/test_quant_fastpath.py``). E5M2 x E5M2
+    (``tests/core/quant/kernels/test_quant_fastpath.py``). E5M2 x E5M2
     (which ``fp8_gemm`` refuses) always takes the rule, so it raises as on a GPU.
     """
     dx = dw = None

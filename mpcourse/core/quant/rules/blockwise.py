@@ -11,7 +11,7 @@ Per block of ``block = (rows, cols)`` elements (``-1``: the whole dimension):
     data  = fp8(saturate(x * scale))                    ``scale_inv = 1 / scale`` is what GEMMs read
 
 The kernel of ``quantize_fp32_scaled`` is ``fastpath.quantize_fp32_scaled`` (numba's one pass in ``fused`` where it
-applies), equal bit for bit (``tests/test_quant_fused.py``); ``engine`` chooses between them.
+applies), equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ the cap cuts decodes smaller than it is.
 
 The kernel of ``quantize_nvfp4`` is ``fastpath.quantize_nvfp4`` (the E2M1 rounding in ``fastpath.round_e2m1``, numba's
 one pass in ``fused`` where it applies, from the rule's own random draws), equal bit for bit
-(``tests/test_quant_fused.py``, ``test_quant_fastpath.py``); ``engine`` chooses between them.
+(``tests/core/quant/kernels/test_quant_fused.py``, ``test_quant_fastpath.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations
 

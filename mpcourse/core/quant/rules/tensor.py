@@ -23,7 +23,7 @@ The rules for degenerate amaxes are Transformer Engine's (``transformer_engine/p
   below about 2^-10 / FP32 max = 2^-138 round to zero; ``scale_inv`` = 1 / FP32 max is the FP32
   subnormal 2^-128 (rounded; with power-of-two scales the scale is 2^127, its inverse exactly
   2^-127). Every element still decodes to within half an FP8 step (at its scaled position) of
-  itself, and nothing is NaN (tests/test_quant_tiny_amax.py checks every boundary against an
+  itself, and nothing is NaN (tests/core/quant/test_quant_tiny_amax.py checks every boundary against an
   ml_dtypes transcription of this rule).
 * at the top of FP32 an element within half an FP8 step of 2^128 / scale rounds up to a code whose
   decoded product float32(code) * scale_inv is past FP32 max: it decodes to inf (e.g. power-of-two
@@ -40,7 +40,7 @@ shows up in the GEMM output instead of being hidden.
 
 The rules here (``compute_amax``, ``compute_scale``, lesson 07's ``quantize``, ``to_float8``, ``quantize_current``)
 are plain torch; their kernels are ``fastpath.compute_amax`` and ``fastpath.to_float8`` (numba's pass in ``fused``),
-equal bit for bit (``tests/test_quant_fused.py``), chosen by ``engine``.
+equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``), chosen by ``engine``.
 """
 from __future__ import annotations
 
