@@ -15,7 +15,7 @@ Columns compared (``--columns``):
   all: every column (a timing column will differ).
 
 The fresh table is formatted by the same functions ``mpcourse compare`` prints with
-(``mpcourse.experiment.compare.format_table``, ``format_seed_table``), so a difference is a difference in the
+(``mpcourse.experiment.compare.report.format_table``, ``format_seed_table``), so a difference is a difference in the
 numbers, never in the layout.
 
     python benchmarks/check_readme_tables.py --list                          # the README's tables, numbered
@@ -124,7 +124,7 @@ def _restore(d: dict) -> dict:
 
 def fresh_table(payload: dict) -> tuple[list[str], dict[str, list[str]]]:
     """The table ``mpcourse compare`` printed for a ``results.json`` payload (one seed or several)."""
-    from mpcourse.experiment.compare import format_seed_table, format_table
+    from mpcourse.experiment.compare.report import format_seed_table, format_table
     from mpcourse.experiment.training.train import RunResult
 
     names = {f.name for f in dataclasses.fields(RunResult)}

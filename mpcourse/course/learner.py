@@ -1,9 +1,7 @@
-"""``mpcourse lab`` and ``mpcourse grade``: the learner's two commands.
-
-``lab`` starts JupyterLab rooted at the course folder (the one holding ``notebooks/``,
+"""``mpcourse lab``: JupyterLab rooted at the course folder (the one holding ``notebooks/``,
 ``exercises/`` and ``solutions/``), so a lesson's link to its exercise can be opened from the same
-file browser; ``grade`` is :mod:`mpcourse.course.grade` (and ``site``, the course as a website,
-:mod:`mpcourse.course.site`).
+file browser. The learner's other commands: ``mpcourse grade`` (:mod:`mpcourse.course.grade`) and
+``mpcourse site``, the course as a website (:mod:`mpcourse.course.site`); ``mpcourse.cli`` dispatches.
 """
 from __future__ import annotations
 
@@ -30,20 +28,14 @@ def refused_as_root(extra: list[str]) -> str | None:
             "root's rights). Run it as your own user; where root is the only user (a container), add --allow-root.")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "grade":
-        from .grade import main as grade_main
-        return grade_main(argv[1:])
-    if argv and argv[0] == "site":
-        from .site import main as site_main
-        return site_main(argv[1:])
+def lab(argv: list[str]) -> int:
+    """``mpcourse lab ARGS``: start JupyterLab at the course root (``--print-command``: print the command)."""
     p = argparse.ArgumentParser(prog="mpcourse lab", description="Open the course in JupyterLab, rooted at the "
                                 "repository so notebooks/, exercises/ and solutions/ are all reachable. "
                                 "Other arguments go to jupyter lab (e.g. --no-browser, --port 8899, "
                                 "--allow-root where root is the only user).")
     p.add_argument("--print-command", action="store_true", help="print the jupyter command instead of running it")
-    args, extra = p.parse_known_args(argv[1:] if argv and argv[0] == "lab" else argv)
+    args, extra = p.parse_known_args(argv)
     cmd = lab_command(course_root(), extra)
     if args.print_command:
         print(" ".join(cmd))

@@ -4,7 +4,7 @@ notebook on a 2-core CPU, so a repo command trains it once and the lesson loads 
     python -m mpcourse.course.stored_runs NAME [--steps N] [--recipes a,b] [--out DIR]
 
 writes ``DIR/NAME.json`` (default ``DIR``: the lesson's folder under ``notebooks/data/``), the object
-``mpcourse compare`` writes as ``results.json`` (``mpcourse.experiment.compare.results_payload``: config,
+``mpcourse compare`` writes as ``results.json`` (``mpcourse.experiment.compare.outputs.results_payload``: config,
 environment, one ``RunResult`` per recipe with its per-step history), plus the command that produced it and
 the thread count. NAME is one of ``RUNS``:
 
@@ -69,7 +69,7 @@ def produce(name: str, steps: int | None = None, recipes: tuple[str, ...] | None
     """Train run ``name`` (``steps``/``recipes`` shorten it) on ``threads`` threads with tensor-core emulation on,
     as the lesson's kernel runs (emulation is left on auto after); the strict-JSON payload."""
     from mpcourse.core import emulation
-    from mpcourse.experiment.compare import results_payload
+    from mpcourse.experiment.compare.outputs import results_payload
     from mpcourse.experiment.gpt.data import load_corpus
     from mpcourse.experiment.training.train import train
 

@@ -5,7 +5,7 @@ functions the named recipes accept (their ``OVERRIDABLE``: ``round_to_bf16``, ``
 trains each recipe twice on the same short, seeded run of the course's GPT (``YOURS_CONFIG``: a
 2-layer, width-64 model, 20 steps of 8 x 32 characters, about a second per row on a laptop CPU), once
 with the library's own code and once with yours (the row ``NAME [yours]``,
-``mpcourse.experiment.compare.train_with_learner``), and prints a small table and one verdict line
+``mpcourse.experiment.compare.learner_rows.train_with_learner``), and prints a small table and one verdict line
 per recipe::
 
     the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.compare import first_difference, train_with_learner, yours
+from mpcourse.experiment.compare.learner_rows import first_difference, train_with_learner, yours
 from mpcourse.experiment.gpt.data import Corpus, load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe

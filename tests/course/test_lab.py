@@ -22,7 +22,7 @@ from mpcourse.course.exercises import ROOT
 def test_command_is_this_interpreters_jupyterlab_rooted_at_the_course(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT / "notebooks")                      # from a subfolder: still the repository root
     assert learner.course_root() == ROOT
-    assert learner.main(["lab", "--print-command", "--no-browser", "--port", "8899"]) == 0
+    assert learner.lab(["--print-command", "--no-browser", "--port", "8899"]) == 0
     assert capsys.readouterr().out.split() == [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={ROOT}",
                                                "--no-browser", "--port", "8899"]
     outside = tmp_path / "course"
@@ -34,12 +34,12 @@ def test_command_is_this_interpreters_jupyterlab_rooted_at_the_course(capsys, mo
 def test_root_is_told_the_fix_before_jupyter_refuses(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
     monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("must not start jupyter as root"))
-    assert learner.main(["lab", "--no-browser"]) == 2
+    assert learner.lab(["--no-browser"]) == 2
     err = capsys.readouterr().err
     assert "root" in err and "--allow-root" in err and len(err.strip().splitlines()) == 1
     started = []
     monkeypatch.setattr(os, "execv", lambda path, cmd: started.append(cmd))
-    assert learner.main(["lab", "--no-browser", "--allow-root"]) == 0
+    assert learner.lab(["--no-browser", "--allow-root"]) == 0
     assert started and "--allow-root" in started[0]
     monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)
     assert learner.refused_as_root(["--no-browser"]) is None

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mpcourse.experiment import argtypes
-from mpcourse.experiment.cli import QUICK, build_parser, main
+from mpcourse.cli import build_parser, main
+from mpcourse.experiment.cli import argtypes
+from mpcourse.experiment.cli.presets import QUICK
 from mpcourse.experiment.training.train import TrainConfig
 
 # flag -> (bad values, what the message must say)
@@ -49,7 +50,7 @@ def test_every_typed_flag_uses_a_checking_type():
     typed = [a for a in _compare_flags() if a.type is not None]
     assert typed, "compare has no typed flags?"
     for a in typed:
-        assert a.type not in (int, float), f"{a.option_strings}: use a type from mpcourse.experiment.argtypes"
+        assert a.type not in (int, float), f"{a.option_strings}: use a type from mpcourse.experiment.cli.argtypes"
     covered = {a.option_strings[-1] for a in typed if a.type is not argparse.FileType and a.type.__module__ == argtypes.__name__}
     assert set(BAD) - {"--recipes"} <= covered
 
@@ -78,7 +79,7 @@ def test_quick_preset_and_explicit_flags_win(monkeypatch, tmp_path):
     def fake_run(recipes, corpus, cfg, out, **kw):
         seen.update(steps=cfg.steps, batch_size=cfg.batch_size, recipes=recipes)
 
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", fake_run)
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", fake_run)
     assert main(["compare", "--quick", "--out", str(tmp_path)]) == 0
     assert (seen["steps"], seen["batch_size"]) == (QUICK["steps"], QUICK["batch_size"])
     assert main(["compare", "--quick", "--steps", "7", "--out", str(tmp_path)]) == 0
@@ -89,7 +90,7 @@ def test_quick_preset_and_explicit_flags_win(monkeypatch, tmp_path):
 
 def test_out_that_is_a_file_fails_before_training(tmp_path, capsys, monkeypatch):
     """``--out`` at a file (or under one): one line naming the problem and the fix, exit 2, nothing trained."""
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare",
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare",
                         lambda *a, **k: pytest.fail("trained although --out is a file"))
     f = tmp_path / "taken"
     f.write_text("x")
@@ -216,17 +217,17 @@ def test_grade_of_a_non_notebook_as_a_person_sees_it(tmp_path):
 def test_preset_large_on_the_cpu_warns_with_the_expected_time(monkeypatch, tmp_path, capsys):
     """The large preset is for a GPU: on the CPU the run goes on, with a warning giving a lower bound of its
     time from the model FLOPs (6 N per token, as speed.flops_per_token) at the measured peak."""
-    from mpcourse.experiment import cli
+    from mpcourse.experiment.cli import compare as compare_cli, presets
     from mpcourse.experiment.measure.speed import flops_per_token
 
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", lambda *a, **k: None)
-    monkeypatch.setattr(cli, "_peak_flops", lambda device, threads=None: 1e11)
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", lambda *a, **k: None)
+    monkeypatch.setattr(compare_cli, "_peak_flops", lambda device, threads=None: 1e11)
     assert main(["compare", "--preset", "large", "--recipes", "fp32", "--steps", "10", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
-    p = cli.PRESETS["large"]
+    p = presets.PRESETS["large"]
     from mpcourse.experiment.gpt.data import load_corpus
     flops = flops_per_token(p["n_layer"], p["n_embd"], p["block_size"], load_corpus().vocab_size) \
-        * p["block_size"] * cli.PRESET_BATCH["large"]
+        * p["block_size"] * presets.PRESET_BATCH["large"]
     minutes = flops * 10 / 1e11 / 60
     assert "warning: --preset large on the CPU will take at least" in err and "--device cuda" in err
     assert f"{minutes:.0f} min" in err or f"{minutes / 60:.1f} h" in err

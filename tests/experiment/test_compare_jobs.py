@@ -12,7 +12,7 @@ import torch
 
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
-from mpcourse.experiment.pool import Task, WorkerError, default_jobs, run_pool
+from mpcourse.experiment.compare.pool import Task, WorkerError, default_jobs, run_pool
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, default_recipes
 from mpcourse.experiment.training.train import TrainConfig, Trainer
 
@@ -54,7 +54,7 @@ def test_pool_rows_equal_in_process_rows_and_a_failing_worker_names_its_run():
 
 
 def test_longest_runs_start_first_and_results_keep_the_task_order():
-    from mpcourse.experiment.pool import start_order
+    from mpcourse.experiment.compare.pool import start_order
     cfg = TrainConfig(steps=10)
     tasks = [Task("fp32", cfg), Task("bf16-pure", cfg), Task("nvfp4", cfg), Task("fp8-current", cfg),
              Task("fp32", dataclasses.replace(cfg, steps=100))]
@@ -65,7 +65,7 @@ _LONG_JOB = """
 import sys
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
-from mpcourse.experiment.pool import Task, run_pool
+from mpcourse.experiment.compare.pool import Task, run_pool
 from mpcourse.experiment.training.train import TrainConfig
 cfg = TrainConfig(steps=100000, batch_size=2, eval_interval=100000, eval_batches=1,
                   model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))

@@ -10,8 +10,10 @@ import math
 
 import pytest
 
-from mpcourse.experiment.compare import (family, format_seed_table, format_table, peak_after, plot_curves,
-                                         results_payload, spike_reports, strict_json)
+from mpcourse.experiment.compare.outputs import results_payload, strict_json
+from mpcourse.experiment.compare.plot import family, plot_curves
+from mpcourse.experiment.compare.report import format_seed_table, format_table
+from mpcourse.experiment.compare.spikes import peak_after, spike_reports
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.training.train import RunResult, TrainConfig
 
@@ -231,7 +233,7 @@ def test_each_recipes_declared_gemm_dtype_is_what_its_gemms_compute_in(name, cor
 def test_a_row_above_its_peak_has_the_peak_measured_again(corpus, tmp_path):
     """run_compare: a row faster than its peak makes it measure that dtype's peak again (the better of the two
     counts); a row below its peak measures nothing; a row still above after that prints 100.0* with the note."""
-    from mpcourse.experiment.compare import run_compare
+    from mpcourse.experiment.compare.run import run_compare
     from mpcourse.experiment.gpt.model import GPTConfig
 
     cfg = TrainConfig(steps=2, batch_size=4, eval_interval=2, eval_batches=1,

@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from mpcourse.experiment.measure import machine
-from mpcourse.experiment.cli import QUICK_OUT, main
-from mpcourse.experiment.compare import CompareFailed, run_compare
+from mpcourse.cli import main
+from mpcourse.experiment.cli.out_folder import QUICK_OUT
+from mpcourse.experiment.compare.run import CompareFailed, run_compare
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.learner import load_functions
 from mpcourse.experiment.gpt.model import GPTConfig
@@ -119,7 +120,7 @@ def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_pa
 
 @pytest.mark.slow
 def test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest(tmp_path, capsys, monkeypatch):
-    from mpcourse.experiment import compare as compare_module
+    from mpcourse.experiment.compare import run as compare_module
     real = compare_module.train
 
     def planted(name, *args, **kwargs):                     # a recipe that fails mid-run
@@ -193,8 +194,8 @@ def _fake_run(seen, write=True):
 
 def test_quick_has_its_own_folder_and_an_overwrite_is_said(monkeypatch, tmp_path, capsys):
     seen = {}
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen))
-    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", _fake_run(seen))
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "--quick"]) == 0 and seen["out"] == QUICK_OUT
     assert "overwrote" not in capsys.readouterr().out
@@ -238,8 +239,8 @@ FOLDERS = [
 def test_a_run_other_than_the_default_never_writes_into_the_default_folder(flags, folder, monkeypatch, tmp_path,
                                                                             capsys):
     seen = {}
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen))
-    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", _fake_run(seen))
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     monkeypatch.setattr("mpcourse.experiment.learner.load_functions", lambda nb: {})
     monkeypatch.chdir(tmp_path)
     assert main(["compare", *flags]) == 0
@@ -271,8 +272,8 @@ def test_a_data_parallel_run_has_its_own_folder_too(monkeypatch, tmp_path, capsy
 def test_a_long_run_name_is_shortened_the_same_way_every_time(monkeypatch, tmp_path):
     from mpcourse.experiment.recipes import RECIPES
     seen, names = {}, []
-    monkeypatch.setattr("mpcourse.experiment.compare.run_compare", _fake_run(seen, write=False))
-    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", _fake_run(seen, write=False))
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         assert main(["compare", "--recipes", ",".join(reversed(list(RECIPES)))]) == 0
@@ -297,7 +298,7 @@ def test_a_side_run_keeps_the_default_runs_results(monkeypatch, tmp_path, capsys
     recipe writes its own folder, and says where at the start and at the end; the default folder is untouched.
     Run again, it overwrites its own folder and says so, once, after the run."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     before = _default_folder_with_a_full_run(tmp_path)
     flags = ["compare", "--recipes", "fp32", "--steps", "2", "--batch-size", "2", "--jobs", "1", "--no-progress"]
     assert main(flags) == 0
@@ -316,10 +317,10 @@ def test_a_side_run_keeps_the_default_runs_results(monkeypatch, tmp_path, capsys
 def test_a_run_that_writes_nothing_claims_nothing_and_deletes_nothing(monkeypatch, tmp_path, capsys):
     """Every run failing (nothing finished), or a --with notebook that does not load: the earlier results stay as
     they were, no "overwrote" note, and a side run leaves no empty folder behind."""
-    from mpcourse.experiment import compare as compare_module
+    from mpcourse.experiment.compare import run as compare_module
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("mpcourse.experiment.cli._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
     before = _default_folder_with_a_full_run(tmp_path)
 
     def planted(name, *args, **kwargs):
@@ -343,8 +344,8 @@ def test_a_run_that_writes_nothing_claims_nothing_and_deletes_nothing(monkeypatc
 def test_an_interrupted_run_keeps_the_finished_rows(corpus, tmp_path, monkeypatch, capsys):
     """Ctrl-C during the second of three recipes: results.json holds the first row and names the other two as
     interrupted; run_compare raises an interrupt that carries the finished rows; the CLI exits 130 with one line."""
-    from mpcourse.experiment import compare as compare_module
-    from mpcourse.experiment.compare import CompareInterrupted
+    from mpcourse.experiment.compare import run as compare_module
+    from mpcourse.experiment.compare.run import CompareInterrupted
 
     real = compare_module.train
 
@@ -373,8 +374,8 @@ def test_an_interrupted_run_keeps_the_finished_rows(corpus, tmp_path, monkeypatc
 def test_an_interrupt_in_the_pool_keeps_the_rows_the_workers_finished(corpus, tmp_path, monkeypatch):
     """Ctrl-C while worker processes train (simulated: the parent's wait raises once a run has come back): every
     run that came back is a row of results.json, every other one is named as interrupted."""
-    from mpcourse.experiment import pool as pool_module
-    from mpcourse.experiment.compare import CompareInterrupted
+    from mpcourse.experiment.compare import pool as pool_module
+    from mpcourse.experiment.compare.run import CompareInterrupted
 
     real_wait, came_back = pool_module.wait, []
 
@@ -529,7 +530,7 @@ def test_a_stored_results_json_gives_each_rows_percent_of_peak(corpus):
     rows = [_run([{"step": 0, "loss": 4.0}]) for _ in range(2)]
     rows = [dataclasses.replace(r, recipe=n, tokens_per_s=100.0, flops_per_token=10.0)
             for r, n in zip(rows, ("fp32", "bf16-pure"))]
-    from mpcourse.experiment.compare import results_payload
+    from mpcourse.experiment.compare.outputs import results_payload
     payload = results_payload(rows, corpus, CFG, extra={"peak_flops": {"fp32": 4000.0, "bf16": 800.0},
                                                         "row_peak_flops": {"fp32": 4000.0, "bf16-pure": 800.0}})
     head, table = check.fresh_table(json.loads(json.dumps(payload)))

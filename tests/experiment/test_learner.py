@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpcourse.experiment.compare import train_with_learner
+from mpcourse.experiment.compare.learner_rows import train_with_learner
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.learner import LearnerLoadError, load_functions
 from mpcourse.experiment.gpt.model import GPTConfig

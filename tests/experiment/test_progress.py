@@ -3,11 +3,11 @@ stops there): the one bar over all runs of ``--jobs N`` and the per-recipe bar o
 import pytest
 import tqdm
 
-from mpcourse.experiment import pool
+from mpcourse.experiment.compare import pool
 from mpcourse.experiment.training import train
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
-from mpcourse.experiment.pool import Task, run_pool
+from mpcourse.experiment.compare.pool import Task, run_pool
 from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)

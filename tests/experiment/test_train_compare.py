@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpcourse.core.emulation import emulation_enabled
-from mpcourse.experiment.compare import format_table, gap_percent
+from mpcourse.experiment.compare.report import format_table, gap_percent
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import NOT_IN_DEFAULT_RUN, RECIPES, get_recipe
@@ -88,7 +88,7 @@ def test_table_and_gap(corpus):
 @pytest.mark.slow
 def test_cli_compare_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", "--recipes", "fp32,torch-amp-bf16",
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", "--recipes", "fp32,torch-amp-bf16",
                            "--steps", "2", "--batch-size", "2", "--out", str(out), "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -111,14 +111,14 @@ def test_cli_compare_writes_table_json_and_plot(tmp_path):
 ])
 @pytest.mark.slow
 def test_cli_errors_name_the_fix(args, msg):
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "compare", *args],
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "compare", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and msg in proc.stderr
 
 
 @pytest.mark.slow
 def test_cli_lists_recipes():
-    proc = subprocess.run([sys.executable, "-m", "mpcourse.experiment.cli", "recipes"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert all(name in proc.stdout for name in RECIPES)
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}

@@ -166,7 +166,7 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
     """The row ``NAME [yours]`` under ``job.parallel`` with the learner's functions, or None after a line in
     ``job.messages``. Every rank calls the functions at the same points, so a failing one fails on every rank."""
     from mpcourse.core.seams import SeamError
-    from ..compare import yours
+    from ..compare.learner_rows import yours
     from ..recipes import get_recipe
     from ..recipes.base import OverrideError
 
@@ -189,7 +189,8 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
 def run_rank(job: Job) -> list | None:
     """One rank's part of a compare job (the process group is initialized). Rank 0 prints the table, writes
     ``results.json`` and ``loss_curves.png`` and returns the results; other ranks return None."""
-    from ..compare import write_outputs, format_table
+    from ..compare.outputs import write_outputs
+    from ..compare.report import format_table
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None

@@ -7,7 +7,7 @@ amplifies the difference (measured: ``[yours]`` rows trained beside one-thread w
 rows at step 5). ``mpcourse compare`` therefore trains every run, the library's and the learner's, in a
 worker process or in this one, alone or beside others, on ``TRAINING_THREADS`` intra-op threads:
 ``training_threads()`` sets it around each run and restores the caller's count after. Parallelism comes
-from running several recipes at once (``--jobs``, ``mpcourse.experiment.pool``), one thread each.
+from running several recipes at once (``--jobs``, ``mpcourse.experiment.compare.pool``), one thread each.
 
 What still differs between machines is the kernels themselves (AVX2 against AVX-512 FP32 GEMMs sum in
 another order; ``mpcourse.experiment.measure.machine`` records which a run used), not the thread count.

@@ -288,7 +288,7 @@ class Trainer:
 
     def run(self, steps: int | None = None, *, progress: bool = False, position: int = 0, on_step=None) -> "Trainer":
         """Train until ``cfg.steps`` (or ``steps`` more), stopping early if the loss becomes inf/NaN.
-        ``on_step(trainer)`` runs after every step (``mpcourse.experiment.pool`` counts progress with it)."""
+        ``on_step(trainer)`` runs after every step (``mpcourse.experiment.compare.pool`` counts progress with it)."""
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)

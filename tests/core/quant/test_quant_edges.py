@@ -53,7 +53,7 @@ def test_block_scaled_layer_without_gradients_takes_any_token_count(name):
 
 
 def test_compare_refuses_a_batch_size_the_blocks_do_not_divide(capsys, tmp_path):
-    from mpcourse.experiment.cli import main
+    from mpcourse.cli import main
     assert main(["compare", "--recipes", "fp32,fp8-block", "--batch-size", "1", "--out", str(tmp_path),
                  "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()

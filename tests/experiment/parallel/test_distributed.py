@@ -442,7 +442,7 @@ def test_a_raising_rank_stops_the_job_with_its_message():
 
 
 def test_cli_flags_and_their_errors(capsys):
-    from mpcourse.experiment.cli import build_parser, main
+    from mpcourse.cli import build_parser, main
 
     args = build_parser().parse_args(["compare", "--nproc", "2", "--parallel", "fsdp", "--reduce-dtype", "bf16"])
     assert (args.nproc, args.parallel, args.reduce_dtype) == (2, "fsdp", "bf16")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, compute_scale, to_float8
 from mpcourse.core.quant.layers.fsdp_fp8 import (FP8AllGatherWeight, enable_fp8_all_gather, pad_rows, padded_shard_rows,
                                           quantize_shard_for_all_gather)
-from mpcourse.experiment.cli import main
+from mpcourse.cli import main
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

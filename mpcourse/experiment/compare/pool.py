@@ -39,9 +39,9 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from .gpt.data import Corpus
-from .training.threads import TRAINING_THREADS
-from .training.train import RunResult, TrainConfig
+from ..gpt.data import Corpus
+from ..training.threads import TRAINING_THREADS
+from ..training.train import RunResult, TrainConfig
 
 
 # step time over the FP32 step (benchmarks/bench_block_recipes.py, one interleaved 1-thread run, after the FP8 and
@@ -113,7 +113,7 @@ def _init_worker(threads: int, progress, parent_pid: Optional[int] = None) -> No
 
 
 def _run_task(task: Task, corpus: Corpus) -> RunResult:
-    from .training.train import Trainer, train_inspected
+    from ..training.train import Trainer, train_inspected
 
     def tick(_trainer):
         if _progress is not None:
