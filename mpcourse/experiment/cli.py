@@ -367,12 +367,12 @@ def _main(argv: list[str] | None) -> int:
     print(f"cpu: {machine.summary()}")
     learner = {}
     if args.with_notebooks:
-        from .learner import LearnerLoadError, load_functions
+        from mpcourse.core.learner_table import OverrideRefused
+        from .learner import LearnerLoadError, exercise_functions
         try:
-            for nb in args.with_notebooks:
-                learner.update(load_functions(nb))
-        except LearnerLoadError as e:
-            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            learner = exercise_functions(args.with_notebooks, recipes)
+        except (LearnerLoadError, OverrideRefused) as e:
+            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
             return 2
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     n_runs = len(recipes) * len(args.seeds or [args.seed])
@@ -501,13 +501,13 @@ def _main_distributed(args, corpus, cfg, recipes, side: bool = False) -> int:
         print(f"mpcourse compare: error: --batch-size {cfg.batch_size} is not divisible by --nproc {nproc} "
               "(each rank trains on batch_size / nproc sequences)", file=sys.stderr)
         return 2
-    if args.with_notebooks:                       # every rank loads them; check here that they load
-        from .learner import LearnerLoadError, load_functions
+    if args.with_notebooks:                       # every rank loads them; check here that they load and fit
+        from mpcourse.core.learner_table import OverrideRefused
+        from .learner import LearnerLoadError, exercise_functions
         try:
-            for nb in args.with_notebooks:
-                load_functions(nb)
-        except LearnerLoadError as e:
-            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            exercise_functions(args.with_notebooks, recipes, args.parallel)
+        except (LearnerLoadError, OverrideRefused) as e:
+            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
             return 2
     from .parallel.data_parallel import unsupported
     refused = {name: unsupported(name, args.parallel) for name in recipes}
