@@ -6,6 +6,8 @@
 * ``scaling``: static and dynamic loss scaling (``torch.amp.GradScaler``'s API; DeepSpeed hysteresis).
 * ``autocast``: the op-level cast policy of ``torch.autocast``, per device type.
 * ``bf16``: stochastic rounding and Kahan-compensated BF16 updates.
+* ``learner_table``, ``seams``: the learner's exercise functions (lesson, signature) and the checks on them,
+  where a recipe takes them and on what they return.
 * ``quant``: scaled low-precision tensors (FP8 per tensor; finer granularities), Transformer
   Engine's scaling recipes, the scaled GEMM and the FP8 linear layer.
 

@@ -29,7 +29,7 @@ Where each dtype lives (bytes per parameter, persistent unless noted)::
 The rules (lesson 06's functions, plain: no kernel, no fast path): `stochastic_round_bf16(x, generator)` and
 `kahan_add_(w, comp, update)`. They have no kernel module; round to nearest is torch's own FP32 -> BF16 cast
 (`formats.round_to(x, "bf16")` is its rule, checked against it in tests/core/test_formats.py). `BF16Optimizer` binds
-a learner's functions (``mpcourse.core.seams`` checks their results) or these.
+a learner's functions (``mpcourse.core.learner_table.returned`` checks their results) or these.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import math
 import torch
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
-from .seams import SeamError, check_rounded
+from .learner_table import returned
 
 ROUNDINGS = ("nearest", "stochastic")   # how BF16Optimizer rounds the new FP32 weight into BF16
 
@@ -135,7 +135,7 @@ class BF16Optimizer:
         round_to_bf16, stochastic_round_bf16, kahan_add_: optional functions with the signatures of lesson 00's
             ``round_to_bf16(x)`` and lesson 06's ``stochastic_round_bf16(x, generator)`` / ``kahan_add_(w, comp,
             update)``, used for the write-back in place of the library's (None, the default: the library's,
-            with the fused cast for round to nearest). Their results are checked (``mpcourse.core.seams``).
+            with the fused cast for round to nearest). Their results are checked (``learner_table.returned``).
         state_dtype: dtype the optimizer state is stored in between steps, torch.bfloat16 (default, rounded to
             nearest) or torch.float32. State tensors with the parameter's shape are converted; "step" is not.
     Use: ``backward(); opt.accumulate_grads()`` per micro-batch, then ``opt.clip_grad_norm_(max_norm)`` (optional),
@@ -273,26 +273,21 @@ class BF16Optimizer:
                 kahan_add_(w16, comp16, w32 - old.float())
                 return
             w, comp = w16.clone(), comp16.clone()             # the learner's function works on copies
-            out = self.kahan_add_(w, comp, w32 - old.float())
-            if out is not None and not (out is w):
-                raise SeamError(f"kahan_add_ returned {type(out).__name__}: it should update w and comp in place "
-                                "and return None")
-            if w.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16 or w.shape != w16.shape:
-                raise SeamError("kahan_add_ changed the dtype or shape of w or comp: update them in place")
+            returned("kahan_add_", w, comp, w16, self.kahan_add_(w, comp, w32 - old.float()))
             w16.copy_(w)
             comp16.copy_(comp)
         elif self.rounding == "nearest":
             if self.round_to_bf16 is None:
                 w16.copy_(w32)                                 # fused cast: round to nearest even
             else:
-                w16.copy_(check_rounded("round_to_bf16", w32, self.round_to_bf16(w32.clone()), torch.bfloat16))
+                w16.copy_(returned("round_to_bf16", w32, self.round_to_bf16(w32.clone()), torch.bfloat16))
         else:
             fn = self.stochastic_round_bf16 or stochastic_round_bf16
             first, total = _flat_range(self.params[i], w16)
             self._skip_draws(first)                            # the elements before this rank's shard
             out = fn(w32.clone(), self.generator)
             self._skip_draws(total - first - w16.numel())      # and after it: every rank ends in one state
-            w16.copy_(check_rounded("stochastic_round_bf16", w32, out, torch.bfloat16))
+            w16.copy_(returned("stochastic_round_bf16", w32, out, torch.bfloat16))
 
     def _skip_draws(self, n: int) -> None:
         """Advance the generator past the draws of ``n`` elements (``stochastic_round_bf16`` draws one 32-bit number

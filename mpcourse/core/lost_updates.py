@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .seams import check_mask
+from .learner_table import returned
 
 
 def is_update_lost(w: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
@@ -42,13 +42,12 @@ def lost_update_fraction(weights: Sequence[torch.Tensor], master_before: Sequenc
         master_before, master_after: their FP32 masters before and after the step; the update is
             ``(after - before)`` rounded to FP16.
         rule: ``fn(w, dw) -> bool tensor`` (lesson 01's ``is_update_lost``), checked by
-            ``mpcourse.core.seams.check_mask``; None: ``is_update_lost``.
+            ``mpcourse.core.seams.returned_mask``; None: ``is_update_lost``.
     """
-    name = "is_update_lost"
     rule = rule or is_update_lost
     lost = total = 0
     for w, before, after in zip(weights, master_before, master_after):
         dw = (after.float() - before.float()).half()       # (shape of w) fp16
-        lost += int(check_mask(name, w, rule(w, dw)).sum())
+        lost += int(returned("is_update_lost", w, rule(w, dw)).sum())
         total += w.numel()
     return lost / total if total else 0.0

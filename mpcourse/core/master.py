@@ -39,9 +39,11 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_optimizer_state_dict
-from .seams import SeamError, check_masters, check_rounded
+from .learner_table import returned
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: the exercise function that rounds a master into each low-precision model dtype (lesson 00)
+ROUND_TO = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + (
     (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())  # BatchNorm*/InstanceNorm* derive from _NormBase
 
@@ -184,7 +186,8 @@ class MasterWeights:
         round_to_model: optional fn(fp32 tensor) -> the same values rounded to the model dtype (float32 or that
             dtype), used by copy_master_to_model in place of the cast; None (default): the cast.
         make_master: optional fn(list of FP16/BF16 params) -> list of their FP32 masters (lesson 02's signature),
-            called once per param group, checked by ``mpcourse.core.seams.check_masters``; None: ``make_master``.
+            called once per param group, checked by ``learner_table.returned`` (``seams.returned_masters``);
+            None: ``make_master``.
         **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
     FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
     are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
@@ -205,7 +208,7 @@ class MasterWeights:
             if make_master is None:
                 copies = _library_make_master(low)
             else:
-                copies = check_masters("make_master", low, make_master(low))
+                copies = returned("make_master", low, make_master(low))
             copies = iter(copies)
             # (shape of p) fp32: a new leaf for fp16/bf16 params, the param itself otherwise
             masters = [next(copies) if p.dtype in LOW_PRECISION else p for p in group["params"]]
@@ -276,13 +279,13 @@ class MasterWeights:
     @torch.no_grad()
     def copy_master_to_model(self) -> None:
         """model.param (fp16/bf16) := master (fp32) rounded to nearest even, by ``round_to_model`` when one
-        was given (e.g. lesson 00's ``round_to_bf16``; checked by ``mpcourse.core.seams.check_rounded``)."""
+        was given (lesson 00's ``round_to_fp16`` / ``round_to_bf16``, by the model's dtype; checked by
+        ``learner_table.returned``)."""
         for p, m in self._pairs():
             if self.round_to_model is None:
                 p.copy_(m)                           # fp32 -> fp16/bf16, nearest even (fused cast)
             else:
-                p.copy_(check_rounded(getattr(self.round_to_model, "__name__", "round_to_model"), m,
-                                      self.round_to_model(m.detach()), p.dtype))
+                p.copy_(returned(ROUND_TO[p.dtype], m, self.round_to_model(m.detach()), p.dtype))
         self._record_versions()
 
     def step_with(self, master_step, loss_scale: float = 1.0, before_step=None) -> None:
@@ -291,17 +294,14 @@ class MasterWeights:
         params and their masters (kept-FP32 params, their own master, are left to the optimizer) and an
         optimizer whose ``step()`` first calls ``before_step()`` (e.g. clip the master grads) when given. No loss
         scaler is involved (no inf check, no skip): ``loss_scale`` is the factor the loss was multiplied by.
-        Raises ``SeamError`` if the function changed a model param's dtype or shape (write with ``p.copy_``)."""
+        Raises ``SeamError`` (``seams.returned_master_step``) if the function changed a model param's dtype or shape
+        (write with ``p.copy_``)."""
         self._refresh_if_model_changed()
         pairs = list(self._pairs())
         model, masters = [p for p, _ in pairs], [m for _, m in pairs]
         kinds = [(p.dtype, p.shape) for p in model]
         optimizer = self.optimizer if before_step is None else _BeforeStep(self.optimizer, before_step)
-        master_step(model, masters, optimizer, loss_scale)
-        for i, (p, (dtype, shape)) in enumerate(zip(model, kinds)):
-            if (p.dtype, p.shape) != (dtype, shape):
-                raise SeamError(f"master_step turned model parameter {i} into {p.dtype} of shape {tuple(p.shape)} "
-                                f"(was {dtype}, {tuple(shape)}): write the rounded master with p.copy_(master)")
+        returned("master_step", model, kinds, master_step(model, masters, optimizer, loss_scale))
         self._grads_copied = False
         self._record_versions()
 

@@ -1,14 +1,22 @@
-"""Checks for functions handed to the library in place of its own (a learner's ``round_to_bf16``, ...).
+"""The run-time checks on what a learner's function returned (``round_to_bf16``, ``update_scale``, ...).
 
 Several library pieces take, as an optional keyword, one function per concept with the signature of the
 lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(stochastic_round_bf16=...)``,
 ``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
-scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the FP8
-recipes' ``compute_scale_fn`` / ``quantize_fn`` / ``update_fn``, the block recipes' ``block_quantize_fn`` /
-``mx_shared_exponent_fn`` / ``nvfp4_scales_fn``, the course autocast's ``cast_args`` / ``cached_cast``).
-The library calls the rule it is given and checks what comes back with these helpers, so that a wrong
-return value stops with one line naming the function and the fix instead of spreading NaNs or shape errors
-through the training step. Without such a function the library runs its own (fused where torch has a kernel).
+scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the quant
+engine's ``functions={"compute_scale": ..., "quantize": ..., "update": ..., "block_quantize": ...,
+"mx_shared_exponent": ..., "nvfp4_scales": ...}``, the course autocast's ``cast_args`` / ``cached_cast``).
+The library calls the rule it is given and checks what comes back with one ``returned_*`` function here, so
+that a wrong return value stops with one line naming the function and the fix (``SeamError``) instead of
+spreading NaNs or shape errors through the training step. Without such a function the library runs its own
+(fused where torch has a kernel).
+
+Which check belongs to which function is one column of the table of the exercises' functions
+(``mpcourse.core.learner_table``); the library reaches these checks through it
+(``learner_table.returned(name, ...)``). Each takes the function's name first (for the message), then what
+it was called with and what it returned, and gives back the value in the form the library uses. (The graders
+of ``mpcourse.course.grading``, ``check_<function>``, are another idea: they grade a learner's function in a
+notebook's check cell against an oracle.)
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ class SeamError(TypeError):
     """A function given in place of the library's returned something the library cannot use."""
 
 
-def check_rounded(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tensor:
+def returned_rounded(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tensor:
     """``out`` (from ``name(x)``) as a tensor of ``dtype``: it must be a tensor of x's shape holding values of
     ``dtype`` (in that dtype or in float32). Raises ``SeamError`` naming ``name`` otherwise."""
     if not isinstance(out, torch.Tensor):
@@ -39,7 +47,7 @@ def check_rounded(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.
     return low
 
 
-def check_flag(name: str, out) -> bool:
+def returned_flag(name: str, out) -> bool:
     """``out`` (from ``name(...)``, a yes/no answer such as found_inf) as a bool: a bool, or a one-element bool or
     0/1 tensor. Raises ``SeamError`` naming ``name`` otherwise (None: a forgotten ``return``)."""
     if isinstance(out, torch.Tensor) and out.numel() == 1 and (out.dtype == torch.bool or bool((out == 0) | (out == 1))):
@@ -49,7 +57,7 @@ def check_flag(name: str, out) -> bool:
     raise SeamError(f"{name} returned {out!r}, expected True or False")
 
 
-def check_loss_scale(name: str, out) -> float:
+def returned_loss_scale(name: str, out) -> float:
     """``out`` (from ``name(...)``, a loss scale) as a float: a positive finite number. ``SeamError`` otherwise."""
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
@@ -58,7 +66,7 @@ def check_loss_scale(name: str, out) -> float:
     return float(out)
 
 
-def check_masters(name: str, params: list, out) -> list:
+def returned_masters(name: str, params: list, out) -> list:
     """``out`` (from ``name(params)``, FP32 master copies) as a list: one float32 leaf tensor per param, same shape,
     equal values, requires_grad, sharing no memory with it. ``SeamError`` naming ``name`` and the index otherwise."""
     if not isinstance(out, (list, tuple)) or len(out) != len(params):
@@ -98,7 +106,7 @@ def _pair(name: str, out, what: str) -> tuple:
     return tuple(out)
 
 
-def check_scale(name: str, amax: torch.Tensor, out, what: str = "the scale") -> torch.Tensor:
+def returned_scale(name: str, amax: torch.Tensor, out, what: str = "the scale") -> torch.Tensor:
     """``out`` (from e.g. ``compute_scale(amax, ...)``) as float32 of amax's shape, every element finite and > 0."""
     out = _tensor(name, out, what, amax.shape, (torch.float32,))
     ok = torch.isfinite(out) & (out > 0)
@@ -109,7 +117,7 @@ def check_scale(name: str, amax: torch.Tensor, out, what: str = "the scale") -> 
     return out
 
 
-def check_fp8(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tensor:
+def returned_fp8(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tensor:
     """``out`` (from e.g. ``quantize(x, ...)``) as FP8 ``dtype`` of x's shape, NaN only where x is NaN."""
     out = _tensor(name, out, "the FP8 data", x.shape, (dtype,))
     if bool((out.float().isnan() & ~x.isnan()).any()):
@@ -117,25 +125,25 @@ def check_fp8(name: str, x: torch.Tensor, out, dtype: torch.dtype) -> torch.Tens
     return out
 
 
-def check_delayed_update(name: str, history: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+def returned_delayed_update(name: str, history: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` (from ``update(history, scale, amax, ...)``) as (history (L,) float32, scale () float32 finite > 0)."""
     new_history, new_scale = _pair(name, out, "(new_history, new_scale)")
     new_history = _tensor(name, new_history, "the history", history.shape, (torch.float32,))
-    return new_history, check_scale(name, torch.zeros(()), new_scale)
+    return new_history, returned_scale(name, torch.zeros(()), new_scale)
 
 
-def check_block_scaled(name: str, x: torch.Tensor, block: tuple[int, int], out, dtype: torch.dtype,
+def returned_block_scaled(name: str, x: torch.Tensor, block: tuple[int, int], out, dtype: torch.dtype,
                        scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` (from ``block_quantize(x, block)``) as (data ``dtype`` x's shape, scale_inv ``scale_dtype`` per
     block, finite and > 0)."""
     data, scale_inv = _pair(name, out, "(data, scale_inv)")
     (M, K), (r, c) = x.shape, block
-    data = check_fp8(name, x, data, dtype)
+    data = returned_fp8(name, x, data, dtype)
     scale_inv = _tensor(name, scale_inv, "scale_inv", (M // r, K // c), (scale_dtype,))
-    return data, check_scale(name, scale_inv.float(), scale_inv.float(), "scale_inv").to(scale_dtype)
+    return data, returned_scale(name, scale_inv.float(), scale_inv.float(), "scale_inv").to(scale_dtype)
 
 
-def check_exponents(name: str, amax: torch.Tensor, out) -> torch.Tensor:
+def returned_exponents(name: str, amax: torch.Tensor, out) -> torch.Tensor:
     """``out`` (from ``mx_shared_exponent(amax, elem)``) as int64 of amax's shape within E8M0's [-127, 127]."""
     ints = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
     out = _tensor(name, out, "the exponents", amax.shape, ints).long()
@@ -144,7 +152,7 @@ def check_exponents(name: str, amax: torch.Tensor, out) -> torch.Tensor:
     return out
 
 
-def check_nvfp4_scales(name: str, x: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+def returned_nvfp4_scales(name: str, x: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` (from ``nvfp4_scales(x)``) as (t () float32 finite >= 0, s (M, K/16) float8_e4m3fn, no NaN)."""
     t, s = _pair(name, out, "(t, s)")
     t = _tensor(name, t, "t", (), (torch.float32,))
@@ -157,7 +165,7 @@ def check_nvfp4_scales(name: str, x: torch.Tensor, out) -> tuple[torch.Tensor, t
     return t, s
 
 
-def check_found_inf(name: str, out) -> torch.Tensor:
+def returned_found_inf(name: str, out) -> torch.Tensor:
     """``out`` (from ``all_reduce_found_inf_(flag, group)``) as float32 () holding 0.0 or 1.0: each rank's flag is
     0 or 1, so their MAX is too (a SUM counts the ranks that overflowed)."""
     out = _tensor(name, out, "the flag", (), (torch.float32,))
@@ -168,7 +176,7 @@ def check_found_inf(name: str, out) -> torch.Tensor:
     return out
 
 
-def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
+def returned_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
     """``out`` (from ``cast_args(op, args, device_type, dtype)``, lesson 05) as a tuple like ``args``: the same
     length; each non-tensor argument returned as it was; each tensor of the same shape, in its own dtype or one
     of ``dtypes`` (the region's dtype, float32), holding exactly ``arg.to(that dtype)``; lists element by element."""
@@ -177,7 +185,7 @@ def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
         raise SeamError(f"{name} returned {got}, expected a tuple of the {len(args)} arguments")
     for i, (a, o) in enumerate(zip(args, out)):
         if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
-            check_cast_args(name, tuple(a), o, dtypes)
+            returned_cast_args(name, tuple(a), o, dtypes)
         elif isinstance(a, torch.Tensor):
             o = _tensor(name, o, f"argument {i}", a.shape, (a.dtype, *dtypes))
             if o is a:
@@ -191,7 +199,7 @@ def check_cast_args(name: str, args: tuple, out, dtypes) -> tuple:
     return tuple(out)
 
 
-def check_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.Tensor:
+def returned_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.Tensor:
     """``out`` (from ``cached_cast(cache, t, to_type)``, lesson 05): a tensor of t's shape and ``to_type`` equal to
     ``t.to(to_type)`` of t's *current* value (a stale cast is refused), with autograd history where grad mode is
     on and ``t`` requires grad."""
@@ -207,7 +215,39 @@ def check_cast(name: str, t: torch.Tensor, out, to_type: torch.dtype) -> torch.T
     return out
 
 
-def check_mask(name: str, w: torch.Tensor, out) -> torch.Tensor:
+def returned_update_scale(name: str, out) -> tuple[float, int]:
+    """``out`` (from ``update_scale(scale, growth_tracker, found_inf, ...)``, lesson 04) as (new_scale, new_tracker):
+    a tuple of a positive finite number and an int >= 0 (one-element tensors are read as their value)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise SeamError(f"{name} returned {type(out).__name__}, expected a tuple (new_scale, new_growth_tracker)")
+    new_scale, new_tracker = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in out)
+    if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) \
+            or not (math.isfinite(new_scale) and new_scale > 0):
+        raise SeamError(f"{name} returned scale {new_scale!r}, expected a positive finite number")
+    if isinstance(new_tracker, bool) or not isinstance(new_tracker, int) or new_tracker < 0:
+        raise SeamError(f"{name} returned growth_tracker {new_tracker!r}, expected an int >= 0")
+    return new_scale, new_tracker
+
+
+def returned_kahan_add(name: str, w: torch.Tensor, comp: torch.Tensor, like: torch.Tensor, out) -> None:
+    """After ``kahan_add_(w, comp, update)`` (lesson 06), which updates ``w`` and ``comp`` in place: ``out`` is None
+    (or ``w``), and ``w`` and ``comp`` are still bfloat16 of ``like``'s shape."""
+    if out is not None and out is not w:
+        raise SeamError(f"{name} returned {type(out).__name__}: it should update w and comp in place and return None")
+    if w.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16 or w.shape != like.shape:
+        raise SeamError(f"{name} changed the dtype or shape of w or comp: update them in place")
+
+
+def returned_master_step(name: str, params: list, before: list, out) -> None:
+    """After ``master_step(model_params, master_params, optimizer, loss_scale)`` (lesson 02), which writes the
+    rounded masters into the model in place: every model parameter keeps its (dtype, shape) of ``before``."""
+    for i, (p, (dtype, shape)) in enumerate(zip(params, before)):
+        if (p.dtype, p.shape) != (dtype, shape):
+            raise SeamError(f"{name} turned model parameter {i} into {p.dtype} of shape {tuple(p.shape)} "
+                            f"(was {dtype}, {tuple(shape)}): write the rounded master with p.copy_(master)")
+
+
+def returned_mask(name: str, w: torch.Tensor, out) -> torch.Tensor:
     """``out`` (from ``name(w, ...)``, a per-element yes/no answer such as ``is_update_lost``) as a bool tensor: it
     must be a bool tensor of w's shape. Raises ``SeamError`` naming ``name`` otherwise."""
     if not isinstance(out, torch.Tensor):

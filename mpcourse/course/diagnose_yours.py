@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.learner_table import learner_functions
 from mpcourse.experiment.ablations.common import run_one, weight_probe
 from mpcourse.experiment.ablations.failures import (OVERFLOW_MULTIPLIER, FP16StaticTooHigh, SaturationCounter,
                                                     plant_amax_spike)
@@ -211,7 +212,7 @@ def diagnose_yours(namespace: Mapping[str, object], settings: Sequence[str], *, 
         raise KeyError(f"unknown setting {unknown[0]!r}; choose from {', '.join(SETTINGS)}")
     cfg = cfg or YOURS_CONFIG
     logs = [fresh_log(s, cfg) for s in settings]
-    fn = namespace.get(NAME)
+    fn = learner_functions(namespace, (NAME,)).get(NAME)   # the learner's (the table's filter), or None
     library = [reference_diagnose(log) for log in logs]
     if not callable(fn):
         yours, message = None, f"this notebook defines no function {NAME}(log)"

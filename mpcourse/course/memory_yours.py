@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mpcourse.core.emulation import tensor_cores
+from mpcourse.core.learner_table import EXERCISE_FUNCTIONS, learner_functions
 from mpcourse.experiment.recipes import get_recipe
 from mpcourse.experiment.training.train import RunResult, Trainer
 
@@ -39,7 +40,7 @@ from .grading.memory import KINDS, recipe_dtypes
 from .yours import YOURS_CONFIG, _default_corpus
 
 NAME = "bytes_per_parameter"
-ARGS = ("weights", "grad_buffers", "master", "moments")
+ARGS = EXERCISE_FUNCTIONS[NAME].parameters          # weights, grad_buffers, master, moments
 
 _NOTHING_TO_JUDGE = ("is not implemented yet", "defines no function")
 _runs: dict = {}                  # (recipe, cfg) -> (RunResult, the recipe's dtypes)
@@ -159,7 +160,7 @@ def memory_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg
     for name in recipes:
         get_recipe(name)                                   # unknown names fail before anything trains
     cfg = cfg or YOURS_CONFIG
-    fn = namespace.get(NAME)
+    fn = learner_functions(namespace, (NAME,)).get(NAME)   # the learner's (the table's filter), or None
     out = []
     for name in recipes:
         run, dtypes = trained(name, cfg)

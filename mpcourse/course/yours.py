@@ -1,11 +1,12 @@
 """The last cell of every exercise: train the course's GPT with your functions beside the library's.
 
 ``train_yours(globals(), ["bf16-pure", "fp16-master"])`` takes, from a notebook's namespace, the
-functions the named recipes accept (their ``OVERRIDABLE``: ``round_to_bf16``, ``update_scale``, ...),
+functions the named recipes accept (their ``OVERRIDABLE``: ``round_to_bf16``, ``update_scale``, ...; picked by
+``mpcourse.core.learner_table.learner_functions``, the one filter, once per recipe),
 trains each recipe twice on the same short, seeded run of the course's GPT (``YOURS_CONFIG``: a
 2-layer, width-64 model, 20 steps of 8 x 32 characters, about a second per row on a laptop CPU), once
 with the library's own code and once with yours (the row ``NAME [yours]``,
-``mpcourse.experiment.compare.learner_rows.train_with_learner``), and prints a small table and one verdict line
+``mpcourse.experiment.compare.learner_rows.train_overrides``), and prints a small table and one verdict line
 per recipe::
 
     the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
@@ -49,11 +50,12 @@ from dataclasses import dataclass
 import torch
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.experiment.compare.learner_rows import first_difference, train_with_learner, yours
+from mpcourse.core.learner_table import learner_functions
+from mpcourse.experiment.compare.learner_rows import first_difference, train_overrides, yours
 from mpcourse.experiment.gpt.data import Corpus, load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe
-from mpcourse.experiment.recipes.base import OptimConfig, learner_functions
+from mpcourse.experiment.recipes.base import OptimConfig
 from mpcourse.experiment.training.train import RunResult, TrainConfig, train
 
 #: The run every exercise's last cell trains: the course's GPT at 2 layers x width 64 (about 108k
@@ -138,12 +140,13 @@ class Comparison:
 _NOTHING_TO_JUDGE = ("is not implemented yet", "defines none of the functions", "can use none of the exercises'")
 
 
-def statistics_for(namespace: Mapping[str, object], recipe: str) -> dict[str, Callable]:
+def statistics_for(overrides: Mapping[str, Callable], recipe: str) -> dict[str, Callable]:
     """The library's own rules for the opt-in statistics (the recipe's ``STATISTICS``, e.g. ``is_update_lost``)
-    whose learner's version is in ``namespace``: the library's row is trained with them, so both rows report
-    the same statistic, each through its own rule. Empty (nothing extra computed) otherwise."""
+    whose learner's version is in ``overrides`` (the learner's functions for ``recipe``): the library's row is
+    trained with them, so both rows report the same statistic, each through its own rule. Empty (nothing extra
+    computed) otherwise."""
     rules = getattr(get_recipe(recipe), "STATISTICS", {})
-    return {name: rules[name] for name in learner_functions(get_recipe(recipe), namespace) if name in rules}
+    return {name: rules[name] for name in overrides if name in rules}
 
 
 #: opt-in per-step statistics shown as a column (history key -> header), only when a row reports them;
@@ -202,7 +205,8 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
     Args:
         namespace: where the learner's functions live: a notebook's ``globals()``, or the dict
             ``mpcourse.experiment.learner.load_functions`` returns. Only the names a recipe accepts
-            (its ``OVERRIDABLE``) are taken from it; everything else is ignored.
+            (its ``OVERRIDABLE``) are taken from it (``learner_table.learner_functions``); everything else is
+            ignored.
         recipes: recipe names (``mpcourse recipes`` lists them), e.g. ``["bf16-pure", "fp16-master"]``.
         cfg: the training run (default ``YOURS_CONFIG``: 20 steps of a 2-layer GPT, seed 0).
         corpus: the text (default: the embedded default corpus, loaded once per process).
@@ -240,7 +244,8 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         torch.set_num_threads(1)                           # the same bits whatever the machine's core count
         with tensor_cores(True):                           # and whatever its BF16/FP16 units
             for name in recipes:
-                stats = statistics_for(namespace, name)    # the library's rules for the learner's statistics
+                overrides = learner_functions(namespace, get_recipe(name).OVERRIDABLE)   # the learner's, for it
+                stats = statistics_for(overrides, name)    # the library's rules for the learner's statistics
                 key = "+".join([name, *stats])
                 if library_runs is None or key not in library_runs:
                     run = train(name, corpus, cfg, progress=False, overrides=stats or None)
@@ -248,7 +253,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
                         library_runs[key] = run
                 else:
                     run = library_runs[key]
-                comparisons.append(_compare_one(name, run, namespace, cfg, corpus))
+                comparisons.append(_compare_one(name, run, overrides, cfg, corpus))
     finally:
         torch.set_num_threads(threads)
     if echo is not None:
@@ -256,9 +261,9 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
     return comparisons
 
 
-def _compare_one(name: str, library: RunResult, namespace: Mapping[str, object], cfg: TrainConfig,
+def _compare_one(name: str, library: RunResult, functions: dict[str, Callable], cfg: TrainConfig,
                  corpus: Corpus) -> Comparison:
-    functions = learner_functions(get_recipe(name), namespace)
+    """``functions``: the learner's functions for recipe ``name`` (``learner_functions``, in OVERRIDABLE's order)."""
     used = tuple(functions)
     if not functions:
         accepted = get_recipe(name).OVERRIDABLE
@@ -267,7 +272,7 @@ def _compare_one(name: str, library: RunResult, namespace: Mapping[str, object],
         return Comparison(name, used, library, None, f"{name}: {why}")
     lines: list[str] = []
     try:
-        mine = train_with_learner(name, corpus, cfg, functions, echo=lines.append)
+        mine = train_overrides(name, corpus, cfg, functions, echo=lines.append)
     except Exception as e:                                 # anything else a wrong function provoked downstream
         first = str(e).splitlines()[0] if str(e) else ""
         lines.append(f"{yours(name)}: training with your {', '.join(used)} failed: {type(e).__name__}: {first}")
@@ -286,8 +291,7 @@ def _compare_distributed(namespace, recipes, cfg: TrainConfig, corpus: Corpus, n
     from mpcourse.experiment.parallel.distributed import Job, RankFailed, run_distributed_compare
     from mpcourse.experiment.parallel.data_parallel import overridable
 
-    used = {r: tuple(n for n in learner_functions(get_recipe(r), namespace) if n in overridable(get_recipe(r), parallel))
-            for r in recipes}
+    used = {r: tuple(learner_functions(namespace, overridable(get_recipe(r), parallel))) for r in recipes}
     sources = {}
     for name in dict.fromkeys(n for names in used.values() for n in names):
         try:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mpcourse.core.master import MasterWeights, cast_model, make_master, master_step
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler, choose_loss_scale, unscale_grads_
-from mpcourse.core.seams import SeamError, check_flag
+from mpcourse.core.seams import SeamError, returned_flag
 
 
 def _largest_power(g: float, fmt_max: float, margin: int) -> float:
@@ -92,9 +92,9 @@ def test_a_wrong_found_inf_is_one_seam_error():
     scaler.scale(p.sum()).backward()
     with pytest.raises(SeamError, match=r"unscale_grads_ returned None, expected True or False"):
         scaler.unscale_(torch.optim.SGD([p], lr=0.1))
-    assert check_flag("f", torch.tensor(True)) is True and check_flag("f", torch.tensor(0.0)) is False
+    assert returned_flag("f", torch.tensor(True)) is True and returned_flag("f", torch.tensor(0.0)) is False
     with pytest.raises(SeamError):
-        check_flag("f", torch.tensor([0, 1]))
+        returned_flag("f", torch.tensor([0, 1]))
 
 
 def _fp16_params(seed=0):

@@ -162,3 +162,77 @@ def test_update_scale_seam_follows_the_library_through_overflows_and_growth():
     assert len({s for s, _ in trajectories["library"]}) >= 3          # grew and backed off: the test can fail
     with pytest.raises(ValueError, match="hysteresis=1"):
         DynamicLossScaler(hysteresis=2, update_scale=rule)
+
+
+# -- a wrong function is one line naming the fix: where the recipe is built, and from the command line (exit 2) --
+
+def _two_parameters(scale, growth_tracker):                  # lesson 04's update_scale takes six
+    return scale, growth_tracker
+
+
+def test_a_function_of_the_wrong_signature_is_one_line_naming_the_signature(corpus):
+    lines = []
+    assert train_with_learner("fp16-dynamic", corpus, CFG, {"update_scale": _two_parameters}, echo=lines.append) is None
+    assert lines == ["fp16-dynamic [yours]: your update_scale(scale, growth_tracker) cannot be called as the library "
+                     "calls it, update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor, "
+                     "growth_interval) (lesson 04's signature: def update_scale(scale: float, growth_tracker: int, "
+                     "found_inf: bool, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int "
+                     "= 2000) -> tuple): give it those parameters, in that order"]
+
+
+def _notebook(tmp_path, source: str) -> Path:
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    path = tmp_path / "04_mine.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+SOLUTION_04 = str(ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb")
+SIX = "scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000"
+
+
+@pytest.mark.parametrize("flags,source,words", [
+    (["--recipes", "fp32,bf16-pure"], None,
+     "none of the recipes asked for (fp32, bf16-pure) takes your update_scale, scaled_step: update_scale (lesson 04) "
+     "to fp16-dynamic (name one with --recipes)"),
+    (["--recipes", "fp16-master", "--nproc", "2", "--parallel", "fsdp"], "def make_master(model_params):\n    return 1",
+     "none of the recipes asked for (fp16-master) takes your make_master under --parallel fsdp: no recipe takes "
+     "them under --parallel fsdp"),
+    (["--recipes", "fp16-dynamic"], "def update_scale(scale, growth_tracker):\n    return scale, 0",
+     "your update_scale(scale, growth_tracker) cannot be called as the library calls it, update_scale(scale, "),
+    (["--recipes", "fp16-dynamic", "--nproc", "2", "--parallel", "ddp"],
+     "def update_scale(scale, growth_tracker):\n    return scale, 0",
+     "your update_scale(scale, growth_tracker) cannot"),
+    (["--recipes", "fp32,fp16-dynamic"], f"def updat_scale({SIX}):\n    return scale, 0",
+     "your updat_scale is not one of the exercises' functions: did you mean update_scale (lesson 04)? The recipes "
+     "call it by that name"),
+])
+def test_a_wrong_with_exits_2_in_one_line_before_anything_trains(flags, source, words, tmp_path, monkeypatch, capsys):
+    from mpcourse.cli import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("trained despite a refused --with")
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", must_not_run)
+    monkeypatch.setattr("mpcourse.experiment.parallel.distributed.run_distributed_compare", must_not_run)
+    nb = SOLUTION_04 if source is None else str(_notebook(tmp_path, source))
+    assert main(["compare", *flags, "--with", nb, "--steps", "2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpcourse compare: error: --with: {words}") and len(err.splitlines()) == 1, err
+
+
+def test_a_right_with_names_the_learners_functions_only(tmp_path, monkeypatch, capsys):
+    from mpcourse.cli import main
+
+    seen = {}
+
+    def fake(recipes, corpus, cfg, out, **kwargs):
+        seen.update(kwargs["learner"])
+        return []
+    monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", fake)
+    monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
+    source = f"def helper(x):\n    return x\n\ndef update_scale({SIX}):\n    return helper(scale), 0"
+    assert main(["compare", "--recipes", "fp16-dynamic", "--with", str(_notebook(tmp_path, source)), "--jobs", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert list(seen) == ["update_scale"] and "your functions: update_scale\n" in capsys.readouterr().out

@@ -59,7 +59,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, redispatch_function
 
-from .. import seams
+from ..learner_table import returned
 from .policy import UNSUPPORTED
 from .policy import (BANNED, FP32, FP32_APPEND_DTYPE, FP32_SET_OPT_DTYPE, LOWER_PRECISION_FP, PROMOTE,
                      policy_for)
@@ -175,7 +175,7 @@ def _dtype_given(args, kwargs) -> bool:
 
 def _recast(a, o, device_type):
     """The argument ``a`` in the dtype a given ``cast_args`` chose for it (``o``, checked equal to ``a.to(o.dtype)``
-    by ``seams.check_cast_args``): an eligible tensor cast through the weight-cast cache, as ``_cast`` casts it,
+    by ``seams.returned_cast_args``): an eligible tensor cast through the weight-cast cache, as ``_cast`` casts it,
     so a weight used twice is still cast once; anything else as ``cast_args`` returned it."""
     if isinstance(a, torch.Tensor) and isinstance(o, torch.Tensor) and o.dtype is not a.dtype \
             and _eligible(a, device_type):
@@ -189,9 +189,8 @@ def _cast_all_given(func, args, kwargs, device_type):
     """The casts of a ``cast_args`` given to ``autocast`` (lesson 05's signature): it sees the positional
     arguments followed by the keyword arguments' values, as one tuple."""
     values = (*args, *kwargs.values())
-    out = seams.check_cast_args("cast_args", values, STATE.cast_args(op_name(func), values, device_type,
-                                                                       STATE.dtype[device_type]),
-                                (STATE.dtype[device_type], torch.float32))
+    out = returned("cast_args", values, STATE.cast_args(op_name(func), values, device_type, STATE.dtype[device_type]),
+                   (STATE.dtype[device_type], torch.float32))
     out = [_recast(a, o, device_type) for a, o in zip(values, out)]
     return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):]))
 
@@ -306,12 +305,12 @@ class autocast:
         cast_args: optional, lesson 05's ``cast_args(op_name, args, device_type, dtype) -> args`` in place of
             the library's casts for the lower-precision, FP32 and promote policies: it gets the call's
             positional arguments then its keyword arguments' values as one tuple, and decides each one's
-            dtype (checked by ``mpcourse.core.seams.check_cast_args``: same values, cast exactly); eligible
+            dtype (checked by ``mpcourse.core.seams.returned_cast_args``: same values, cast exactly); eligible
             tensors are then cast through the weight-cast cache as the library casts them. None = keep the
             enclosing region's (the library's by default).
         cached_cast: optional, lesson 05's ``cached_cast(cache, t, to_type) -> tensor`` in place of the
             library's weight-cast cache, given a dict that lives until the outermost region exits; what it
-            returns is checked (``seams.check_cast``: dtype, shape, a cast of the current value, autograd
+            returns is checked (``seams.returned_cast``: dtype, shape, a cast of the current value, autograd
             history). Called for every cast of an eligible tensor while ``cache_enabled``. None = keep the
             enclosing region's.
         course_additions: apply the course's additions to torch's tables (``policy.ADDITIONS``: the grouped GEMM

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from ..seams import check_cast
+from ..learner_table import returned
 
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
 
@@ -145,7 +145,7 @@ def cached_cast(t: torch.Tensor, to_type: torch.dtype, device_type: str) -> torc
     if STATE.cached_cast is not None:    # a cache given to autocast (lesson 05's signature), checked
         if not STATE.cache_enabled:
             return t.to(to_type)
-        return check_cast("cached_cast", t, STATE.cached_cast(STATE.given_cache, t, to_type), to_type)
+        return returned("cached_cast", t, STATE.cached_cast(STATE.given_cache, t, to_type), to_type)
     if not _cacheable(t, to_type, device_type):
         return t.to(to_type)
     key = (id(t), to_type)

@@ -5,8 +5,8 @@
 a quantizer is bound once, here, at construction, to one of three functions:
 
 * the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
-  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``learner_functions``
-  says which a recipe takes), wrapped so ``mpcourse.core.seams`` checks what it returns;
+  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE``
+  says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
 * a kernel (``fastpath``, which hands CPU tensors to ``fused``'s compiled passes) where kernels are on: the
   same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``, ``tests/core/quant/kernels/test_quant_fused.py``);
 * the library's rule (``tensor``, ``delayed``, ``blockwise``, ``mx``, ``nvfp4``, ``hadamard``): with
@@ -32,8 +32,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..seams import (check_block_scaled, check_delayed_update, check_exponents, check_fp8, check_nvfp4_scales,
-                     check_scale)
+from ..learner_table import check_overrides, exercise_names, returned
 from .rules import blockwise, hadamard, mx, nvfp4, tensor
 from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
@@ -44,10 +43,13 @@ from .region import schedule_update
 from .rules.scaled import ScaledTensor, block_amax, check_floating, resolve_block
 from .rules.tensor import Float8Tensor, fp8_max
 
-#: the learner's functions each recipe takes (the exercise's function names, lessons 07, 08 and 10)
-LEARNER_FUNCTIONS = {CurrentScaling: ("compute_scale", "quantize"), DelayedScaling: ("quantize", "update"),
-                     Float8RowwiseScaling: (), Float8BlockScaling: ("block_quantize",),
-                     MXFP8BlockScaling: ("mx_shared_exponent",), NVFP4BlockScaling: ("nvfp4_scales",)}
+#: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
+#: a TrainingRecipe built on one of these recipes states its own from this (``mpcourse.experiment.recipes.fp8``)
+OVERRIDABLE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
+               DelayedScaling: exercise_names("quantize", "update"), Float8RowwiseScaling: (),
+               Float8BlockScaling: exercise_names("block_quantize"),
+               MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
+               NVFP4BlockScaling: exercise_names("nvfp4_scales")}
 
 
 def kernels_on() -> bool:
@@ -55,39 +57,32 @@ def kernels_on() -> bool:
     return os.environ.get("MPCOURSE_FUSED", "1") != "0"
 
 
-def learner_functions(recipe) -> tuple[str, ...]:
-    """The names of the learner's functions ``recipe`` (a recipe or its class) can use."""
-    return LEARNER_FUNCTIONS.get(recipe if isinstance(recipe, type) else type(recipe), ())
-
-
-def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> dict:
-    """``functions`` as a dict; ValueError for a name ``recipe`` cannot use or a recipe field that the learner's
-    rule does not follow."""
-    functions = dict(functions or {})
-    unknown = [n for n in functions if n not in learner_functions(recipe)]
-    if unknown:
-        raise ValueError(f"{type(recipe).__name__} cannot use {', '.join(unknown)}: it takes "
-                         f"{', '.join(learner_functions(recipe)) or 'none'}")
-    if "update" in functions and (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo):
-        raise ValueError("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's "
-                         "scale rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
-    if "block_quantize" in functions and not (recipe.power_2_scales and recipe.amax_epsilon == 0.0):
-        raise ValueError("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
-                         "power_2_scales=True and amax_epsilon=0.0")
-    if "mx_shared_exponent" in functions and recipe.scale_rule != "floor":
-        raise ValueError("mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' "
-                         "(the mxfp8-floor recipe)")
-    return functions
+def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
+    """Why the learner's ``name``, which ``recipe``'s class takes, cannot follow this ``recipe``'s fields (the
+    lesson's rule is one setting of them), or None: ``check_overrides``' ``refuse``."""
+    if name == "update" and (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo):
+        return ("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's scale "
+                "rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
+    if name == "block_quantize" and not (recipe.power_2_scales and recipe.amax_epsilon == 0.0):
+        return ("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
+                "power_2_scales=True and amax_epsilon=0.0")
+    if name == "mx_shared_exponent" and recipe.scale_rule != "floor":
+        return "mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the mxfp8-floor recipe)"
+    return None
 
 
 def quantizers(recipe: Recipe, layer_key: str = "", device=None,
                functions: Optional[Mapping[str, Callable]] = None) -> dict:
     """{role: quantizer} for one layer under ``recipe``, with the learner's ``functions`` in place of the library's
-    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives)."""
+    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives).
+    ``functions`` are checked here (``learner_table.check_overrides``: the names ``OVERRIDABLE`` gives the recipe's
+    class, their signatures, ``rule_refusal``): ``OverrideRefused``, a ValueError, naming the fix."""
     if recipe is None:
         raise TypeError(f"recipe must be one of {recipe_names()}, got None")
     check_recipe(recipe, "recipe")
-    functions = check_functions(recipe, functions)
+    functions = check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
+                                refuse=lambda name: rule_refusal(recipe, name),
+                                takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names])
     if isinstance(recipe, DelayedScaling):
         return {role: DelayedQuantizer(recipe, role, layer_key, device, functions) for role in ROLES}
     if isinstance(recipe, CurrentScaling):
@@ -115,7 +110,7 @@ def learner_cast(fn: Callable) -> Callable:
     """``tensor.to_float8``'s signature around a learner's lesson 07 ``quantize(x, scale, fp8_max)`` (saturating)."""
     def cast(x: torch.Tensor, fp8_format, scale) -> Float8Tensor:
         name, dtype, top, s, source = tensor.cast_arguments(x, fp8_format, scale)
-        data = check_fp8("quantize", x, fn(x.detach().float(), s.detach(), top), dtype)
+        data = returned("quantize", x, fn(x.detach().float(), s.detach(), top), dtype)
         return Float8Tensor(data, s.reciprocal(), x.dtype, source)
     return cast
 
@@ -145,7 +140,7 @@ class CurrentQuantizer:
             self.scale = lambda amax, top: tensor.compute_scale(amax, top, 0, None, p2)
         else:
             def scale(amax, top):
-                s = check_scale("compute_scale", amax, fn(amax, top, 0))
+                s = returned("compute_scale", amax, fn(amax, top, 0))
                 return tensor.round_down_to_power_of_2(s) if p2 else s
             self.scale = scale
 
@@ -159,8 +154,8 @@ def learner_update(fn: Callable) -> Callable:
     """``delayed.library_update``'s signature around a learner's lesson 08 ``update(history, scale, amax, fp8_max,
     margin, algo) -> (history, scale)``: row 0 of the history already holds this step's amax (recorded)."""
     def rule(history: torch.Tensor, scale: torch.Tensor, top: float, recipe: DelayedScaling):
-        return check_delayed_update("update", history, fn(history.clone(), scale.clone(), history[0].clone(), top,
-                                                          recipe.margin, recipe.amax_compute_algo))
+        return returned("update", history, fn(history.clone(), scale.clone(), history[0].clone(), top,
+                                              recipe.margin, recipe.amax_compute_algo))
     return rule
 
 
@@ -194,9 +189,9 @@ def nvfp4_scales_from(fn: Callable, x: torch.Tensor, block: tuple[int, int]) -> 
     1x16 blocks along rows: (16, 1) blocks are the rows of x^T; a 16x16 block's scale is the largest of its 16
     row scales (each step, amax / 6 / t, the clamp and the E4M3 rounding, is monotone, so the max commutes)."""
     if block == (16, 1):
-        t, s = check_nvfp4_scales("nvfp4_scales", x.t(), fn(x.t().contiguous()))
+        t, s = returned("nvfp4_scales", x.t(), fn(x.t().contiguous()))
         return t, s.t()
-    t, s = check_nvfp4_scales("nvfp4_scales", x, fn(x))      # s: (M, K/16)
+    t, s = returned("nvfp4_scales", x, fn(x))      # s: (M, K/16)
     if block == (16, 16):
         M, K = x.shape
         s = s.float().reshape(M // 16, 16, K // 16).amax(dim=1).to(torch.float8_e4m3fn)   # exact: E4M3 values
@@ -253,7 +248,7 @@ class BlockQuantizer:
     def _learner_block_quantize(fn: Callable) -> Callable:
         def encode(x, block, keep):
             xf = x.detach().float()
-            data, scale_inv = check_block_scaled("block_quantize", xf, block, fn(xf, block), torch.float8_e4m3fn)
+            data, scale_inv = returned("block_quantize", xf, block, fn(xf, block), torch.float8_e4m3fn)
             return ScaledTensor(data, scale_inv, block, "e4m3", None, x.dtype)
         return encode
 
@@ -268,7 +263,7 @@ class BlockQuantizer:
             b = resolve_block(x.shape, block)
             amax = (fastpath.block_amax if self.kernels else block_amax)(x, b)       # (M/r, K/c) fp32
             flat = amax.flatten()                              # (n,) as the lesson's signature takes it
-            k = check_exponents("mx_shared_exponent", flat, fn(flat.clone(), elem)).reshape(amax.shape)
+            k = returned("mx_shared_exponent", flat, fn(flat.clone(), elem)).reshape(amax.shape)
             if self.kernels:
                 return fastpath.encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep)
             return mx.encode_mx(x, b, elem, amax, k)

@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 
 from ..distributed import all_reduce_max_, world_size
-from ..seams import check_flag, check_found_inf
+from ..learner_table import returned
 from . import validate
 from .check import has_inf_or_nan
 from .fused import choose_check_and_unscale
@@ -135,7 +135,7 @@ class LossScalerBase:
                 if inv_scale is None:  # check only (the optimizer unscales)
                     found[device] = torch.maximum(found[device], has_inf_or_nan(grads).float())
                 elif self.unscale_grads_ is not None:  # a given rule (lesson 03's signature), on Python numbers
-                    flag = check_flag("unscale_grads_", self.unscale_grads_(grads, float(scale)))
+                    flag = returned("unscale_grads_", self.unscale_grads_(grads, float(scale)))
                     found[device] = torch.maximum(found[device], torch.tensor(float(flag), device=device))
                 else:
                     self._check_and_unscale_(grads, found[device], inv_scale.to(device), may_overflow)
@@ -145,9 +145,9 @@ class LossScalerBase:
                     flag = torch.maximum(flag, f.to(scale.device))
                 if self.all_reduce_found_inf_ is None:
                     flag = self._reduce_flag_and_check_ranks_agree(flag)
-                else:                                # a learner's all-reduce, checked (seams.check_found_inf)
+                else:                                # a learner's all-reduce, checked (seams.returned_found_inf)
                     self._reduce_flag_and_check_ranks_agree(torch.zeros_like(flag))
-                    flag = check_found_inf("all_reduce_found_inf_", self.all_reduce_found_inf_(flag, self.process_group))
+                    flag = returned("all_reduce_found_inf_", self.all_reduce_found_inf_(flag, self.process_group))
                 found = {scale.device: flag}
         self._state(optimizer)["found_inf_per_device"] = found
         return found

@@ -11,10 +11,9 @@ The update's rule is `scaling.update.update_scale` (lesson 04's function); its k
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..learner_table import returned
 from . import fused, validate
 from .base import LossScaleFloorError, LossScalerBase
 from .check import FP32_MAX, FP32_TINY
@@ -166,18 +165,11 @@ class DynamicLossScaler(LossScalerBase):
         self._update_step(self, found_inf)
 
     def _update_with_rule(self, found_inf) -> None:
-        """The given ``update_scale`` on Python numbers; its result is checked and written back in FP32."""
-        out = self.update_scale(float(self._scale), int(self._growth_tracker), bool(found_inf > 0),
-                                self._growth_factor, self._backoff_factor, self._growth_interval)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"update_scale returned {type(out).__name__}, expected a tuple (new_scale, "
-                            "new_growth_tracker)")
-        new_scale, new_tracker = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in out)
-        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) \
-                or not (math.isfinite(new_scale) and new_scale > 0):
-            raise TypeError(f"update_scale returned scale {new_scale!r}, expected a positive finite number")
-        if isinstance(new_tracker, bool) or not isinstance(new_tracker, int) or new_tracker < 0:
-            raise TypeError(f"update_scale returned growth_tracker {new_tracker!r}, expected an int >= 0")
+        """The given ``update_scale`` on Python numbers; its result is checked (``seams.returned_update_scale``) and
+        written back in FP32."""
+        new_scale, new_tracker = returned("update_scale", self.update_scale(
+            float(self._scale), int(self._growth_tracker), bool(found_inf > 0), self._growth_factor,
+            self._backoff_factor, self._growth_interval))
         self._scale.fill_(new_scale)                                     # fp32, rounded to nearest
         self._growth_tracker.fill_(new_tracker)
 

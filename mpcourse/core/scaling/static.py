@@ -15,7 +15,7 @@ class StaticLossScaler(LossScalerBase):
     such power of two. enabled=False: every method passes through.
     unscale_grads_: optional rule with lesson 03's signature, ``unscale_grads_(grads, scale) -> found_inf`` (a list
     of fp32 gradient tensors, modified in place, and the scale as a float), used by ``unscale_`` in place of the
-    fused kernel (one host sync per step; its flag is checked by ``mpcourse.core.seams.check_flag``).
+    fused kernel (one host sync per step; its flag is checked by ``mpcourse.core.seams.returned_flag``).
     all_reduce_found_inf_: lesson 10's ``all_reduce_found_inf_(found_inf, group)`` in place of the library's MAX
     all-reduce of the inf/NaN flag (used only with more than one rank).
     """

@@ -170,12 +170,12 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     print(f"cpu: {machine.summary()}")
     learner = {}
     if args.with_notebooks:
-        from ..learner import LearnerLoadError, load_functions
+        from mpcourse.core.learner_table import OverrideRefused
+        from ..learner import LearnerLoadError, exercise_functions
         try:
-            for nb in args.with_notebooks:
-                learner.update(load_functions(nb))
-        except LearnerLoadError as e:
-            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            learner = exercise_functions(args.with_notebooks, recipes)
+        except (LearnerLoadError, OverrideRefused) as e:
+            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
             return 2
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     n_runs = len(recipes) * len(args.seeds or [args.seed])

@@ -24,13 +24,13 @@ def compare_parallel(args, corpus, cfg, recipes, side: bool = False) -> int:
         print(f"mpcourse compare: error: --batch-size {cfg.batch_size} is not divisible by --nproc {nproc} "
               "(each rank trains on batch_size / nproc sequences)", file=sys.stderr)
         return 2
-    if args.with_notebooks:                       # every rank loads them; check here that they load
-        from ..learner import LearnerLoadError, load_functions
+    if args.with_notebooks:                       # every rank loads them; check here that they load and fit
+        from mpcourse.core.learner_table import OverrideRefused
+        from ..learner import LearnerLoadError, exercise_functions
         try:
-            for nb in args.with_notebooks:
-                load_functions(nb)
-        except LearnerLoadError as e:
-            print(f"mpcourse compare: error: --with {e}", file=sys.stderr)
+            exercise_functions(args.with_notebooks, recipes, args.parallel)
+        except (LearnerLoadError, OverrideRefused) as e:
+            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
             return 2
     from ..parallel.data_parallel import unsupported
     refused = {name: unsupported(name, args.parallel) for name in recipes}

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+from mpcourse.core.learner_table import OverrideRefused, learner_functions
 from mpcourse.core.seams import SeamError
 
 from ..gpt.data import Corpus
 from ..recipes import get_recipe
-from ..recipes.base import OverrideError, learner_functions
+from ..recipes.base import OverrideError
 from ..training.train import RunResult, TrainConfig, train
 
 
@@ -51,20 +52,31 @@ def train_with_learner(name: str, corpus: Corpus, cfg: TrainConfig, functions: d
                        echo=print) -> RunResult | None:
     """Recipe ``name`` trained with those of ``functions`` it accepts, as the row ``"name [yours]"``.
 
-    Returns None, after one line through ``echo``, when the recipe accepts none of them or when one of
-    them fails (it raised, e.g. NotImplementedError, or returned something the library cannot use): the
-    line names the function and why, never a traceback from inside the training step.
+    ``functions``: the learner's (a notebook's namespace, or the exercise functions ``compare --with`` loaded);
+    the recipe takes those its ``OVERRIDABLE`` names (``mpcourse.core.learner_table.learner_functions``, the one
+    filter). Returns None, after one line through ``echo``, when the recipe accepts none of them, or as
+    ``train_overrides`` does.
     """
     recipe_cls = get_recipe(name)
-    overrides = learner_functions(recipe_cls, functions)
+    overrides = learner_functions(functions, recipe_cls.OVERRIDABLE)
     if not overrides:
         accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
         echo(f"{name}: cannot use any of {', '.join(sorted(functions)) or 'no functions'} "
              f"(it accepts: {accepted})")
         return None
+    return train_overrides(name, corpus, cfg, overrides, progress=progress, echo=echo)
+
+
+def train_overrides(name: str, corpus: Corpus, cfg: TrainConfig, overrides: dict, *, progress: bool = False,
+                    echo=print) -> RunResult | None:
+    """Recipe ``name`` trained with the learner's ``overrides`` (its functions for this recipe, as
+    ``learner_functions`` picks them), as the row ``"name [yours]"``; the recipe checks them where it is built.
+    Returns None, after one line through ``echo``, when one of them is refused (a wrong signature) or fails (it
+    raised, e.g. NotImplementedError; it returned something the library cannot use): the line names the
+    function and why, never a traceback from inside the training step."""
     try:
         return train(name, corpus, cfg, progress=progress, overrides=overrides, label=yours(name))
-    except (OverrideError, SeamError) as e:
+    except (OverrideRefused, OverrideError, SeamError) as e:
         echo(f"{yours(name)}: {e}")
     except (TypeError, ValueError) as e:                  # a library check on what a function returned
         echo(f"{yours(name)}: {', '.join(overrides)}: {e}")

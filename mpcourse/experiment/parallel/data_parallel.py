@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..recipes import MasterWeightsRecipe, TrainingRecipe, StepResult
+from mpcourse.core.learner_table import exercise_names
+from ..recipes import RECIPES, MasterWeightsRecipe, TrainingRecipe, StepResult
 
 PARALLEL_MODES = ("ddp", "fsdp")
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,13 +143,10 @@ class ShardedMasterRecipe(TrainingRecipe):
     """
 
     #: a learner's functions it can use: the loss scaler's (FSDP's casts replace the master -> model rounding)
-    OVERRIDABLE = ("choose_loss_scale", "unscale_grads_", "update_scale", "all_reduce_found_inf_")
+    OVERRIDABLE = exercise_names("choose_loss_scale", "unscale_grads_", "update_scale", "all_reduce_found_inf_")
 
     def __init__(self, base: type[MasterWeightsRecipe], model, optim=None, overrides=None):
-        refused = [n for n in overrides or {} if n not in overridable(base, "fsdp")]
-        if refused:
-            raise ValueError(f"recipe {base.name!r} under FSDP cannot use {', '.join(refused)}: it accepts "
-                             f"{', '.join(overridable(base, 'fsdp')) or 'none'}")
+        self.OVERRIDABLE = overridable(base, "fsdp")   # what this instance takes: TrainingRecipe checks overrides by it
         self.base = base
         self.name = base.name
         self.model_dtype = base.model_dtype
@@ -156,6 +154,12 @@ class ShardedMasterRecipe(TrainingRecipe):
         super().__init__(model, optim, overrides)
         make_scaler = getattr(base, "make_scaler", None)
         self.scaler = make_scaler(self) if make_scaler is not None else None
+
+    def who(self) -> str:
+        return f"recipe {self.name!r} under FSDP"
+
+    def recipes_taking(self, name: str) -> list[str]:
+        return [r for r, cls in RECIPES.items() if name in overridable(cls, "fsdp")]
 
     def make_optimizer(self, params):
         """The base recipe's master optimizer (``master_optimizer``: AdamW, or AdamW with BF16 moments for

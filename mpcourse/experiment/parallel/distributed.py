@@ -151,8 +151,9 @@ def all_gather_lines(gathered: dict) -> list[str]:
     return lines
 
 
-def learner_functions(job: Job) -> dict:
-    """The learner's functions of ``job`` (its notebooks', then its sources'), loaded in this process."""
+def load_learner(job: Job) -> dict:
+    """What ``job``'s notebooks, then its sources, define, loaded in this process (each rank loads them: a
+    notebook's functions cannot be pickled); ``_run_yours`` takes a recipe's from it."""
     from ..learner import functions_from_sources, load_functions
 
     functions = {}
@@ -165,13 +166,13 @@ def learner_functions(job: Job) -> dict:
 def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
     """The row ``NAME [yours]`` under ``job.parallel`` with the learner's functions, or None after a line in
     ``job.messages``. Every rank calls the functions at the same points, so a failing one fails on every rank."""
+    from mpcourse.core.learner_table import OverrideRefused, learner_functions
     from mpcourse.core.seams import SeamError
     from ..compare.learner_rows import yours
     from ..recipes import get_recipe
     from ..recipes.base import OverrideError
 
-    accepted = overridable(get_recipe(name), job.parallel)
-    overrides = {n: f for n, f in functions.items() if n in accepted}
+    overrides = learner_functions(functions, overridable(get_recipe(name), job.parallel))
     if not overrides:
         return None
     try:
@@ -181,7 +182,7 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
         trainer.run(progress=job.progress and rank == 0)
         job.all_gather_bytes[trainer.name] = trainer.all_gather_bytes()
         return trainer.result()
-    except (OverrideError, SeamError) as e:
+    except (OverrideRefused, OverrideError, SeamError) as e:
         job.messages.append(f"{yours(name)}: {e}")
     return None
 
@@ -195,7 +196,7 @@ def run_rank(job: Job) -> list | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None
     results, not_run = [], {}
-    functions = learner_functions(job) if (job.learner_notebooks or job.learner_sources) else {}
+    functions = load_learner(job) if (job.learner_notebooks or job.learner_sources) else {}
     for name in job.recipes:
         why = unsupported(name, job.parallel)
         if why:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
+from mpcourse.core.learner_table import check_overrides, exercise_names
 from mpcourse.core.master import MasterWeights, cast_model
 
 RECIPES: dict[str, type["TrainingRecipe"]] = {}
@@ -68,34 +69,6 @@ def _guarded(name: str, fn: Callable) -> Callable:
         except Exception as e:                                        # the learner's bug, whatever it is
             raise OverrideError(name, e) from None
     return call
-
-
-def learner_functions(recipe_cls: type["TrainingRecipe"], namespace: Mapping[str, object]) -> dict[str, Callable]:
-    """The learner's functions in ``namespace`` (a notebook's globals, or the functions loaded from one) that
-    ``recipe_cls`` can use: those named in its ``OVERRIDABLE`` (the exercise's function names), in that order. The
-    library's own functions (imported into a notebook from ``mpcourse``) are not the learner's: left out. The one
-    filter, used by ``train_yours`` and ``mpcourse compare --with``."""
-    found = {name: namespace.get(name) for name in recipe_cls.OVERRIDABLE}
-    return {name: fn for name, fn in found.items()
-            if callable(fn) and not str(getattr(fn, "__module__", "") or "").startswith("mpcourse.")}
-
-
-def check_overrides(recipe_cls: type["TrainingRecipe"], overrides: Mapping[str, Callable] | None) -> dict:
-    """Validate a recipe's ``overrides`` (a learner's functions put in place of the library's).
-
-    Returns a plain dict (empty for None) of the functions wrapped so that an exception they raise
-    becomes an ``OverrideError`` naming the function. Raises ``ValueError`` naming the names ``recipe_cls``
-    accepts when a name is unknown to it, and ``TypeError`` when a value is not callable.
-    """
-    overrides = dict(overrides or {})
-    unknown = [n for n in overrides if n not in recipe_cls.OVERRIDABLE]
-    if unknown:
-        accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
-        raise ValueError(f"recipe {recipe_cls.name!r} cannot use {', '.join(unknown)}: it accepts {accepted}")
-    bad = [n for n, f in overrides.items() if not callable(f)]
-    if bad:
-        raise TypeError(f"overrides {', '.join(bad)} must be functions")
-    return {n: _guarded(n, f) for n, f in overrides.items()}
 
 
 @dataclass
@@ -149,8 +122,9 @@ class TrainingRecipe:
 
     name: str = ""
     description: str = ""
-    #: names of the library functions this recipe lets a caller replace (``overrides``); each name is
-    #: the function a lesson's exercise implements, with that exercise's signature.
+    #: the one statement of which of a learner's functions this recipe takes (``overrides``): names from the table of
+    #: the exercises' functions (``mpcourse.core.learner_table``; write them with ``exercise_names(...)``), each
+    #: called with that exercise's signature.
     OVERRIDABLE: tuple[str, ...] = ()
     #: the dtype most of a step's GEMM FLOPs run in: "fp32", "bf16", "fp16", or "fp8" for quantized linears (FP8,
     #: MX, NVFP4 operands). ``mpcourse compare``'s %peak measures the row against that dtype's peak
@@ -160,10 +134,21 @@ class TrainingRecipe:
 
     def __init__(self, model: nn.Module, optim: OptimConfig | None = None,
                  overrides: Mapping[str, Callable] | None = None):
-        self.overrides = check_overrides(type(self), overrides)
+        # The one check of a learner's functions (names, this recipe's OVERRIDABLE, signatures): OverrideRefused,
+        # a ValueError naming the fix; then each is wrapped so that what it raises is one OverrideError naming it.
+        checked = check_overrides(overrides, self.OVERRIDABLE, self.who(), takers=self.recipes_taking)
+        self.overrides = {n: _guarded(n, f) for n, f in checked.items()}
         self.optim = optim or OptimConfig()
         self.model = self.prepare_model(model)
         self.optimizer = self.make_optimizer(list(self.model.parameters()))
+
+    def who(self) -> str:
+        """How a refusal of a learner's function names this recipe."""
+        return f"recipe {self.name!r}"
+
+    def recipes_taking(self, name: str) -> list[str]:
+        """The registered recipes that take the exercise function ``name`` (a refusal names them: the fix)."""
+        return [r for r, cls in RECIPES.items() if name in cls.OVERRIDABLE]
 
     # -- the four decisions ---------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -243,7 +228,7 @@ class MasterWeightsRecipe(TrainingRecipe):
     gemm_dtype = "fp16"                       # the model's dtype (a subclass with another model_dtype says so)
     #: lesson 00: the master -> model rounding (bf16 subclasses: round_to_bf16); lesson 02: the master copy and the
     #: step through it (``master_step`` does its own rounding: given both, ``round_to_fp16`` is not used).
-    OVERRIDABLE = ("round_to_fp16", "make_master", "master_step")
+    OVERRIDABLE = exercise_names("round_to_fp16", "make_master", "master_step")
     #: the torch optimizer class that steps the FP32 master (under FSDP2, ``ShardedMasterRecipe`` steps the
     #: sharded FP32 parameters with it, so a subclass's choice of optimizer state carries over)
     master_optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW

@@ -34,6 +34,7 @@ import torch
 
 from mpcourse.core.autocast import autocast
 from mpcourse.core.bf16 import BF16Optimizer
+from mpcourse.core.learner_table import exercise_names
 from mpcourse.core.optim_state import LowPrecisionState
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
@@ -45,7 +46,7 @@ class BF16Autocast(TrainingRecipe):
     name = "bf16-autocast"
     description = "course autocast (mpcourse.core.autocast, bfloat16), FP32 weights, no loss scaling"
     gemm_dtype = "bf16"
-    OVERRIDABLE = ("cast_args", "cached_cast")        # lesson 05: the casts of one call, the weight-cast cache
+    OVERRIDABLE = exercise_names("cast_args", "cached_cast")   # lesson 05: the casts of a call, the cast cache
 
     def forward_context(self):
         return autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16,
@@ -60,7 +61,7 @@ class BF16Master(MasterWeightsRecipe):
     description = "BF16 model, FP32 master weights + AdamW (MasterWeights), no loss scaling"
     model_dtype = torch.bfloat16
     gemm_dtype = "bf16"
-    OVERRIDABLE = ("round_to_bf16", "make_master", "master_step")   # lessons 00 (the rounding) and 02
+    OVERRIDABLE = exercise_names("round_to_bf16", "make_master", "master_step")   # lessons 00 (the rounding) and 02
 
 
 class _BF16Pure(TrainingRecipe):
@@ -94,7 +95,7 @@ class BF16Pure(_BF16Pure):
     name = "bf16-pure"
     description = "BF16 weights and AdamW state, no master copy, round-to-nearest updates (small updates are lost)"
     rounding = "nearest"
-    OVERRIDABLE = ("round_to_bf16",)                   # lesson 00
+    OVERRIDABLE = exercise_names("round_to_bf16")        # lesson 00
 
 
 @register
@@ -102,7 +103,7 @@ class BF16PureSR(_BF16Pure):
     name = "bf16-pure-sr"
     description = "BF16 weights and AdamW state, no master copy, stochastic rounding of the updated weights"
     rounding = "stochastic"
-    OVERRIDABLE = ("stochastic_round_bf16",)           # lesson 06
+    OVERRIDABLE = exercise_names("stochastic_round_bf16")   # lesson 06
 
 
 @register
@@ -110,7 +111,7 @@ class BF16PureKahan(_BF16Pure):
     name = "bf16-pure-kahan"
     description = "BF16 weights and AdamW state, no master copy, Kahan-compensated updates (BF16 buffer)"
     rounding, kahan = "nearest", True
-    OVERRIDABLE = ("kahan_add_",)                      # lesson 06
+    OVERRIDABLE = exercise_names("kahan_add_")           # lesson 06
 
 
 @register

@@ -57,7 +57,7 @@ import torch
 from mpcourse.core.formats import get_format
 from mpcourse.core.lost_updates import is_update_lost, lost_update_fraction
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler, choose_loss_scale
-from mpcourse.core.seams import check_loss_scale
+from mpcourse.core.learner_table import exercise_names, returned
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 STATIC_GRAD_ABS_MAX = 2.7            # fp16-static: the largest gradient measured (module docstring)
@@ -76,7 +76,7 @@ class FP16Master(MasterWeightsRecipe):
     model_dtype = torch.float16
     #: lesson 01's rule: given (``is_update_lost``), each step also reports ``lost_updates``, the fraction of FP16
     #: weight elements whose update would be lost added straight to the FP16 weights (``lost_update_fraction``).
-    OVERRIDABLE = MasterWeightsRecipe.OVERRIDABLE + ("is_update_lost",)
+    OVERRIDABLE = MasterWeightsRecipe.OVERRIDABLE + exercise_names("is_update_lost")
     #: the opt-in statistics' rules: name in OVERRIDABLE -> the library's function (``train_yours`` trains the
     #: library's row with it, so both rows have the column); a default run computes none of them.
     STATISTICS = {"is_update_lost": is_update_lost}
@@ -132,12 +132,12 @@ class FP16Static(_ScaledFP16):
     name = "fp16-static"
     description = "FP16 model, FP32 master weights, static loss scale 2**12 (StaticLossScaler)"
 
-    OVERRIDABLE = ("round_to_fp16", "make_master", "choose_loss_scale", "unscale_grads_",
-                   "all_reduce_found_inf_")   # lessons 00, 02, 03, 11 (with --nproc > 1)
+    OVERRIDABLE = exercise_names("round_to_fp16", "make_master", "choose_loss_scale", "unscale_grads_",
+                                 "all_reduce_found_inf_")   # lessons 00, 02, 03, 10 (with --nproc > 1)
 
     def make_scaler(self):
         choose = self.overrides.get("choose_loss_scale")
-        scale = STATIC_LOSS_SCALE if choose is None else check_loss_scale(
+        scale = STATIC_LOSS_SCALE if choose is None else returned(
             "choose_loss_scale", choose(STATIC_GRAD_ABS_MAX, get_format("fp16").max, STATIC_MARGIN))
         return StaticLossScaler(scale, unscale_grads_=self.overrides.get("unscale_grads_"),
                                 all_reduce_found_inf_=self.overrides.get("all_reduce_found_inf_"))
@@ -147,8 +147,8 @@ class FP16Static(_ScaledFP16):
 class FP16Dynamic(_ScaledFP16):
     name = "fp16-dynamic"
     description = "FP16 model, FP32 master weights, dynamic loss scaling (DynamicLossScaler, growth_interval 50)"
-    OVERRIDABLE = ("round_to_fp16", "make_master", "unscale_grads_", "update_scale",
-                   "all_reduce_found_inf_")     # lessons 00, 02, 03, 04, 11
+    OVERRIDABLE = exercise_names("round_to_fp16", "make_master", "unscale_grads_", "update_scale",
+                                 "all_reduce_found_inf_")     # lessons 00, 02, 03, 04, 10
 
     def make_scaler(self):
         return DynamicLossScaler(init_scale=DYNAMIC_INIT_SCALE, growth_interval=DYNAMIC_GROWTH_INTERVAL,

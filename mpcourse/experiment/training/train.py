@@ -147,7 +147,7 @@ class Trainer:
     ``Trainer(...).load_state_dict(sd)`` continues exactly where the saved run was.
 
     ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
-    the library's (``mpcourse.experiment.recipes.base.check_overrides``).
+    the library's (checked where the recipe is built: ``mpcourse.core.learner_table.check_overrides``).
 
     ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
     (``self.inspector.records``); its time is part of the step time.

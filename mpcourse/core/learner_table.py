@@ -1,0 +1,205 @@
+"""The learner's functions: one table of every function an exercise asks for, and where they meet the library.
+
+Every exercise (``solutions/NN_*.ipynb``, ``exercises/`` generated from it) has the learner write functions; the
+library can run those in place of its own (``mpcourse compare --with NOTEBOOK``, ``train_yours``). This module
+is the one statement of what they are: ``EXERCISE_FUNCTIONS`` maps each function's name to the lesson that
+teaches it, its signature as the exercise states it (the library calls it with that many arguments, in that
+order), and the check on what it returns (a ``mpcourse.core.seams.returned_*`` function; None where the library
+never calls it: ``decode``, ``diagnose``, ...). ``tests/core/test_learner_table.py`` holds the table to the
+solution notebooks: every function defined in a ``### BEGIN SOLUTION`` block is in it, with that lesson and
+signature, and nothing else is.
+
+The three places:
+
+* ``learner_functions(namespace, names)``: the one filter. From a notebook's ``globals()``, or the definitions
+  ``mpcourse.experiment.learner.load_functions`` read from one, the callables named in the table (restricted
+  to ``names``: what a recipe accepts); the library's own functions, imported into a notebook, are left out.
+* ``check_overrides(overrides, accepts, who)``: the one check, where a recipe is built (a TrainingRecipe,
+  the quant engine's ``quantizers``): an unknown name, a name the recipe does not accept, or a function that
+  cannot be called as the table's signature says stop with one line (``OverrideRefused``) naming the fix.
+* ``returned(name, ...)``: at run time, what the learner's function returned, by its table entry's check
+  (``SeamError`` naming the function and the fix).
+
+Which names a recipe accepts is said once per recipe, by the recipe: a TrainingRecipe's ``OVERRIDABLE``
+(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE`` for its recipes (``mpcourse.core.quant.engine``);
+both are written with ``exercise_names(...)``, which refuses a name that is not in the table.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from . import seams
+
+
+class OverrideRefused(ValueError):
+    """A learner's function the library cannot take: an unknown name, one the recipe does not accept, or a
+    signature the library cannot call. The message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class ExerciseFunction:
+    """One exercise function: ``name``, the ``lesson`` that teaches it ("00" .. "12"), its ``signature`` as the
+    exercise's ``def`` states it, and ``returned``: the ``seams.returned_*`` check of what it returns when the
+    library calls it (None: the library never calls it; a class's entry is its ``class`` line)."""
+
+    name: str
+    lesson: str
+    signature: str
+    returned: Optional[Callable] = None
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The parameters' names, in order (none for a class): the library passes that many, positionally."""
+        if self.signature.startswith("class "):
+            return ()
+        node = ast.parse(f"def {self.signature}:\n    pass").body[0]
+        return tuple(a.arg for a in (*node.args.posonlyargs, *node.args.args))
+
+    def call(self) -> str:
+        """How the library calls it: ``name(p1, p2, ...)`` (a class: its ``class`` line)."""
+        if self.signature.startswith("class "):
+            return self.signature
+        return f"{self.name}({', '.join(self.parameters)})"
+
+
+_T = "torch.Tensor"
+
+#: every function an exercise asks for, by name, in lesson order
+EXERCISE_FUNCTIONS: dict[str, ExerciseFunction] = {f.name: f for f in (
+    ExerciseFunction("decode", "00", "decode(bits: int, exponent_bits: int, mantissa_bits: int) -> float"),
+    ExerciseFunction("round_to_bf16", "00", f"round_to_bf16(x: {_T}) -> {_T}", seams.returned_rounded),
+    ExerciseFunction("round_to_fp16", "00", f"round_to_fp16(x: {_T}) -> {_T}", seams.returned_rounded),
+    ExerciseFunction("fp16_fate", "01", f"fp16_fate(x: {_T}) -> {_T}"),
+    ExerciseFunction("is_update_lost", "01", f"is_update_lost(w: {_T}, dw: {_T}) -> {_T}", seams.returned_mask),
+    ExerciseFunction("make_master", "02", f"make_master(model_params: list[{_T}]) -> list[{_T}]",
+                     seams.returned_masters),
+    ExerciseFunction("master_step", "02", f"master_step(model_params: list[{_T}], master_params: list[{_T}], "
+                     "optimizer: torch.optim.Optimizer, loss_scale: float) -> None", seams.returned_master_step),
+    ExerciseFunction("choose_loss_scale", "03", "choose_loss_scale(grad_abs_max: float, fmt_max: float = 65504.0, "
+                     "margin: int = 0) -> float", seams.returned_loss_scale),
+    ExerciseFunction("unscale_grads_", "03", "unscale_grads_(grads: list, scale: float) -> bool", seams.returned_flag),
+    ExerciseFunction("update_scale", "04", "update_scale(scale: float, growth_tracker: int, found_inf: bool, "
+                     "growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple",
+                     seams.returned_update_scale),
+    ExerciseFunction("scaled_step", "04", f"scaled_step(loss: {_T}, optimizer: torch.optim.Optimizer, state: dict, "
+                     "max_norm: float = 1.0, growth_factor: float = 2.0, backoff_factor: float = 0.5, "
+                     "growth_interval: int = 2000) -> bool"),
+    ExerciseFunction("cast_args", "05", "cast_args(op_name: str, args: tuple, device_type: str, dtype: torch.dtype) "
+                     "-> tuple", seams.returned_cast_args),
+    ExerciseFunction("MiniAutocast", "05", "class MiniAutocast(TorchFunctionMode)"),
+    ExerciseFunction("cached_cast", "05", f"cached_cast(cache: dict, t: {_T}, to_type: torch.dtype) -> {_T}",
+                     seams.returned_cast),
+    ExerciseFunction("stochastic_round_bf16", "06", f"stochastic_round_bf16(x: {_T}, generator: torch.Generator) "
+                     f"-> {_T}", seams.returned_rounded),
+    ExerciseFunction("kahan_add_", "06", f"kahan_add_(w: {_T}, comp: {_T}, update: {_T}) -> None",
+                     seams.returned_kahan_add),
+    ExerciseFunction("compute_scale", "07", f"compute_scale(amax: {_T}, fp8_max: float, margin: int = 0) -> {_T}",
+                     seams.returned_scale),
+    ExerciseFunction("quantize", "07", f"quantize(x: {_T}, scale: {_T}, fp8_max: float) -> {_T}", seams.returned_fp8),
+    ExerciseFunction("update", "08", f"update(history: {_T}, scale: {_T}, amax: {_T}, fp8_max: float, margin: int = 0, "
+                     "algo: str = 'max')", seams.returned_delayed_update),
+    ExerciseFunction("block_quantize", "09", f"block_quantize(x: {_T}, block)", seams.returned_block_scaled),
+    ExerciseFunction("columnwise_quantize", "09", f"columnwise_quantize(x: {_T})"),
+    ExerciseFunction("mx_shared_exponent", "09", f"mx_shared_exponent(amax: {_T}, elem: str) -> {_T}",
+                     seams.returned_exponents),
+    ExerciseFunction("mx_quantize", "09", f"mx_quantize(x: {_T})"),
+    ExerciseFunction("mx_dequantize", "09", f"mx_dequantize(scale: {_T}, data: {_T}) -> {_T}"),
+    ExerciseFunction("nvfp4_scales", "09", f"nvfp4_scales(x: {_T})", seams.returned_nvfp4_scales),
+    ExerciseFunction("all_reduce_found_inf_", "10", f"all_reduce_found_inf_(found_inf: {_T}, group=None) -> {_T}",
+                     seams.returned_found_inf),
+    ExerciseFunction("distributed_skip_step_", "10", f"distributed_skip_step_(optimizer, scale: {_T}, "
+                     f"growth_tracker: {_T}, group=None, growth_factor: float = 2.0, backoff_factor: float = 0.5, "
+                     f"growth_interval: int = 2000) -> {_T}"),
+    ExerciseFunction("bytes_per_parameter", "11",
+                     "bytes_per_parameter(weights, grad_buffers, master, moments) -> dict"),
+    ExerciseFunction("diagnose", "12", "diagnose(log: dict) -> str"),
+)}
+
+
+def _unknown(name: str) -> str:
+    close = difflib.get_close_matches(name, list(EXERCISE_FUNCTIONS), n=1)
+    return f"{name} is not one of the exercises' functions" + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def exercise_names(*names: str) -> tuple[str, ...]:
+    """``names`` as a tuple, each checked to be in the table: how a recipe states the names it accepts
+    (``OVERRIDABLE = exercise_names("round_to_bf16", "make_master")``). ValueError for one that is not."""
+    for name in names:
+        if name not in EXERCISE_FUNCTIONS:
+            raise ValueError(f"{_unknown(name)}: a recipe accepts names from mpcourse.core.learner_table")
+    return tuple(names)
+
+
+def learner_functions(namespace: Mapping[str, object], names: Optional[Iterable[str]] = None) -> dict[str, Callable]:
+    """The learner's exercise functions in ``namespace`` (a notebook's ``globals()``, or the definitions
+    ``mpcourse.experiment.learner.load_functions`` read from one): the callables named in the table, in table
+    order, or only those in ``names`` (e.g. a recipe's ``OVERRIDABLE``), in that order. The library's own
+    functions (imported into a notebook from ``mpcourse``) are not the learner's: left out. Never raises for what
+    the namespace holds: a wrong function is refused where a recipe is built (``check_overrides``)."""
+    wanted = list(EXERCISE_FUNCTIONS) if names is None else list(exercise_names(*names))
+    found = {name: namespace.get(name) for name in wanted}
+    return {name: fn for name, fn in found.items()
+            if callable(fn) and not str(getattr(fn, "__module__", "") or "").startswith("mpcourse.")}
+
+
+def check_signature(name: str, fn: Callable) -> None:
+    """``OverrideRefused`` unless ``fn`` can be called as the library calls the exercise function ``name``:
+    positionally, one argument per parameter of the table's signature (defaults, ``*args`` and extra parameters
+    with defaults are fine). A callable whose signature cannot be read (a builtin) is let through."""
+    entry = EXERCISE_FUNCTIONS[name]
+    if not entry.parameters:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*entry.parameters)
+    except TypeError:
+        raise OverrideRefused(f"your {name}{sig} cannot be called as the library calls it, {entry.call()} (lesson "
+                              f"{entry.lesson}'s signature: def {entry.signature}): give it those parameters, "
+                              "in that order") from None
+
+
+def check_overrides(overrides: Optional[Mapping[str, Callable]], accepts: Sequence[str], who: str, *,
+                    takers: Optional[Callable[[str], Sequence[str]]] = None,
+                    refuse: Optional[Callable[[str], Optional[str]]] = None) -> dict[str, Callable]:
+    """The learner's functions handed to ``who`` (e.g. "recipe 'fp16-dynamic'"), which accepts the names
+    ``accepts``, as a plain dict (empty for None). ``OverrideRefused`` (one line) for a name not in the table (with
+    the closest one), a name ``who`` does not accept (naming what it takes, and ``takers(name)``: who does), a value
+    that is not a function, or a function that cannot be called with the table's parameters. ``refuse(name)``:
+    a reason of ``who``'s own to refuse a name it accepts (the quant engine: a recipe field the lesson's rule
+    does not follow), or None."""
+    overrides = dict(overrides or {})
+    unknown = [n for n in overrides if n not in EXERCISE_FUNCTIONS]
+    if unknown:
+        raise OverrideRefused(f"{_unknown(unknown[0])}; {who} takes {', '.join(accepts) or 'none'}")
+    refused = [n for n in overrides if n not in accepts]
+    if refused:
+        elsewhere = [f"{n} (lesson {EXERCISE_FUNCTIONS[n].lesson}) goes to {', '.join(takers(n))}"
+                     for n in refused if takers is not None and takers(n)]
+        raise OverrideRefused(f"{who} cannot use {', '.join(refused)}: it takes {', '.join(accepts) or 'none'}"
+                              + (f"; {'; '.join(elsewhere)}" if elsewhere else ""))
+    for name, fn in overrides.items():
+        if not callable(fn):
+            raise OverrideRefused(f"{name} must be a function (def {EXERCISE_FUNCTIONS[name].signature}), got "
+                                  f"{type(fn).__name__}")
+        check_signature(name, fn)
+        why = refuse(name) if refuse is not None else None
+        if why:
+            raise OverrideRefused(why)
+    return overrides
+
+
+def returned(name: str, *args, **kwargs):
+    """What the learner's ``name`` returned, checked by its table entry's ``seams.returned_*`` (arguments after the
+    name as that check takes them) and given back in the form the library uses; ``SeamError`` naming ``name``."""
+    check = EXERCISE_FUNCTIONS[name].returned
+    if check is None:
+        raise ValueError(f"{name} has no check on what it returns: the library does not call it")
+    return check(name, *args, **kwargs)
