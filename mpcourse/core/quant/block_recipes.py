@@ -218,20 +218,37 @@ def backward_operand(recipe) -> str:
     return recipe.backward_operand if isinstance(recipe, PerDirectionBlockScaling) else "source"
 
 
+def _rowwise_block(recipe: Float8RowwiseScaling, role: str, axis: int) -> tuple[int, int]:
+    return _along(axis, -1)                         # one scale per row (axis 1) or column (axis 0)
+
+
+def _fp8_block(recipe: Float8BlockScaling, role: str, axis: int) -> tuple[int, int]:
+    dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
+           "grad_output": recipe.grad_block_scaling_dim}[role]
+    return (recipe.block_len, recipe.block_len) if dim == 2 else _along(axis, recipe.block_len)
+
+
+def _mx_block(recipe: MXFP8BlockScaling, role: str, axis: int) -> tuple[int, int]:
+    return _along(axis, recipe.block_len)
+
+
+def _nvfp4_block(recipe: NVFP4BlockScaling, role: str, axis: int) -> tuple[int, int]:
+    return (16, 16) if role == "weight" and not recipe.disable_2d_quantization else _along(axis, 16)
+
+
+#: the block each single-format recipe scales a (role, axis) in, by the recipe's class (one lookup, no ladder)
+BLOCKS = {Float8RowwiseScaling: _rowwise_block, Float8BlockScaling: _fp8_block, MXFP8BlockScaling: _mx_block,
+          NVFP4BlockScaling: _nvfp4_block}
+
+
 def block_for(recipe: BlockRecipe, role: str, axis: int) -> tuple[int, int]:
     """The block a ``recipe`` scales ``role``'s tensor in when ``axis`` is the GEMM's contraction dimension."""
     recipe = direction_recipe(recipe, role, axis)
-    if isinstance(recipe, Float8RowwiseScaling):
-        return _along(axis, -1)
-    if isinstance(recipe, Float8BlockScaling):
-        dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
-               "grad_output": recipe.grad_block_scaling_dim}[role]
-        return (recipe.block_len, recipe.block_len) if dim == 2 else _along(axis, recipe.block_len)
-    if isinstance(recipe, MXFP8BlockScaling):
-        return _along(axis, recipe.block_len)
-    if isinstance(recipe, NVFP4BlockScaling):
-        return (16, 16) if role == "weight" and not recipe.disable_2d_quantization else _along(axis, 16)
-    raise TypeError(f"block_for takes a block recipe ({', '.join(r.__name__ for r in BLOCK_RECIPES)}), got {recipe!r}")
+    rule = next((BLOCKS[c] for c in type(recipe).__mro__ if c in BLOCKS), None)
+    if rule is None:
+        raise TypeError(f"block_for takes a block recipe ({', '.join(r.__name__ for r in BLOCK_RECIPES)}), "
+                        f"got {recipe!r}")
+    return rule(recipe, role, axis)
 
 
 def token_multiple(recipe) -> int:

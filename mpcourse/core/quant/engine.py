@@ -1,25 +1,51 @@
-"""The one place that builds quantizers: for a recipe, a layer and a tensor role (TE's ``RecipeState.create``).
+"""The one place that builds quantizers and chooses every kernel: for a recipe, a layer and a tensor role (TE's
+``RecipeState.create``).
 
-``quantizers(recipe, layer_key, device, functions)`` returns ``{role: quantizer}`` for "input", "weight" and
-"grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Each step of
-a quantizer is bound once, here, at construction, to one of three functions:
+``quantizers(recipe, layer_key, device, functions, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
+and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Every
+step a quantizer or a layer's GEMM runs is bound once, here, at construction, to one of three functions:
 
 * the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
   ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE``
   says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
-* a kernel (``fastpath``, which hands CPU tensors to ``fused``'s compiled passes) where kernels are on: the
-  same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``, ``tests/core/quant/kernels/test_quant_fused.py``);
-* the library's rule (``tensor``, ``delayed``, ``blockwise``, ``mx``, ``nvfp4``, ``hadamard``): with
-  ``MPCOURSE_FUSED=0`` every step is the rule.
+* the kernel (``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled passes) where kernels
+  are on: the same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``,
+  ``tests/core/quant/kernels/test_quant_fused.py``);
+* the library's rule (``rules``: ``tensor``, ``blockwise``, ``mx``, ``nvfp4``, ``hadamard``, ``scaled``) where
+  they are off: then every step is the rule, the GEMMs' included.
+
+Kernels are on unless the library's switch is off (``mpcourse.core.kernels_switch``: ``MPCOURSE_FUSED=0``, read
+once at import; ``kernels_switch.flags(enabled=...)``) or the caller says ``kernels=False`` / ``True``.
+
+The table. ``STEPS`` names each step's (rule, kernel) pair, the kernel named after the rule it equals bit for bit;
+``KERNEL_TABLE`` gives each recipe class its quantizer class (one per scaling kind, as Transformer Engine has
+``Float8Quantizer``, ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``, ``MXFP8Quantizer``,
+``NVFP4Quantizer``) and the steps it binds; ``Binding`` holds what was bound (``quantizer.binding``)::
+
+    recipe class              quantizer class                 steps (rule | kernel)
+    DelayedScaling            Float8Quantizer                 amax, cast, scaled_mm, fp8_to_float32
+    CurrentScaling            Float8CurrentScalingQuantizer   amax, cast, scaled_mm, fp8_to_float32
+    Float8RowwiseScaling      Float8RowwiseQuantizer          quantize_fp32_scaled, dequantize
+    Float8BlockScaling        Float8BlockQuantizer            quantize_fp32_scaled, dequantize
+    MXFP8BlockScaling         MXFP8Quantizer                  quantize_mx, block_amax, encode_mx, dequantize
+    NVFP4BlockScaling         NVFP4Quantizer                  quantize_nvfp4, encode_nvfp4, rht, dequantize
+    PerDirectionBlockScaling  (its direction recipes' rows)   dequantize
+
+``scaled_mm`` and ``fp8_to_float32`` are the per-tensor FP8 GEMM on a CPU (``layers.gemm``: what
+``torch._scaled_mm`` computes there), ``dequantize`` the block-scaled GEMM's emulation (``layers.block_gemm``):
+the layers take them from their quantizers' ``binding``, never from ``kernels`` (the engine imports no layer).
 
 The quantizers:
 
-* ``CurrentQuantizer``: amax -> ``compute_scale`` -> cast (TE ``Float8CurrentScalingQuantizer``), no state.
-* ``DelayedQuantizer``: the cast with the scale of earlier steps, then records this tensor's amax and schedules
-  the delayed-scaling update (``region.schedule_update``); holds the role's ``DelayedScalingState``.
-* ``BlockQuantizer``: a finer-grained recipe's quantizer along an axis (``block_recipes``); a block recipe's dict
-  also holds the backward GEMMs' quantizers of x and W ("wgrad_input", "dgrad_weight"), which a
-  ``PerDirectionBlockScaling`` takes from its backward recipe.
+* ``Float8CurrentScalingQuantizer``: amax -> ``compute_scale`` -> cast (TE's class of that name), no state.
+* ``Float8Quantizer``: delayed scaling (TE's class of that name with its amax history): the cast with the scale of
+  earlier steps, then records this tensor's amax and schedules the update (``region.schedule_update``); holds the
+  role's ``DelayedScalingState``.
+* ``BlockQuantizer`` and its classes ``Float8BlockQuantizer`` (FP32 block scales; ``Float8RowwiseQuantizer``:
+  torchao's rowwise), ``MXFP8Quantizer`` and ``NVFP4Quantizer``: a finer-grained recipe's quantizer along an axis
+  (``block_recipes``: the blocks, computed once per quantizer); a block recipe's dict also holds the backward GEMMs'
+  quantizers of x and W ("wgrad_input", "dgrad_weight"), which a ``PerDirectionBlockScaling`` takes from its
+  backward recipe (``direction_recipe``).
 
 ``per_tensor`` says which autograd function the layer runs: per-tensor copies (``Float8Tensor``, one per
 tensor, reused by the backward GEMMs through ``torch._scaled_mm``) or ``ScaledTensor`` copies re-quantized
@@ -27,20 +53,21 @@ along each GEMM's contraction dimension (``block_linear``).
 """
 from __future__ import annotations
 
-import os
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 
 import torch
 
+from .. import kernels_switch
 from ..learner_table import check_overrides, exercise_names, returned
-from .rules import blockwise, hadamard, mx, nvfp4, tensor
+from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
-                            NVFP4BlockScaling, block_for, direction_recipe)
+                            NVFP4BlockScaling, PerDirectionBlockScaling, block_for, check_role_axis,
+                            direction_recipe)
 from .rules.delayed import DelayedScalingState
 from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe, fp8_format_for, recipe_names
 from .region import schedule_update
-from .rules.scaled import ScaledTensor, block_amax, check_floating, resolve_block
+from .rules.scaled import ScaledTensor, check_floating, resolve_block
 from .rules.tensor import Float8Tensor, fp8_max
 
 #: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
@@ -50,11 +77,6 @@ OVERRIDABLE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
                Float8BlockScaling: exercise_names("block_quantize"),
                MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
                NVFP4BlockScaling: exercise_names("nvfp4_scales")}
-
-
-def kernels_on() -> bool:
-    """Whether quantizers built now bind kernels (``MPCOURSE_FUSED=0``: the rules)."""
-    return os.environ.get("MPCOURSE_FUSED", "1") != "0"
 
 
 def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
@@ -71,41 +93,118 @@ def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
     return None
 
 
+def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> dict:
+    """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
+    ``OVERRIDABLE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
+    ValueError, naming the fix."""
+    return check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
+                           refuse=lambda name: rule_refusal(recipe, name),
+                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names])
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+#: every step a quantizer or a GEMM runs: (the rule, the kernel that equals it bit for bit and names it)
+STEPS: dict[str, tuple[Callable, Callable]] = {
+    "amax": (tensor.compute_amax, fastpath.compute_amax),
+    "cast": (tensor.to_float8, fastpath.to_float8),
+    "scaled_mm": (tensor.scaled_mm, fastpath.cpu_scaled_mm),               # the per-tensor FP8 GEMM on a CPU
+    "fp8_to_float32": (tensor.fp8_to_float32, fastpath.fp8_to_float32),    # its upcast (the backward GEMMs')
+    "quantize_fp32_scaled": (blockwise.quantize_fp32_scaled, fastpath.quantize_fp32_scaled),
+    "quantize_mx": (mx.quantize_mx, fastpath.quantize_mx),
+    "block_amax": (scaled.block_amax, fastpath.block_amax),
+    "encode_mx": (mx.encode_mx, fastpath.encode_mx_exponents),
+    "quantize_nvfp4": (nvfp4.quantize_nvfp4, fastpath.quantize_nvfp4),
+    "encode_nvfp4": (nvfp4.encode_nvfp4, fastpath.encode_nvfp4),
+    "rht": (hadamard.rht, fastpath.rht),
+    "dequantize": (ScaledTensor.dequantize, fastpath.dequantize),          # the block-scaled GEMM's emulation
+}
+#: the GEMMs' steps: per tensor (``layers.gemm``) and block-scaled (``layers.block_gemm``)
+PER_TENSOR_GEMM = ("scaled_mm", "fp8_to_float32")
+BLOCK_GEMM = ("dequantize",)
+
+
+class Binding:
+    """What the engine bound for one quantizer (and the GEMMs that read its copies): each of its steps as an
+    attribute (``binding.amax``, ``binding.scaled_mm``, ``binding.dequantize``, ...), the kernel where ``kernels``,
+    else the rule."""
+
+    def __init__(self, steps: Iterable[str], kernels: bool):
+        self.kernels, self.steps = bool(kernels), tuple(steps)
+        for step in self.steps:
+            rule, kernel = STEPS[step]
+            setattr(self, step, kernel if self.kernels else rule)
+
+    def __repr__(self) -> str:
+        bound = ", ".join(f"{s}={getattr(self, s).__module__.rpartition('.')[2]}.{getattr(self, s).__qualname__}"
+                          for s in self.steps)
+        return f"Binding({'kernels' if self.kernels else 'rules'}: {bound})"
+
+
+def bind(steps: Iterable[str], kernels: Optional[bool] = None) -> Binding:
+    """The ``steps`` bound now: kernels or rules as ``kernels`` says (None: ``kernels_switch.enabled()``)."""
+    return Binding(steps, kernels_switch.enabled(kernels))
+
+
+class Row(NamedTuple):
+    """One recipe class's row of ``KERNEL_TABLE``."""
+    quantizer: type             # each role's quantizer class
+    steps: tuple[str, ...]      # the steps it binds (``STEPS``)
+
+
+def table_row(recipe) -> Row:
+    """``recipe``'s row of ``KERNEL_TABLE`` (a recipe or its class; a subclass takes its base's row)."""
+    cls = recipe if isinstance(recipe, type) else type(recipe)
+    row = next((KERNEL_TABLE[c] for c in cls.__mro__ if c in KERNEL_TABLE), None)
+    if row is None:
+        raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
+    return row
+
+
 def quantizers(recipe: Recipe, layer_key: str = "", device=None,
-               functions: Optional[Mapping[str, Callable]] = None) -> dict:
+               functions: Optional[Mapping[str, Callable]] = None, kernels: Optional[bool] = None) -> dict:
     """{role: quantizer} for one layer under ``recipe``, with the learner's ``functions`` in place of the library's
-    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives).
-    ``functions`` are checked here (``learner_table.check_overrides``: the names ``OVERRIDABLE`` gives the recipe's
-    class, their signatures, ``rule_refusal``): ``OverrideRefused``, a ValueError, naming the fix."""
+    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives;
+    ``kernels``: True binds the kernels, False the rules, None follows ``kernels_switch``)."""
     if recipe is None:
         raise TypeError(f"recipe must be one of {recipe_names()}, got None")
     check_recipe(recipe, "recipe")
-    functions = check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
-                                refuse=lambda name: rule_refusal(recipe, name),
-                                takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names])
-    if isinstance(recipe, DelayedScaling):
-        return {role: DelayedQuantizer(recipe, role, layer_key, device, functions) for role in ROLES}
-    if isinstance(recipe, CurrentScaling):
-        return {role: CurrentQuantizer(recipe, role, functions) for role in ROLES}
-    return block_quantizers(recipe, functions)
+    functions = check_functions(recipe, functions)
+    return table_row(recipe).quantizer.for_layer(recipe, layer_key, device, functions,
+                                                 kernels_switch.enabled(kernels))
 
 
-#: the backward GEMMs' own quantizers of x and W (a block recipe's dict holds them beside ROLES')
-BACKWARD_COPIES = {"wgrad_input": ("input", 0), "dgrad_weight": ("weight", 0)}
+def quantizer(recipe: Recipe, role: str, functions: Optional[Mapping[str, Callable]] = None,
+              kernels: Optional[bool] = None, layer_key: str = "", device=None):
+    """One role's quantizer under a single-format ``recipe``: its row's class with its row's steps bound (a
+    ``PerDirectionBlockScaling`` has none of its own: ``quantizers`` builds its roles' from its direction recipes)."""
+    return build(recipe, role, check_functions(recipe, functions), kernels, layer_key, device)
 
 
-def block_quantizers(recipe: BlockRecipe, functions: Optional[dict] = None) -> dict:
-    """{role: BlockQuantizer} of a block recipe, plus "wgrad_input" (x as the weight-gradient GEMM reads it) and
-    "dgrad_weight" (W as the input-gradient GEMM reads it); each from ``direction_recipe``: a single-format
-    recipe's are all its own, a ``PerDirectionBlockScaling``'s forward roles (x, W) take its forward recipe and
-    dy and the backward copies its backward recipe."""
-    q = {role: BlockQuantizer(direction_recipe(recipe, role, 1), role, functions) for role in ROLES}
-    for key, (role, axis) in BACKWARD_COPIES.items():
-        q[key] = BlockQuantizer(direction_recipe(recipe, role, axis), role, functions)
-    return q
+def build(recipe: Recipe, role: str, functions: dict, kernels: Optional[bool] = None, layer_key: str = "",
+          device=None):
+    """``quantizer`` with ``functions`` already checked (``quantizers`` checks them once for the whole layer)."""
+    row = table_row(recipe)
+    return row.quantizer(recipe, role, bind(row.steps, kernels), functions, layer_key, device)
 
 
 # ------------------------------------------------------------------------------------------------ per tensor
+class PerTensorQuantizer:
+    """Base of the per-tensor quantizers: one ``Float8Tensor`` per tensor, the three roles of a layer."""
+
+    per_tensor = True
+    state = None
+
+    def __init__(self, recipe: Recipe, role: str, binding: Binding, functions: Optional[dict] = None):
+        functions = functions or {}
+        self.recipe, self.fmt, self.binding = recipe, fp8_format_for(recipe, role), binding
+        self.amax = binding.amax
+        self.cast = learner_cast(functions["quantize"]) if "quantize" in functions else binding.cast
+
+    @classmethod
+    def for_layer(cls, recipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
+        return {role: build(recipe, role, functions, kernels, layer_key, device) for role in ROLES}
+
+
 def learner_cast(fn: Callable) -> Callable:
     """``tensor.to_float8``'s signature around a learner's lesson 07 ``quantize(x, scale, fp8_max)`` (saturating)."""
     def cast(x: torch.Tensor, fp8_format, scale) -> Float8Tensor:
@@ -115,27 +214,13 @@ def learner_cast(fn: Callable) -> Callable:
     return cast
 
 
-def bind_cast(functions: dict) -> Callable:
-    if "quantize" in functions:
-        return learner_cast(functions["quantize"])
-    return fastpath.to_float8 if kernels_on() else tensor.to_float8
-
-
-def bind_amax() -> Callable:
-    return fastpath.compute_amax if kernels_on() else tensor.compute_amax
-
-
-class CurrentQuantizer:
+class Float8CurrentScalingQuantizer(PerTensorQuantizer):
     """Current per-tensor scaling of one role (TE ``Float8CurrentScalingQuantizer``): ``tensor.quantize_current``."""
 
-    per_tensor = True
-    state = None
-
-    def __init__(self, recipe: CurrentScaling, role: str, functions: Optional[dict] = None):
-        functions = functions or {}
-        self.recipe, self.fmt = recipe, fp8_format_for(recipe, role)
-        self.amax, self.cast = bind_amax(), bind_cast(functions)
-        fn, p2 = functions.get("compute_scale"), recipe.use_power_2_scales
+    def __init__(self, recipe: CurrentScaling, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        super().__init__(recipe, role, binding, functions)
+        fn, p2 = (functions or {}).get("compute_scale"), recipe.use_power_2_scales
         if fn is None:
             self.scale = lambda amax, top: tensor.compute_scale(amax, top, 0, None, p2)
         else:
@@ -159,18 +244,15 @@ def learner_update(fn: Callable) -> Callable:
     return rule
 
 
-class DelayedQuantizer:
+class Float8Quantizer(PerTensorQuantizer):
     """Delayed per-tensor scaling of one role (TE ``Float8Quantizer`` with its amax history)."""
 
-    per_tensor = True
-
-    def __init__(self, recipe: DelayedScaling, role: str, key: str, device=None, functions: Optional[dict] = None):
-        functions = functions or {}
-        self.recipe, self.fmt = recipe, fp8_format_for(recipe, role)
-        update = functions.get("update")
+    def __init__(self, recipe: DelayedScaling, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        super().__init__(recipe, role, binding, functions)
+        update = (functions or {}).get("update")
         self.state = DelayedScalingState(recipe.amax_history_len, device,
                                          None if update is None else learner_update(update))
-        self.amax, self.cast = bind_amax(), bind_cast(functions)
         # The key lets the amax all-reduce check that every rank ran the same layers in the same order.
         self.key = f"{key}.{role}:{self.fmt}"
 
@@ -200,49 +282,81 @@ def nvfp4_scales_from(fn: Callable, x: torch.Tensor, block: tuple[int, int]) -> 
     return t, s
 
 
+#: the backward GEMMs' own quantizers of x and W (a block recipe's dict holds them beside ROLES')
+BACKWARD_COPIES = {"wgrad_input": ("input", 0), "dgrad_weight": ("weight", 0)}
+
+
+def _kept(keep: bool) -> dict:
+    """The keyword a kernel takes to keep the float32 dequantization with the quantization (a rule keeps none:
+    ``keep`` is True only where kernels are bound)."""
+    return {"keep_fp32": True} if keep else {}
+
+
 class BlockQuantizer:
-    """A finer-grained recipe's quantizer of one role; ``axis`` picks the contraction dimension.
+    """A finer-grained recipe's quantizer of one role; ``axis`` picks the contraction dimension. The base of one
+    class per scaling kind; each says how it ``encode``s x in a block.
 
     On a CPU every block-scaled GEMM is emulated (``block_gemm.scaled_gemm``), which reads each operand in
-    float32: with kernels on, the quantizer keeps that copy, computed with the quantization (``keep_fp32``)."""
+    float32: with kernels bound, the quantizer keeps that copy, computed with the quantization (``keep_fp32``)."""
 
     per_tensor = False
     state = None
+    rht = None          # NVFP4's random Hadamard transform of the weight-gradient GEMM's operands, where applied
 
-    def __init__(self, recipe: BlockRecipe, role: str, functions: Optional[dict] = None):
-        functions = functions or {}
-        self.recipe, self.role, self.kernels = recipe, role, kernels_on()
-        if isinstance(recipe, Float8RowwiseScaling):
-            self.encode = self._fp32_scaled(recipe.round_scales_to_power_of_2, 0.0)
-        elif isinstance(recipe, Float8BlockScaling):
-            fn = functions.get("block_quantize")
-            self.encode = self._fp32_scaled(recipe.power_2_scales, recipe.amax_epsilon) if fn is None \
-                else self._learner_block_quantize(fn)
-        elif isinstance(recipe, MXFP8BlockScaling):
-            elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
-            self.encode = self._mx(elem, recipe.scale_rule, functions.get("mx_shared_exponent"))
-        else:
-            rounding = "stochastic" if role == "grad_output" and not recipe.disable_stochastic_rounding else "nearest"
-            self.encode = self._nvfp4(rounding, functions.get("nvfp4_scales"))
-            self.rht = None if recipe.disable_rht or role == "weight" else (fastpath.rht if self.kernels else hadamard.rht)
+    def __init__(self, recipe: BlockRecipe, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        if type(self) is BlockQuantizer:
+            raise TypeError(f"{type(recipe).__name__} has no quantizer of its own: each role's comes from the "
+                            "recipe direction_recipe(recipe, role, axis) names")
+        self.recipe, self.role, self.binding = recipe, role, binding
+        self.blocks = (block_for(recipe, role, 0), block_for(recipe, role, 1))    # along axis 0, along axis 1
+
+    @classmethod
+    def for_layer(cls, recipe: BlockRecipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
+        """{role: quantizer} of a block recipe, plus "wgrad_input" (x as the weight-gradient GEMM reads it) and
+        "dgrad_weight" (W as the input-gradient GEMM reads it); each from ``direction_recipe``: a single-format
+        recipe's are all its own, a ``PerDirectionBlockScaling``'s forward roles (x, W) take its forward recipe
+        and dy and the backward copies its backward recipe."""
+        q = {role: build(direction_recipe(recipe, role, 1), role, functions, kernels) for role in ROLES}
+        for key, (role, axis) in BACKWARD_COPIES.items():
+            q[key] = build(direction_recipe(recipe, role, axis), role, functions, kernels)
+        return q
 
     def __call__(self, x: torch.Tensor, axis: int, wgrad: bool = False,
                  keep_fp32: Optional[bool] = None) -> ScaledTensor:
         """x (M, K) quantized in blocks along ``axis`` (``wgrad``: for the weight-gradient GEMM); ``keep_fp32``:
-        keep the float32 dequantization (None: on a CPU with kernels on; the rules never keep one)."""
+        keep the float32 dequantization (None: on a CPU with kernels bound; the rules never keep one)."""
         check_floating(x)
-        block = block_for(self.recipe, self.role, axis)
-        if wgrad and getattr(self, "rht", None) is not None:
+        if axis not in (0, 1):
+            check_role_axis(self.role, axis)
+        if wgrad and self.rht is not None:
             x = self.rht(x, self.recipe.rht_seed)
         keep = x.device.type == "cpu" if keep_fp32 is None else keep_fp32
-        return self.encode(x, block, self.kernels and keep)
+        return self.encode(x, self.blocks[axis], self.binding.kernels and keep)
 
-    def _fp32_scaled(self, p2: bool, eps: float) -> Callable:
-        if self.kernels:
-            return lambda x, block, keep: fastpath.quantize_fp32_scaled(x, block, "e4m3", power_2_scale=p2,
-                                                                        amax_epsilon=eps, keep_fp32=keep)
-        return lambda x, block, keep: blockwise.quantize_fp32_scaled(x, block, "e4m3", power_2_scale=p2,
-                                                                     amax_epsilon=eps)
+    def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        raise NotImplementedError
+
+
+class Float8BlockQuantizer(BlockQuantizer):
+    """FP32 scales per block (TE ``Float8BlockQuantizer``; ``Float8BlockScaling``): ``blockwise.quantize_fp32_scaled``
+    in E4M3, or a learner's lesson 09 ``block_quantize``."""
+
+    def __init__(self, recipe: Float8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        super().__init__(recipe, role, binding, functions)
+        self.power_2_scale, self.amax_epsilon = self.scale_fields(recipe)
+        fn = (functions or {}).get("block_quantize")
+        if fn is not None:
+            self.encode = self._learner_block_quantize(fn)
+
+    @staticmethod
+    def scale_fields(recipe: Float8BlockScaling) -> tuple[bool, float]:
+        return recipe.power_2_scales, recipe.amax_epsilon
+
+    def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        return self.binding.quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scale,
+                                                 amax_epsilon=self.amax_epsilon, **_kept(keep))
 
     @staticmethod
     def _learner_block_quantize(fn: Callable) -> Callable:
@@ -252,33 +366,74 @@ class BlockQuantizer:
             return ScaledTensor(data, scale_inv, block, "e4m3", None, x.dtype)
         return encode
 
-    def _mx(self, elem: str, rule: str, fn: Optional[Callable]) -> Callable:
-        if fn is None:
-            if self.kernels:
-                return lambda x, block, keep: fastpath.quantize_mx(x, block, elem, rule, keep_fp32=keep)
-            return lambda x, block, keep: mx.quantize_mx(x, block, elem, rule)
 
-        def encode(x, block, keep):
-            mx.mx_element_format(elem)
-            b = resolve_block(x.shape, block)
-            amax = (fastpath.block_amax if self.kernels else block_amax)(x, b)       # (M/r, K/c) fp32
-            flat = amax.flatten()                              # (n,) as the lesson's signature takes it
-            k = returned("mx_shared_exponent", flat, fn(flat.clone(), elem)).reshape(amax.shape)
-            if self.kernels:
-                return fastpath.encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep)
-            return mx.encode_mx(x, b, elem, amax, k)
-        return encode
+class Float8RowwiseQuantizer(Float8BlockQuantizer):
+    """torchao's rowwise scaling (``Float8RowwiseScaling``): one FP32 scale per row or column, E4M3, power-of-two
+    scales as the recipe says, no amax epsilon."""
 
-    def _nvfp4(self, rounding: str, fn: Optional[Callable]) -> Callable:
-        if fn is None:
-            if self.kernels:
-                return lambda x, block, keep: fastpath.quantize_nvfp4(x, block, rounding=rounding, keep_fp32=keep)
-            return lambda x, block, keep: nvfp4.quantize_nvfp4(x, block, rounding=rounding)
+    @staticmethod
+    def scale_fields(recipe: Float8RowwiseScaling) -> tuple[bool, float]:
+        return recipe.round_scales_to_power_of_2, 0.0
 
-        def encode(x, block, keep):
-            b = resolve_block(x.shape, block)
-            t, s = nvfp4_scales_from(fn, x.detach().float(), b)
-            if self.kernels:
-                return fastpath.encode_nvfp4(x, b, t, s, rounding, None, keep)
-            return nvfp4.encode_nvfp4(x, b, t, s, rounding)
-        return encode
+
+class MXFP8Quantizer(BlockQuantizer):
+    """OCP MX (TE ``MXFP8Quantizer``; ``MXFP8BlockScaling``): ``mx.quantize_mx``, an E8M0 scale per 32 elements
+    (E4M3 elements, E5M2 gradients under HYBRID), or the scales from a learner's lesson 09 ``mx_shared_exponent``."""
+
+    def __init__(self, recipe: MXFP8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        super().__init__(recipe, role, binding, functions)
+        self.elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
+        self.shared_exponent = (functions or {}).get("mx_shared_exponent")
+        if self.shared_exponent is not None:
+            self.encode = self._learner_mx
+
+    def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        return self.binding.quantize_mx(x, block, self.elem, self.recipe.scale_rule, **_kept(keep))
+
+    def _learner_mx(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        mx.mx_element_format(self.elem)
+        b = resolve_block(x.shape, block)
+        amax = self.binding.block_amax(x, b)                    # (M/r, K/c) fp32
+        flat = amax.flatten()                                   # (n,) as the lesson's signature takes it
+        k = returned("mx_shared_exponent", flat, self.shared_exponent(flat.clone(), self.elem))
+        k = k.reshape(amax.shape)
+        return self.binding.encode_mx(x, b, self.elem, amax, k, **_kept(keep))
+
+
+class NVFP4Quantizer(BlockQuantizer):
+    """NVFP4 (TE ``NVFP4Quantizer``; ``NVFP4BlockScaling``): ``nvfp4.quantize_nvfp4``, E2M1 with an E4M3 scale per
+    16 elements and an FP32 tensor scale (gradients rounded stochastically, the weight-gradient GEMM's operands
+    through the random Hadamard transform, unless the recipe turns them off), or the scales from a learner's
+    lesson 09 ``nvfp4_scales``."""
+
+    def __init__(self, recipe: NVFP4BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
+                 key: str = "", device=None):
+        super().__init__(recipe, role, binding, functions)
+        stochastic = role == "grad_output" and not recipe.disable_stochastic_rounding
+        self.rounding = "stochastic" if stochastic else "nearest"
+        self.rht = None if recipe.disable_rht or role == "weight" else binding.rht
+        self.scales = (functions or {}).get("nvfp4_scales")
+        if self.scales is not None:
+            self.encode = self._learner_nvfp4
+
+    def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        return self.binding.quantize_nvfp4(x, block, rounding=self.rounding, **_kept(keep))
+
+    def _learner_nvfp4(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
+        b = resolve_block(x.shape, block)
+        t, s = nvfp4_scales_from(self.scales, x.detach().float(), b)
+        return self.binding.encode_nvfp4(x, b, t, s, self.rounding, None, **_kept(keep))
+
+
+# ------------------------------------------------------------------------------------------------ the table
+#: each recipe class: its quantizer class and the steps it binds (rules or kernels: ``STEPS``)
+KERNEL_TABLE: dict[type, Row] = {
+    DelayedScaling: Row(Float8Quantizer, ("amax", "cast") + PER_TENSOR_GEMM),
+    CurrentScaling: Row(Float8CurrentScalingQuantizer, ("amax", "cast") + PER_TENSOR_GEMM),
+    Float8RowwiseScaling: Row(Float8RowwiseQuantizer, ("quantize_fp32_scaled",) + BLOCK_GEMM),
+    Float8BlockScaling: Row(Float8BlockQuantizer, ("quantize_fp32_scaled",) + BLOCK_GEMM),
+    MXFP8BlockScaling: Row(MXFP8Quantizer, ("quantize_mx", "block_amax", "encode_mx") + BLOCK_GEMM),
+    NVFP4BlockScaling: Row(NVFP4Quantizer, ("quantize_nvfp4", "encode_nvfp4", "rht") + BLOCK_GEMM),
+    PerDirectionBlockScaling: Row(BlockQuantizer, BLOCK_GEMM),   # its roles' quantizers: its direction recipes' rows
+}

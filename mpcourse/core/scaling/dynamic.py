@@ -111,7 +111,7 @@ class DynamicLossScaler(LossScalerBase):
         self.skipped_steps = c["skipped_steps"]
         lesson_shape = self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
         self._update_step = (_by_learner if self.update_scale is not None
-                             else _by_kernel if fused.HAS_FUSED_UPDATE and lesson_shape else _by_rule)
+                             else _by_kernel if lesson_shape and fused.use_fused_update() else _by_rule)
 
     def _lazy_init(self, device):
         super()._lazy_init(device)

@@ -9,20 +9,20 @@
   call to the rule.
 
 No rule imports this module. A scaler chooses once, at construction (`DynamicLossScaler._set_config`,
-`LossScalerBase.__init__`); ``MPCOURSE_FUSED=0`` (read at import) makes every scaler run the rules.
+`LossScalerBase.__init__`): the kernel where ATen has it (``HAS_FUSED_UPDATE``, ``HAS_FUSED_UNSCALE``) and the
+library's switch allows (``mpcourse.core.kernels_switch``: ``MPCOURSE_FUSED=0`` makes every scaler run the rules).
 `tests/core/scaling/test_scaling.py` compares kernel, rule and torch.amp.GradScaler bit for bit.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import kernels_switch
 from . import check
 
-ENABLED = os.environ.get("MPCOURSE_FUSED", "1") != "0"
-HAS_FUSED_UPDATE = ENABLED and hasattr(torch, "_amp_update_scale_")
-HAS_FUSED_UNSCALE = ENABLED and hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+#: whether this torch has ATen's fused calls (a fact about the install; the switch is asked at construction)
+HAS_FUSED_UPDATE = hasattr(torch, "_amp_update_scale_")
+HAS_FUSED_UNSCALE = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
 
 def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval) -> None:
@@ -39,6 +39,12 @@ def check_and_unscale_(grads, found_inf, inv_scale, may_overflow: bool) -> None:
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
+def use_fused_update() -> bool:
+    """Whether a scaler built now binds ATen's fused update (where its rule's shape allows): ATen has it and the
+    switch (``kernels_switch.enabled()``) is on."""
+    return HAS_FUSED_UPDATE and kernels_switch.enabled()
+
+
 def choose_check_and_unscale():
-    """The unscale a scaler binds at construction: the kernel where ATen has it and MPCOURSE_FUSED allows."""
-    return check_and_unscale_ if HAS_FUSED_UNSCALE else check.check_and_unscale_
+    """The unscale a scaler binds at construction: the kernel where ATen has it and the switch is on, else the rule."""
+    return check_and_unscale_ if HAS_FUSED_UNSCALE and kernels_switch.enabled() else check.check_and_unscale_

@@ -146,7 +146,7 @@ class SaturationCounter:
         for module in recipe.model.modules():
             if isinstance(module, Float8Linear):
                 for role, q in module.quantizers.items():
-                    if q.state is not None:                        # DelayedQuantizer: the scale of earlier steps
+                    if q.state is not None:                        # Float8Quantizer: the scale of earlier steps
                         module.quantizers[role] = _Counted(q, self)
                         self.wrapped += 1
 

@@ -22,6 +22,7 @@ import torch
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
                                  MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
                                  convert_to_float8_training, engine, fp8_gemm)
+from mpcourse.core import kernels_switch
 from mpcourse.core.quant.kernels import fastpath, fused
 from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
 from mpcourse.core.quant.layers.block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
@@ -42,7 +43,7 @@ def path(name: str):
         pytest.skip("numba is not installed (or MPCOURSE_FUSED=0)")
     with pytest.MonkeyPatch.context() as mp:
         if name == "torch":
-            mp.setattr(fused, "AVAILABLE", False)
+            mp.setattr(fastpath, "COMPILED", False)
         yield
 
 
@@ -171,17 +172,16 @@ def test_per_tensor_casts_and_reductions_take_empty_tensors(shape, mode):
                 assert tuple(got.shape) == expected_grid(shape, block) and not bool(got.any())
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_engine_quantizers_take_empty_tensors_on_every_role_axis_and_gemm(monkeypatch, shape, kernels):
+def test_engine_quantizers_take_empty_tensors_on_every_role_axis_and_gemm(shape, kernels):
     """The engine's quantizers of every recipe (the HYBRID MXFP8 recipe's E5M2 gradients, NVFP4's weight-gradient
     copies with the Hadamard transform, the per-direction recipe's backward copies), along both axes, with and
     without the kept FP32 copy."""
-    monkeypatch.setenv("MPCOURSE_FUSED", kernels)
     recipes = [Float8RowwiseScaling(), Float8BlockScaling(), MXFP8BlockScaling(fp8_format=Format.HYBRID),
                MXFP8BlockScaling(scale_rule="floor"), NVFP4BlockScaling(), PerDirectionBlockScaling()]
     for recipe in recipes:
-        q = engine.quantizers(recipe)
+        q = engine.quantizers(recipe, kernels=kernels)
         for role, quantizer in q.items():
             for axis in (0, 1):
                 for wgrad in (False, True):
@@ -245,16 +245,17 @@ LAYER_RECIPES = {"fp8-current": CurrentScaling(), "fp8-delayed": DelayedScaling(
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
-@pytest.mark.parametrize("kernels", ["1", "0"])
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("name", LAYER_RECIPES)
 @pytest.mark.parametrize("mkn", [(0, 256, 128), (128, 0, 128), (128, 256, 0), (0, 0, 0)], ids=str)
-def test_float8_linear_trains_on_empty_shapes(monkeypatch, mkn, name, kernels):
+def test_float8_linear_trains_on_empty_shapes(mkn, name, kernels):
     """Forward and backward: y (M, N), dx (M, K), dW (N, K), the bias gradient (N,), all finite; an empty
     contraction gives zeros (K = 0: y is the bias alone; M = 0: dW and the bias gradient are zeros)."""
-    monkeypatch.setenv("MPCOURSE_FUSED", kernels)
     M, K, N = mkn
     torch.manual_seed(0)
-    lin = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe=LAYER_RECIPES[name])
+    with kernels_switch.flags(enabled=kernels):           # the layer's quantizers and GEMMs: kernels or rules
+        lin = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe=LAYER_RECIPES[name])
+    assert lin[0].quantizers["input"].binding.kernels is kernels
     x = torch.randn(M, K, requires_grad=True)
     y = lin(x)
     assert tuple(y.shape) == (M, N)

@@ -5,8 +5,9 @@
 * No rule module imports a kernel module (``fastpath``, ``fused``) or the engine, at module level or inside a function.
 * The package has no import cycle, function-level imports included.
 * The recipes are configuration: dataclass fields (TE's / torchao's), no ``*_fn`` fields, no quantizing methods.
-* The engine's quantizers give the same bits with kernels (the default) as with the rules (``MPCOURSE_FUSED=0``)
-  for every recipe, role and axis.
+* The engine's quantizers give the same bits with kernels (the default) as with the rules (``kernels=False``, what
+  ``MPCOURSE_FUSED=0`` binds) for every recipe, role and axis.
+* No layer imports a kernel: the engine binds them (``engine.STEPS``), and each kernel's docstring names its rule.
 """
 import ast
 import dataclasses
@@ -70,6 +71,9 @@ def test_the_layout_checks_can_fail():
     graph = _graph()
     graph["rules.tensor"] = graph["rules.tensor"] | {"kernels.fastpath"}
     assert _room_violations(graph)
+    graph = _graph()                                # and one from a layer to a kernel
+    graph["layers.gemm"] = graph["layers.gemm"] | {"kernels.fastpath"}
+    assert _room_violations(graph) == ["layers.gemm imports kernels.fastpath"]
 
 
 def _imports(tree: ast.AST, module: str) -> set[str]:
@@ -96,9 +100,11 @@ def _imports(tree: ast.AST, module: str) -> set[str]:
 #: every module of the package, as ``room.name`` (``rules.tensor``) or ``name`` (``engine``), rooms' __init__ aside
 MODULES = {str(p.relative_to(PACKAGE).with_suffix("")).replace("/", "."): p
            for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"}
-#: what each room may not import: a rule no kernel, layer, engine or recipe; a kernel no layer or engine
+#: what each room may not import: a rule no kernel, layer, engine or recipe; a kernel no layer or engine; a layer
+#: no kernel (it takes rule or kernel from what the engine bound)
 FORBIDDEN_ROOMS = {"rules": ("kernels.", "layers.", "engine", "region", "recipe", "block_recipes"),
-                   "kernels": ("layers.", "engine", "region")}
+                   "kernels": ("layers.", "engine", "region"),
+                   "layers": ("kernels.",)}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -185,12 +191,9 @@ def _bits(st):
 
 
 @pytest.mark.parametrize("recipe", BLOCK, ids=repr)
-def test_block_kernels_equal_the_rules_through_the_engine(recipe, monkeypatch):
-    monkeypatch.setenv("MPCOURSE_FUSED", "1")
-    fast = engine.quantizers(recipe)
-    monkeypatch.setenv("MPCOURSE_FUSED", "0")
-    rules = engine.quantizers(recipe)
-    assert not rules["input"].kernels and fast["input"].kernels
+def test_block_kernels_equal_the_rules_through_the_engine(recipe):
+    fast, rules = engine.quantizers(recipe, kernels=True), engine.quantizers(recipe, kernels=False)
+    assert not rules["input"].binding.kernels and fast["input"].binding.kernels
     for x in (_spread((256, 256), 1), _spread((128, 384), 2).bfloat16()):
         for role in ("input", "weight", "grad_output"):
             for axis, wgrad in ((1, False), (0, True)):
@@ -209,11 +212,9 @@ def test_block_kernels_equal_the_rules_through_the_engine(recipe, monkeypatch):
 
 @pytest.mark.parametrize("recipe", [quant.Float8CurrentScaling(), quant.DelayedScaling(amax_history_len=4),
                                     quant.Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)], ids=repr)
-def test_per_tensor_kernels_equal_the_rules_through_the_engine(recipe, monkeypatch):
-    monkeypatch.setenv("MPCOURSE_FUSED", "1")
-    fast = engine.quantizers(recipe)
-    monkeypatch.setenv("MPCOURSE_FUSED", "0")
-    rules = engine.quantizers(recipe)
+def test_per_tensor_kernels_equal_the_rules_through_the_engine(recipe):
+    fast, rules = engine.quantizers(recipe, kernels=True), engine.quantizers(recipe, kernels=False)
+    assert not rules["input"].binding.kernels and fast["input"].binding.kernels
     for x in (_spread((64, 256), 3), _spread((64, 256), 4).reshape(4, 16, 256), _spread((32, 64), 5).bfloat16()):
         for role in ("input", "grad_output"):
             for _ in range(2):                                  # delayed: a second cast with the updated scale

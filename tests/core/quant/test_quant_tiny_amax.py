@@ -46,6 +46,7 @@ from mpcourse.core.formats import FORMATS
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format,
                                  MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
                                  convert_to_float8_training)
+from mpcourse.core import kernels_switch
 from mpcourse.core.quant.kernels import fastpath, fused
 from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
 from mpcourse.core.quant.rules.delayed import amax_and_scale_update
@@ -241,7 +242,7 @@ def kernels(mode: str):
     if mode == "numba" and not fused.AVAILABLE:
         pytest.skip("numba is not installed (or MPCOURSE_FUSED=0): the compiled kernels are off")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "AVAILABLE", mode == "numba")
+        mp.setattr(fastpath, "COMPILED", mode == "numba")
         yield
 
 
@@ -270,7 +271,7 @@ def assert_st_equal(got, want, what: str, mode: str = "torch") -> None:
 @contextlib.contextmanager
 def kernels_off():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "AVAILABLE", False)
+        mp.setattr(fastpath, "COMPILED", False)
         yield
 
 
@@ -606,19 +607,20 @@ LAYER_RECIPES = {"fp8-current": CurrentScaling(), "fp8-delayed": DelayedScaling(
                  "mxfp8-fwd-nvfp4-bwd": PerDirectionBlockScaling()}
 
 
-@pytest.mark.parametrize("kernels_on", ["1", "0"])
+@pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("name", LAYER_RECIPES)
 @pytest.mark.parametrize("scale", [1e-36, 1e-38, 2.0 ** -140])
-def test_float8_linear_on_a_tiny_input_gives_no_nan(monkeypatch, scale, name, kernels_on):
+def test_float8_linear_on_a_tiny_input_gives_no_nan(scale, name, kernels_on):
     """A converted linear layer, forward and backward, on an input of amax ~ scale with an all-zero row block and
     column block: output, input gradient and weight gradient are finite. At amax ~ 1e-36 the scales represent the
     input (FP8: 448 / amax is a finite FP32; MX: most blocks' E8M0 exponents are >= -127; NVFP4: its tensor scale
     is floored at 2^-121), and the output and weight gradient are close to FP32's (not under delayed scaling, whose
     first step casts with the initial scale 1)."""
-    monkeypatch.setenv("MPCOURSE_FUSED", kernels_on)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))   # a bias would hide the tiny product
-    lin = convert_to_float8_training(copy.deepcopy(ref), recipe=LAYER_RECIPES[name])
+    with kernels_switch.flags(enabled=kernels_on):        # the layer's quantizers and GEMMs: kernels or rules
+        lin = convert_to_float8_training(copy.deepcopy(ref), recipe=LAYER_RECIPES[name])
+    assert lin[0].quantizers["input"].binding.kernels is kernels_on
     x = torch.randn(128, 256) * scale
     x[:32] = 0.0
     x[:, 64:96] = 0.0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpcourse.core import scaling
+from mpcourse.core import kernels_switch, scaling
 from mpcourse.core.scaling import DynamicLossScaler, StaticLossScaler
 
 BIG = 3.0e38  # finite in fp32 (max 3.4028e38); BIG / 0.5 is not
@@ -34,7 +34,8 @@ def one_step(scaler, opt, w, grad):
 def unscale_path(request, monkeypatch):
     if request.param == "fallback":
         monkeypatch.setattr(scaling.fused, "HAS_FUSED_UNSCALE", False)
-    return request.param
+    with kernels_switch.flags(enabled=True):      # "fused": the kernel, whatever MPCOURSE_FUSED says
+        yield request.param
 
 
 @pytest.mark.parametrize("make", [
@@ -146,7 +147,8 @@ def test_common_path_is_one_fused_pass_and_the_second_check_only_below_one(monke
         return wrapped
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", count("fused", fused))
     monkeypatch.setattr(scaling.check, "has_inf_or_nan", count("check", check))
-    s, w = DynamicLossScaler(init_scale=4.0, backoff_factor=0.125), param([1.0])
+    with kernels_switch.flags(enabled=True):      # the kernel, whatever MPCOURSE_FUSED says
+        s, w = DynamicLossScaler(init_scale=4.0, backoff_factor=0.125), param([1.0])
     opt = torch.optim.SGD([w], lr=1.0)
     one_step(s, opt, w, [1.0])
     assert calls == {"fused": 1, "check": 0}  # S >= 1: 1/S <= 1 cannot overflow, one pass

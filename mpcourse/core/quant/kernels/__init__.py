@@ -2,5 +2,7 @@
 
 ``fastpath``: fused torch paths (one ATen call where the rule takes several); ``fused``: compiled numba passes
 for CPU tensors. A kernel imports rules (to name and reuse them), never a layer or the engine; the engine is the
-one place that chooses between a rule and its kernel (``MPCOURSE_FUSED=0``: the rules everywhere).
+one place that chooses between a rule and its kernel (its table ``engine.STEPS``; the library's switch,
+``mpcourse.core.kernels_switch``, ``MPCOURSE_FUSED=0``: the rules everywhere), and no layer imports a kernel.
+``fastpath`` chooses between numba and its torch bodies once, at import (``fastpath.COMPILED``).
 """

@@ -28,16 +28,20 @@ The rules stay where they are written for reading (``formats.round_to``, ``Scale
   The stochastic path draws the same random integers as the rule (``torch.randint(0, 2**62, ...)``), so a
   seeded run gives the same bits, and reads each as two 32-bit words (no 64-bit arithmetic).
 
-Where numba imports, ``fp8_to_float32``, ``pow2_scale`` and ``rceil_scale_inv`` hand CPU tensors to the compiled
-kernels of ``fused`` (one pass, the same bits; ``tests/core/quant/kernels/test_quant_fused.py``), and the block quantizers take
-``fused``'s quantize-and-copy pass instead of ``fp8_blocks_to_float32``; the torch bodies here run otherwise
-(``MPCOURSE_FUSED=0``) and stay tested against their rules.
+numba or torch, chosen once: ``COMPILED``, set at import from the library's switch
+(``mpcourse.core.kernels_switch.ENABLED``) and whether numba imports (``fused.AVAILABLE``). Where it is True,
+``fp8_to_float32``, ``pow2_scale``, ``rceil_scale_inv``, ``compute_amax``, ``to_float8``, ``block_amax``,
+``dequantize`` and the block quantizers hand CPU tensors to the compiled kernels of ``fused`` (one pass, the same
+bits; ``tests/core/quant/kernels/test_quant_fused.py``); otherwise the torch bodies here run, and stay tested against
+their rules. What is still decided per call is about the input, not the machine (``_takes``): whether the compiled
+pass can read this tensor (a non-empty 2-D CPU tensor of its dtype; contiguous for the quantizers' one pass) and
+whether ``torch.compile`` is tracing the call (it cannot trace into a compiled call: there the torch bodies run).
 
 The kernels of the quantization rules, each named after the rule it equals (``tests/core/quant/test_quant_layout.py`` runs
 every recipe's quantizers both ways): ``compute_amax`` (one ``aminmax`` pass), ``to_float8``, ``block_amax`` (max
 pooling for 1x16 blocks), ``quantize_fp32_scaled``, ``quantize_mx``, ``quantize_nvfp4`` and their ``encode_*``
 steps (the FP32 copy kept with the quantization), ``dequantize`` and ``rht`` (one batched matmul with a cached
-matrix); ``engine`` binds them. ``gemm.fp8_linear_backward_gemms`` on a CPU takes no layout copies of W and x.
+matrix). ``engine`` binds each of them or its rule (its table ``STEPS``); no layer imports this module.
 """
 from __future__ import annotations
 
@@ -46,15 +50,28 @@ from typing import Optional
 import torch
 
 from ...formats import FORMATS
+from ...kernels_switch import ENABLED
 from ..rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from . import fused
 from ..rules.scaled import CONTAINER, ScaledTensor, block_multiplier, block_view, check_edges, expand, resolve_block
 
+#: whether fused's compiled passes run at all: chosen once, here, at import (the switch on and numba imported)
+COMPILED: bool = ENABLED and fused.AVAILABLE
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
+def _takes(x: torch.Tensor, dtype: torch.dtype = torch.float32, dims: Optional[int] = 2) -> bool:
+    """Whether fused's compiled pass takes ``x`` in this call: ``COMPILED`` (the machine's half, fixed at import),
+    then the input's half, asked per call: a non-empty CPU tensor of ``dtype`` with ``dims`` dimensions (None: any
+    number), outside ``torch.compile``'s tracing (which cannot trace a compiled call: the torch body is traced)."""
+    return (COMPILED and x.device.type == "cpu" and x.dtype == dtype and x.numel() > 0
+            and (dims is None or x.dim() == dims) and not _is_compiling())
+
 
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``data.float()`` (times ``scale``, a one-element float32 tensor, if given), same shape and strides
-    for a contiguous tensor or the transpose of one; other layouts come back contiguous. Non-CPU tensors
-    take the plain rule.
+    """``tensor.fp8_to_float32(data, scale)``, bit for bit: ``data.float()`` (times ``scale``, a one-element float32
+    tensor, if given), same shape and strides for a contiguous tensor or the transpose of one; other layouts come
+    back contiguous. Non-CPU tensors take the plain rule.
 
     Each code is read as the top bits of an FP16 number, whose upcast to FP32 is one vectorized pass (F16C):
       E5M2 (s eeeee mm) is FP16's top byte, inf and NaN included: FP16 bits = code << 8.
@@ -72,7 +89,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     data = data.contiguous()
     if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_to_float32 takes float8_e4m3fn or float8_e5m2 data, got {data.dtype}")
-    if fused.active() and data.dim() >= 1 and data.numel():   # the same products in one compiled pass
+    if _takes(data, data.dtype, None) and data.dim() >= 1:    # the same products in one compiled pass
         d2 = data.reshape(-1, data.shape[-1])                                     # (M, K) codes
         m = torch.ones(1, 1) if scale is None else scale.reshape(1, 1).float()
         return fused.dequantize_fp8(d2, tuple(d2.shape), m).reshape(data.shape)
@@ -148,7 +165,7 @@ def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the smallest normal
     (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
     """
-    if fused.active() and amax.dtype == torch.float32 and amax.device.type == "cpu":
+    if _takes(amax, torch.float32, None):
         return fused.pow2_scale(amax, fp8_max)                                 # the same bits, one compiled pass
     s = torch.full_like(amax, fp8_max) / amax                                  # as the rule divides
     p = (s.view(torch.int32) & 0x7F800000).clamp_(max=0x7F000000).view(torch.float32)   # 2^floor(log2 s)
@@ -162,7 +179,7 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     d above 2^-127 carries into 2^-126), capped at 2^127 (d = inf, or a carry past it); d <= 2^-127, zero or
     negative zero gives 2^-127 as the rule's k = -127.
     NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
-    if fused.active() and amax.dtype == torch.float32 and amax.device.type == "cpu":
+    if _takes(amax, torch.float32, None):
         return fused.rceil_scale_inv(amax, elem_max)                           # the same bits, one compiled pass
     bits = (amax.float() / elem_max).view(torch.int32)
     up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits
@@ -187,9 +204,9 @@ E4M3_CAST_SATURATES = _cast_saturates(torch.float8_e4m3fn, FORMATS["e4m3"].max)
 
 def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype)`` on a CPU for per-tensor scales:
-    ``(float32(a) * scale_a) @ (float32(b) * scale_b)`` in FP32, rounded once to ``out_dtype``.
-    a: (M, K) float8, b: (K, N) float8 (any of the layouts ``_scaled_mm`` takes)."""
+    """``tensor.scaled_mm(a, b, scale_a, scale_b, out_dtype)`` bit for bit (what ``torch._scaled_mm`` computes on a
+    CPU for per-tensor scales): ``(float32(a) * scale_a) @ (float32(b) * scale_b)`` in FP32, rounded once to
+    ``out_dtype``, with the fast upcast. a: (M, K) float8, b: (K, N) float8 (any of the layouts ``_scaled_mm`` takes)."""
     # _scaled_mm makes both FP32 operands row-major before its GEMM (for small shapes the layout changes the
     # bits); so does this, on the 1-byte codes, before the upcast
     out = torch.mm(fp8_to_float32(a.contiguous(), scale_a), fp8_to_float32(b.contiguous(), scale_b))   # (M, N) fp32
@@ -276,8 +293,7 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     gives. Both are exact, NaN propagates."""
     if x.numel() == 0:
         return tensor.compute_amax(x)
-    if fused.active() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
-            and x.is_contiguous():
+    if _takes(x, torch.float32, None) and x.dim() >= 1 and x.is_contiguous():
         x2 = x.detach().reshape(-1, x.shape[-1])                               # (M, K) view
         return fused.block_amax(x2, tuple(x2.shape)).reshape(())
     lo, hi = torch.aminmax(x.detach())
@@ -291,8 +307,7 @@ def to_float8(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> "ten
     if not saturate:
         return tensor.to_float8(x, fp8_format, scale, saturate)
     name, dtype, top, scale, source = tensor.cast_arguments(x, fp8_format, scale)
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.numel() \
-            and fused.active() and x.is_contiguous():
+    if _takes(x, torch.float32, None) and x.dim() >= 1 and x.is_contiguous():
         x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
         data, _ = fused.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
         return tensor.Float8Tensor(data.reshape(x.shape), scale.reciprocal(), x.dtype, source)
@@ -308,7 +323,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     scaled.check_floating(x)
     if x.numel() == 0:
         return scaled.block_amax(x, block)
-    if fused.usable(x):
+    if _takes(x):
         return fused.block_amax(x, resolve_block(x.shape, block))
     a = x.detach().float().abs()
     if block == (1, 16) and a.is_contiguous() and a.device.type == "cpu":
@@ -318,10 +333,10 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def dequantize(st: ScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``st.dequantize(dtype)`` bit for bit: ``fused``'s one pass for contiguous E4M3 data to float32, else the
-    fast upcast (``fp8_to_float32``) times each block's multiplier."""
-    if (dtype or st.orig_dtype) == torch.float32 and st.data.dtype == torch.float8_e4m3fn \
-            and st.data.is_contiguous() and fused.usable(st.data, torch.float8_e4m3fn):
+    """``ScaledTensor.dequantize(st, dtype)`` bit for bit: ``fused``'s one pass for contiguous E4M3 data to float32,
+    else the fast upcast (``fp8_to_float32``) times each block's multiplier."""
+    if (dtype or st.orig_dtype) == torch.float32 and _takes(st.data, torch.float8_e4m3fn) \
+            and st.data.is_contiguous():
         return fused.dequantize_fp8(st.data, st.block, st.block_scale_inv())
     x = block_view(fp8_to_float32(st.data), st.block) * expand(st.block_scale_inv(), st.block)  # fp32
     return x.reshape(st.shape).to(st.orig_dtype if dtype is None else dtype)
@@ -340,9 +355,9 @@ def _keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """Whether a quantizer takes ``fused``'s compiled pass for x: a contiguous 2-D float32 CPU tensor (the
-    layer's operands; its copy keeps x's layout, as ``_keep``'s does)."""
-    return fused.usable(x) and x.is_contiguous()
+    """Whether a quantizer takes ``fused``'s compiled pass for x (per call, about the input): ``_takes(x)`` and
+    contiguous (the layer's operands; its copy keeps x's layout, as ``_keep``'s does)."""
+    return _takes(x) and x.is_contiguous()
 
 
 def _kept(st: ScaledTensor, dequantized: torch.Tensor) -> ScaledTensor:
@@ -418,6 +433,13 @@ def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor
     y = block_view(x.float(), b) / expand(divisor, b)
     data = cast_elements(y, elem).reshape(x.shape)
     return _keep(data, scale_inv.to(torch.float8_e8m0fnu), b, elem, None, x.dtype, y, keep_fp32, amax)
+
+
+def encode_mx_exponents(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Tensor, k: torch.Tensor,
+                        rule: str = "floor", edges: str = "course", keep_fp32: bool = False) -> ScaledTensor:
+    """``mx.encode_mx(x, block, elem, amax, k, rule, edges)`` bit for bit, from the same shared exponents k (a
+    learner's ``mx_shared_exponent``): ``encode_mx`` with 2^k, exact in float32 (2^-127 is a subnormal)."""
+    return encode_mx(x, block, elem, amax, torch.exp2(k.double()).float(), keep_fp32, rule, edges)
 
 
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,

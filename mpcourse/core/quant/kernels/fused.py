@@ -32,22 +32,25 @@ The FP8 cast (OCP FP8: E4M3 "fn" has no inf, S.1111.111 is NaN, max 448; E5M2 ma
 each kernel against its torch rule on tensors with NaN, inf, signed zeros and ties, for every block shape).
 
 Compiled once per machine (``cache=True``: a few seconds the first time, then loaded from numba's cache) and used
-when numba imports; ``MPCOURSE_FUSED=0`` turns it off (the torch rules run: the same bits, slower).
+when numba imports (``AVAILABLE``): ``fastpath`` decides once, at import, whether to call these passes
+(``fastpath.COMPILED``) and per call whether a tensor fits them. With the library's switch off
+(``mpcourse.core.kernels_switch.ENABLED``: ``MPCOURSE_FUSED=0``) numba is not even imported (the torch rules run: the
+same bits, slower).
 Single-threaded: ``mpcourse compare`` runs one 1-thread worker per core. Measured with
 ``benchmarks/bench_block_recipes.py``.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ...formats import FORMATS
+from ...kernels_switch import ENABLED
 
 try:
-    if os.environ.get("MPCOURSE_FUSED", "1") == "0":
+    if not ENABLED:
         raise ImportError("turned off by MPCOURSE_FUSED=0")
     import numba
     from llvmlite import ir
@@ -56,19 +59,7 @@ try:
 except ImportError:  # numba missing (or turned off): the torch rules run
     numba = None
 
-AVAILABLE = numba is not None
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
-
-
-def active() -> bool:
-    """Whether the kernels run: numba present (and not turned off), and not inside ``torch.compile``'s tracing
-    (which cannot trace a compiled call: there the torch rules are traced instead)."""
-    return AVAILABLE and not _is_compiling()
-
-
-def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernels take ``x``: ``active()``, and a non-empty 2-D tensor of ``dtype`` on the CPU."""
-    return active() and x.device.type == "cpu" and x.dim() == 2 and x.dtype == dtype and x.numel() > 0
+AVAILABLE = numba is not None     # the passes below exist; which calls take them is fastpath's choice
 
 
 _TYPESTR = {torch.float32: "<f4", torch.int32: "<i4", torch.uint8: "|u1", torch.int64: "<i8"}
@@ -294,7 +285,7 @@ if AVAILABLE:
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``scaled.block_amax(x, block)``: (M/r, K/c) float32 max |x| per resolved block, NaN propagating.
-    x: (M, K) float32 on the CPU (``usable``)."""
+    x: (M, K) float32 on the CPU (``fastpath._takes``)."""
     x = x.detach().contiguous()
     r, c = block
     _grid(x, block)
@@ -323,7 +314,7 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, di
                  dequant: Optional[torch.Tensor] = None, fp8_format: str = "e4m3"):
     """(data (M, K) float8, its float32 dequantization or None): ``fp8(saturate(x * mult))`` per block, rounded to
     nearest even (``divide``: x / mult, MX's rule), and with ``dequant`` the copy float32(data) * dequant.
-    x: (M, K) float32 on the CPU (``usable``); mult, dequant: (M/r, K/c) float32 (the blocks' scales and
+    x: (M, K) float32 on the CPU (``fastpath._takes``); mult, dequant: (M/r, K/c) float32 (the blocks' scales and
     dequantization multipliers); fp8_format "e4m3" or "e5m2"."""
     x = x.detach().contiguous()
     M, K = x.shape

@@ -12,6 +12,12 @@ each with its scales in blocks along K (the contraction dimension). Which path r
 * otherwise the emulation: every block of each operand multiplied by its own scale in FP32, then one FP32
   GEMM, so the result *is* dequantize-then-FP32-GEMM (equal bit for bit by construction, on every machine).
 
+The emulation dequantizes each operand with the engine's binding of the step ``dequantize`` (the rule
+``ScaledTensor.dequantize`` or its kernel ``fastpath.dequantize``), unless the quantizer kept its float32 copy:
+the layers pass their quantizers' ``binding`` (``scaled_gemm_with``); the public ``scaled_gemm`` and
+``emulated_gemm`` take the binding the engine makes now (``engine.bind(BLOCK_GEMM)``: the kernel unless the
+library's switch, ``mpcourse.core.kernels_switch``, is off).
+
 The emulation rounds like an FP32 GEMM, not like a tensor core. Real FP8 tensor cores on Hopper with
 ``use_fast_accum=True`` keep only about 14 bits of the running sum (DeepSeek-V3 technical report,
 arXiv 2412.19437, section 3.3.2); DeepSeek-V3 therefore copies the partial sums to FP32 registers every
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import NumberFormat, round_to
-from ..kernels.fastpath import dequantize
+from ..engine import BLOCK_GEMM, Binding, bind
 from ..rules.scaled import ScaledTensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,12 +65,18 @@ def native_supported(kind: Optional[str], device: torch.device) -> bool:
 
 def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N)."""
-    return (_fp32(a) @ _fp32(b)).to(out_dtype)
+    return emulated_gemm_with(bind(BLOCK_GEMM), a, b, out_dtype)
 
 
-def _fp32(a: ScaledTensor) -> torch.Tensor:
-    """``a.dequantize_fp32()``: the copy kept at quantization, else ``fastpath.dequantize`` (the same bits)."""
-    return a.dequantized if a.dequantized is not None else dequantize(a, torch.float32)
+def emulated_gemm_with(binding: Binding, a: ScaledTensor, b: ScaledTensor,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``emulated_gemm`` with each operand dequantized by ``binding.dequantize`` (where no copy was kept)."""
+    return (_fp32(binding, a) @ _fp32(binding, b)).to(out_dtype)
+
+
+def _fp32(binding: Binding, a: ScaledTensor) -> torch.Tensor:
+    """``a.dequantize_fp32()``: the copy kept at quantization, else ``binding.dequantize`` (the same bits)."""
+    return a.dequantized if a.dequantized is not None else binding.dequantize(a, torch.float32)
 
 
 def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_accum: bool) -> torch.Tensor:
@@ -90,7 +102,14 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
     transpose of such a tensor). backend: "auto" (F.scaled_mm where a GPU supports the scaling, else the
     emulation, which on a CPU is what F.scaled_mm computes there, bit for bit, only faster),
     "emulate" or "native" (RuntimeError where the device does not take this scaling).
+    ``scaled_gemm_with`` with the engine's binding made now (see the module docstring).
     """
+    return scaled_gemm_with(bind(BLOCK_GEMM), a, b, out_dtype, use_fast_accum=use_fast_accum, backend=backend)
+
+
+def scaled_gemm_with(binding: Binding, a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
+                     use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+    """``scaled_gemm``, its emulation dequantizing with ``binding.dequantize`` (a layer's quantizers' binding)."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -108,7 +127,7 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
     # element-by-element FP8 upcast: "auto" takes the emulation there.
     if native and (backend == "native" or (backend == "auto" and a.data.device.type != "cpu")):
         return _native(a, b, kind, out_dtype, use_fast_accum)
-    return emulated_gemm(a, b, out_dtype)
+    return emulated_gemm_with(binding, a, b, out_dtype)
 
 
 def accumulator_format(mantissa_bits: int) -> NumberFormat:

@@ -3,14 +3,15 @@
 y = x @ W^T + b with x (M, K), W (N, K). Every operand of every GEMM is quantized by the recipe's quantizer
 for its role, along that GEMM's contraction dimension, from the high-precision tensor (TE's rule; see
 ``block_recipes``), and the GEMM runs through ``block_gemm.scaled_gemm`` (``F.scaled_mm`` where the device
-takes the scaling, else the exact emulation)::
+takes the scaling, else the exact emulation, dequantizing with the quantizers' ``binding``: the engine chose
+rule or kernel)::
 
     forward  y  = Q(x, 1) @ Q(W, 1)^T                 -> (M, N) out dtype    fprop_operands
     dgrad    dx = Q(dy, 1) @ Q(W, 0)                  -> (M, K) x dtype      dgrad_operands
     wgrad    dW = Q(dy, 0, wgrad)^T @ Q(x, 0, wgrad)  -> (N, K) weight dtype  wgrad_operands (NVFP4: RHT on both)
 
 With a ``PerDirectionBlockScaling`` the forward Q is its forward recipe's and the backward Qs its backward
-recipe's (``engine.block_quantizers`` builds them so), and with ``backward_operand="dequantized"`` the backward
+recipe's (``engine.quantizers`` builds them so), and with ``backward_operand="dequantized"`` the backward
 copies of W and x are quantized from the forward's dequantized copies instead (``backward_source``).
 The high-precision x and W (or those dequantized copies, in x's and W's dtypes: the numerics of a backward that
 keeps only the forward's low-precision copies, not its memory) are saved for the backward (the re-quantization
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_gemm import scaled_gemm
+from .block_gemm import scaled_gemm_with
 from ..block_recipes import block_for
 from ..rules.scaled import ScaledTensor
 
@@ -53,10 +54,10 @@ def wgrad_operands(q: dict, grad_y: torch.Tensor, x_src: torch.Tensor) -> tuple[
 class BlockScaledLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers, out_dtype, backward_operand="source"):
-        # x: (M, K); weight: (N, K); bias: (N,) or None. quantizers: ``engine.block_quantizers`` of the layer's recipe
+        # x: (M, K); weight: (N, K); bias: (N,) or None. quantizers: ``engine.quantizers`` of the layer's recipe
         q = quantizers
         xq, wq = fprop_operands(q, x, weight)                     # (M, K), (N, K), blocks along K
-        y = scaled_gemm(xq, wq.t(), out_dtype)                    # (M, N)
+        y = scaled_gemm_with(q["input"].binding, xq, wq.t(), out_dtype)          # (M, N)
         x_src = backward_source(x, xq, backward_operand)          # (M, K): what wgrad's copy of x comes from
         w_src = backward_source(weight, wq, backward_operand)     # (N, K): what dgrad's copy of W comes from
         xq = wq.dequantized = None                                # the kept FP32 copies have been read
@@ -88,11 +89,11 @@ class BlockScaledLinearFunction(torch.autograd.Function):
             else:                                                   # the forward's copy: dgrad_operands' W bits
                 g1 = q["grad_output"](grad_y, 1)
                 w1 = ScaledTensor(w0[0], w0[1], ctx.w0[0], ctx.w0[1], w0[2], ctx.w0[2])
-            dx = scaled_gemm(g1, w1, x_src.dtype)                   # (M, K)
+            dx = scaled_gemm_with(q["grad_output"].binding, g1, w1, x_src.dtype)   # (M, K)
             del g1, w1                                              # and their FP32 copies, before the wgrad
         if ctx.needs_input_grad[1]:
             g0, x0 = wgrad_operands(q, grad_y, x_src)               # (M, N), (M, K)
-            dw = scaled_gemm(g0.t(), x0, ctx.weight_dtype)          # (N, K)
+            dw = scaled_gemm_with(q["grad_output"].binding, g0.t(), x0, ctx.weight_dtype)   # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None

@@ -140,7 +140,7 @@ class FP8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """((uint8 view of this shard's FP8 data, padded with zero rows to ``padded_shard_rows``),), metadata
         (its scale_inv, FP8 dtype, the unsharded rows ``outer_size[0]``). Collective over ``mesh``'s group."""
-        q = self._layer.quantizers["weight"]           # CurrentQuantizer: the layer's bound amax, scale and cast
+        q = self._layer.quantizers["weight"]           # the layer's bound amax, scale and cast
         amax = q.amax(self._tensor).reshape(1)         # (1,) fp32, this shard
         all_reduce_max_(amax, mesh.get_group())        # the whole weight's amax
         amax = apply_amax_epsilon(amax[0], q.recipe.amax_epsilon)

@@ -13,9 +13,10 @@ Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/floa
 * CPU (measured on torch 2.13): any shape, any layout, also E5M2 x E5M2, out_dtype float32, bfloat16,
   float16 (or FP8). It upcasts both operands to FP32, multiplies by the scales and runs the FP32 GEMM,
   so its result equals ``(float32(A) * scale_a) @ (float32(B) * scale_b)`` rounded to out_dtype, bit for bit.
-  On a CPU ``fp8_gemm`` computes exactly that itself (``fastpath.cpu_scaled_mm``: torch's element-by-element FP8
-  upcast replaced by a read of the codes as FP16 bits, many times faster; ``tests/core/quant/kernels/test_quant_fastpath.py`` checks it equals
-  ``torch._scaled_mm`` bit for bit); on a GPU it calls ``torch._scaled_mm``.
+  On a CPU ``fp8_gemm`` computes exactly that itself, with the engine's binding of the step ``scaled_mm``: the
+  rule ``rules.tensor.scaled_mm``, or its kernel ``fastpath.cpu_scaled_mm`` (torch's element-by-element FP8 upcast
+  replaced by a read of the codes as FP16 bits, many times faster; ``tests/core/quant/kernels/test_quant_fastpath.py``
+  checks it equals ``torch._scaled_mm`` bit for bit); on a GPU it calls ``torch._scaled_mm``.
 
 Policies here:
 * The layout rule and "at least one E4M3 operand" are enforced on every device, so code that runs on
@@ -29,12 +30,19 @@ Policies here:
 ``fp8_linear_backward_gemms`` runs a linear layer's two backward GEMMs (dx = dy @ W, dW = dy^T @ x) as two
 ``fp8_gemm`` calls, with the layout copies ``_scaled_mm`` needs; on a CPU it computes the same bits with each
 operand upcast once (the FP32 copy of dy serves both GEMMs) and none of those copies.
+
+Which functions run on a CPU (the rule or its kernel) is the engine's choice, not this module's: the layers pass
+their quantizers' ``binding`` (``fp8_gemm_with``, ``fp8_linear_backward_gemms(..., binding=)``); the public
+``fp8_gemm`` takes the binding the engine makes now (``engine.bind(PER_TENSOR_GEMM)``: the kernels unless the
+library's switch, ``mpcourse.core.kernels_switch``, is off).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..kernels.fastpath import cpu_scaled_mm, fp8_to_float32
+from ..engine import PER_TENSOR_GEMM, Binding, bind
 from ..rules.tensor import Float8Tensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,6 +102,15 @@ def _round_up(n: int) -> int:
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_inner_dim: bool = False,
              use_fast_accum: bool = False) -> torch.Tensor:
     """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
+    ``fp8_gemm_with`` with the engine's binding made now (see the module docstring)."""
+    return fp8_gemm_with(bind(PER_TENSOR_GEMM), a, b, out_dtype, pad_inner_dim=pad_inner_dim,
+                         use_fast_accum=use_fast_accum)
+
+
+def fp8_gemm_with(binding: Binding, a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *,
+                  pad_inner_dim: bool = False, use_fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``; on a CPU
+    through ``binding.scaled_mm`` (the engine's: the rule ``tensor.scaled_mm`` or its kernel).
 
     Args:
       a: (M, K) Float8Tensor, row-major (``a.data.is_contiguous()``).
@@ -135,8 +152,8 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
         # Zero rows/columns contribute zero products: the sliced result is unchanged.
         a_data = _pad_to(a_data, _round_up(M), _round_up(K))  # (M', K') row-major
         b_data = _pad_to(b_data, _round_up(K), _round_up(N))  # (K', N') column-major
-    if device.type == "cpu":  # what _scaled_mm computes on a CPU, with a faster FP8 upcast (fastpath.cpu_scaled_mm)
-        out = cpu_scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, out_dtype)  # (M', N') out_dtype
+    if device.type == "cpu":  # what _scaled_mm computes on a CPU: the rule tensor.scaled_mm or its kernel
+        out = binding.scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, out_dtype)  # (M', N') out_dtype
     else:
         out = torch._scaled_mm(a_data, b_data, scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
                                use_fast_accum=use_fast_accum)  # (M', N') out_dtype
@@ -147,7 +164,8 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
 
 def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tensor, x_dtype: torch.dtype,
                               w_dtype: torch.dtype, *, need_dx: bool = True, need_dw: bool = True,
-                              pad_inner_dim: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                              pad_inner_dim: bool = False, binding: Optional[Binding] = None
+                              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The two backward GEMMs of y = x @ W^T: (dx, dw), each None where not needed.
 
     Args:
@@ -157,31 +175,35 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
       x_dtype, w_dtype: dtypes of dx (M, K) and dW (N, K).
       need_dx, need_dw: which gradients to compute.
       pad_inner_dim: as for ``fp8_gemm``.
+      binding: the engine's binding of ``PER_TENSOR_GEMM`` (the layer's quantizers'; None: ``bind`` now).
     The rule is two ``fp8_gemm`` calls: dx = dy @ W (W copied to column-major) and dW = dy^T @ x (dy^T copied
     to row-major, x to column-major). On a CPU without padding it computes what those calls compute there
-    (``fastpath.cpu_scaled_mm``: row-major FP32 operands float32(code) * scale_inv, one FP32 GEMM, one rounding)
-    without the layout copies of W and x (row-major already): the row-major dy^T is made by transposing dy's
+    (``tensor.scaled_mm``: row-major FP32 operands float32(code) * scale_inv, one FP32 GEMM, one rounding)
+    without the layout copies of W and x (row-major already), each operand upcast by ``binding.fp8_to_float32``
+    (the rule ``tensor.fp8_to_float32`` or its kernel): the row-major dy^T is made by transposing dy's
     1-byte codes and upcasting those (each element the same product; a transposing copy of the FP32 copy moves 4x
     the bytes and cost about 4x the time, 1024 x 512, one thread). Equal bit for bit
     (``tests/core/quant/kernels/test_quant_fastpath.py``). E5M2 x E5M2
     (which ``fp8_gemm`` refuses) always takes the rule, so it raises as on a GPU.
     """
+    binding = bind(PER_TENSOR_GEMM) if binding is None else binding
+    upcast = binding.fp8_to_float32
     dx = dw = None
     if (g8.data.device.type == "cpu" and not pad_inner_dim
             and not (g8.fp8_format == "e5m2" == w8.fp8_format)):
         if need_dx:
-            g = fp8_to_float32(g8.data, g8.scale_inv)                                                # (M, N) fp32
-            dx = torch.mm(g, fp8_to_float32(w8.data, w8.scale_inv)).to(x_dtype)                      # (M, K)
+            g = upcast(g8.data, g8.scale_inv)                                                        # (M, N) fp32
+            dx = torch.mm(g, upcast(w8.data, w8.scale_inv)).to(x_dtype)                              # (M, K)
             del g                                                            # not needed by the dW GEMM
         if need_dw:
-            g_t = fp8_to_float32(g8.data.t().contiguous(), g8.scale_inv)     # (N, M) fp32 row-major dy^T
-            dw = torch.mm(g_t, fp8_to_float32(x8.data, x8.scale_inv)).to(w_dtype)                    # (N, K)
+            g_t = upcast(g8.data.t().contiguous(), g8.scale_inv)             # (N, M) fp32 row-major dy^T
+            dw = torch.mm(g_t, upcast(x8.data, x8.scale_inv)).to(w_dtype)                            # (N, K)
         return dx, dw
     if need_dx:
         w_col = Float8Tensor(w8.data.t().contiguous().t(), w8.scale_inv)       # (N, K) column-major
-        dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim)          # (M, K) x dtype
+        dx = fp8_gemm_with(binding, g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim)     # (M, K) x dtype
     if need_dw:
         g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)             # (N, M) row-major
         x_col = Float8Tensor(x8.data.t().contiguous().t(), x8.scale_inv)       # (M, K) column-major
-        dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim)         # (N, K) weight dtype
+        dw = fp8_gemm_with(binding, g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim)    # (N, K) weight dtype
     return dx, dw

@@ -8,7 +8,8 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
     weight-gradient GEMM dW = dy^T @ x     reuses the FP8 x and dy          -> (N, K) weight dtype
 
 Scales come from the recipe, through one quantizer per role ("input", "weight", "grad_output") that the
-engine builds from the recipe (``engine.quantizers(...)``; the layer never asks which recipe it holds):
+engine builds from the recipe (``engine.quantizers(...)``; the layer never asks which recipe it holds), and the
+GEMMs' CPU functions from what the engine bound with them (each quantizer's ``binding``: rule or kernel):
 ``DelayedScaling``'s keep a ``DelayedScalingState`` (scale, amax_history) each and use scales from earlier
 steps (see ``recipe.py`` and, for when they update, ``region.py``); ``CurrentScaling``'s compute each scale
 from the tensor itself. The finer-grained recipes (``block_recipes.py``: rowwise, 1x128/128x128, MXFP8,
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 
 from ...autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
 from ..region import get_fp8_recipe, is_fp8_enabled
-from .gemm import fp8_gemm, fp8_linear_backward_gemms
+from .gemm import fp8_gemm_with, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from ..block_recipes import backward_operand
 from ..engine import quantizers
@@ -77,7 +78,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         w8 = layer._quantize("weight", weight, record)  # (N, K) E4M3, row-major
         # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
         # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
-        y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
+        y = fp8_gemm_with(layer.quantizers["input"].binding, x8, w8.t(), out_dtype,
+                          pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
@@ -97,7 +99,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         # Input-gradient GEMM dx = dy @ W and weight-gradient GEMM dW = dy^T @ x, reusing the forward's FP8 x and W.
         dx, dw = fp8_linear_backward_gemms(g8, Float8Tensor(w_data, w_scale_inv), Float8Tensor(x_data, x_scale_inv),
                                            x_dtype, w_dtype, need_dx=ctx.needs_input_grad[0],
-                                           need_dw=ctx.needs_input_grad[1], pad_inner_dim=pad)
+                                           need_dw=ctx.needs_input_grad[1], pad_inner_dim=pad,
+                                           binding=layer.quantizers["grad_output"].binding)
         db = None
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(b_dtype)  # (N,) summed in fp32

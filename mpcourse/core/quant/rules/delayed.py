@@ -3,7 +3,7 @@
 Matches the unfused PyTorch update in ``transformer_engine/pytorch/quantization.py``
 (``_default_get_amax_and_update_history``, ``_update_amax_history``, ``_default_sf_compute``),
 read at NVIDIA/TransformerEngine commit d0067d0. No kernel: the update is a few ops on (L,) tensors once per step.
-The engine (``engine.DelayedQuantizer``) binds a state's update to this rule or to a learner's ``update``.
+The engine (``engine.Float8Quantizer``) binds a state's update to this rule or to a learner's ``update``.
 
 Delayed scaling, per tensor (input, weight, output gradient of every FP8 layer):
 

@@ -41,6 +41,11 @@ shows up in the GEMM output instead of being hidden.
 The rules here (``compute_amax``, ``compute_scale``, lesson 07's ``quantize``, ``to_float8``, ``quantize_current``)
 are plain torch; their kernels are ``fastpath.compute_amax`` and ``fastpath.to_float8`` (numba's pass in ``fused``),
 equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``), chosen by ``engine``.
+
+The per-tensor FP8 GEMM on a CPU has its rules here too: ``fp8_to_float32`` (the upcast times a scale) and
+``scaled_mm`` (what ``torch._scaled_mm`` computes on a CPU, measured on torch 2.13: both operands upcast and
+dequantized, made row-major, one FP32 GEMM, one rounding); their kernels are ``fastpath.fp8_to_float32`` and
+``fastpath.cpu_scaled_mm``, chosen by ``engine`` for ``layers.gemm``.
 """
 from __future__ import annotations
 
@@ -320,3 +325,20 @@ def quantize_current(x: torch.Tensor, fp8_format, margin: int = 0, power_2_scale
     amax = apply_amax_epsilon(compute_amax(x), amax_epsilon)
     scale = compute_scale(amax, fp8_max(fp8_format), margin, None, power_2_scale)
     return to_float8(x, fp8_format, scale)
+
+
+def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32(data), times ``scale`` (a float32 tensor of one element) if given: each element one FP32 product.
+    data: (...) float8_e4m3fn or float8_e5m2; the result keeps data's shape (and its strides, where dense)."""
+    x = data.float()
+    return x if scale is None else x * scale.reshape(()).float()
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype)`` as a CPU computes it (per-tensor scales; measured
+    on torch 2.13): each operand made row-major, upcast and multiplied by its scale in FP32, one FP32 GEMM, one
+    rounding to ``out_dtype``. a: (M, K) float8, b: (K, N) float8 (any layout); scales: float32, one element.
+    Returns (M, N) ``out_dtype``. (The layout matters: for small shapes the FP32 GEMM's bits depend on it.)"""
+    out = fp8_to_float32(a.contiguous(), scale_a) @ fp8_to_float32(b.contiguous(), scale_b)   # (M, N) fp32
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

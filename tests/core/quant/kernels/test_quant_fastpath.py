@@ -11,7 +11,7 @@ from mpcourse.core.formats import round_to
 from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling
 from mpcourse.core.quant.layers.block_gemm import scaled_gemm
 from mpcourse.core.quant.layers.block_linear import same_both_axes
-from mpcourse.core.quant.engine import BlockQuantizer
+from mpcourse.core.quant import engine
 from mpcourse.core.quant.kernels.fastpath import cpu_scaled_mm, fp8_to_float32, quantize_fp32_scaled, round_e2m1
 from mpcourse.core.quant.rules.mx import mx_shared_exponent
 
@@ -19,8 +19,9 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantize_role(recipe, role, x, axis, wgrad=False, keep_fp32=False, functions=None):
-    """``role``'s tensor x under ``recipe``, quantized along ``axis`` by the engine's quantizer."""
-    return BlockQuantizer(recipe, role, functions)(x, axis, wgrad, keep_fp32)
+    """``role``'s tensor x under ``recipe``, quantized along ``axis`` by the engine's quantizer with the kernels
+    bound (whatever MPCOURSE_FUSED says: the kept FP32 copy is theirs)."""
+    return engine.quantizer(recipe, role, functions, kernels=True)(x, axis, wgrad, keep_fp32)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -451,16 +452,16 @@ def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_grad
     assert kept.dequantized is not None
     assert dataclasses.replace(kept, scale_inv=kept.scale_inv * 2).dequantized is None
     refs, alive_at_call = [], []
-    real = bg.emulated_gemm
+    real = bg.emulated_gemm_with
 
-    def spy(a, b, out_dtype=torch.float32):
+    def spy(binding, a, b, out_dtype=torch.float32):
         alive_at_call.append(sum(r() is not None for r in refs))
         for t in (a, b):
             if t.dequantized is not None:
                 refs.append(weakref.ref(t.dequantized._base if t.dequantized._base is not None else t.dequantized))
-        return real(a, b, out_dtype)
+        return real(binding, a, b, out_dtype)
 
-    monkeypatch.setattr(bg, "emulated_gemm", spy)
+    monkeypatch.setattr(bg, "emulated_gemm_with", spy)
     layer = Float8Linear(256, 512, bias=False, recipe=MXFP8BlockScaling())
     x = torch.randn(1024, 256, requires_grad=True)
     layer(x).sum().backward()

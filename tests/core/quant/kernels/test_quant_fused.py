@@ -13,7 +13,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
    million random FP32 bit patterns (E5M2 the same way); then the multiply or divide
    by random non-power-of-two block multipliers and the FP32 copy times a random non-power-of-two ``dequant``,
    against the same few torch operations.
-2. ``fastpath.block_amax`` through the kernel against the torch rule (``fused.AVAILABLE`` forced False) and the
+2. ``fastpath.block_amax`` through the kernel against the torch rule (``fastpath.COMPILED`` forced False) and the
    plain reduction, for every block shape the recipes use, with NaN, +-inf, -0.0, huge and subnormal values.
 3. ``quantize_fp32_scaled`` and ``quantize_mx`` with ``keep_fp32=True`` (the kernel) against the forced torch rule:
    data bytes, scale_inv bits and the kept FP32 copy, which must also be ``dequantize(torch.float32)``'s bits.
@@ -96,10 +96,10 @@ def assert_codes_equal(got: torch.Tensor, want: torch.Tensor, *context, nan_sign
 
 
 def torch_rule(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the kernels off (``fused.AVAILABLE`` False): the torch rule."""
+    """fn(*args, **kwargs) with the kernels off (``fastpath.COMPILED`` False): the torch rule."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "AVAILABLE", False)
-        assert not fused.usable(torch.zeros(2, 2))
+        mp.setattr(fastpath, "COMPILED", False)
+        assert not fastpath._takes(torch.zeros(2, 2))
         return fn(*args, **kwargs)
 
 
@@ -446,8 +446,8 @@ def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
 # ------------------------------------------------------------------------------------------------ 5. layouts and paths
 def _quantizer_takes_kernel(x: torch.Tensor) -> bool:
     """Whether scaled's quantizers send x (keep_fp32, E4M3) to the kernel: ``scaled._fused(x)`` where scaled has that
-    predicate (contiguous x only), else ``fused.usable(x)``."""
-    return bool(getattr(fastpath, "_fused", fused.usable)(x))
+    predicate (contiguous x only), else ``fastpath._takes(x)``."""
+    return bool(getattr(fastpath, "_fused", fastpath._takes)(x))
 
 
 def test_transposed_input_takes_the_right_path_and_matches(calls):
@@ -456,7 +456,7 @@ def test_transposed_input_takes_the_right_path_and_matches(calls):
     contiguous copy (whose data and FP32 copy are row-major like it)."""
     base = _special_matrix(384, 256, 31)
     xt = base.t()                                                     # (256, 384), not contiguous
-    assert not xt.is_contiguous() and fused.usable(xt)
+    assert not xt.is_contiguous() and fastpath._takes(xt)
     for block in ((1, 128), (128, 1), (32, 1), (-1, 1)):
         n = calls["block_amax"]
         got = fastpath.block_amax(xt, block)
@@ -486,7 +486,7 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
     bits too (whichever path they take), and keep_fp32 changes no data bit."""
     x32 = _special_matrix(256, 384, 41).bfloat16().float()
     xb = x32.bfloat16()
-    assert not fused.usable(xb)
+    assert not fastpath._takes(xb)
     for i, block in enumerate(((1, 128), (16, 1), (-1, -1))):
         b = resolve_block(xb.shape, block)
         got = fastpath.block_amax(xb, b)
@@ -681,7 +681,7 @@ def test_the_kernels_leave_their_tensors_resizable():
 
 @pytest.mark.slow
 def test_torch_compile_traces_the_torch_rules():
-    """Inside ``torch.compile``'s tracing the kernels step aside (``fused.active()`` is False there): a compiled
+    """Inside ``torch.compile``'s tracing the kernels step aside (``fastpath._takes`` is False there): a compiled
     function that quantizes gives the kernels' bits without tracing into them."""
     x = _special_matrix(128, 256, 97, nan=False, inf=False)
     f = torch.compile(lambda t: fastpath.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
