@@ -1,0 +1,90 @@
+"""Training-step time of the per-tensor FP8 recipes and NVFP4 over the FP32 step, measured in one process.
+
+Builds the course's GPT with ``mpcourse compare``'s default configuration (``TrainConfig()``'s model, batch and
+optimizer; evaluation off in the timed steps) once per recipe, on one intra-op thread as ``compare`` trains
+(``training_threads()``), runs ``--warmup`` untimed steps of each (the first is ``measure_step``'s), then
+``--rounds`` rounds; in each round every recipe runs ``--steps`` steps back to back, the recipes in a rotated
+order, so a busy machine slows them alike. A recipe's time is the median over rounds of its per-round mean
+step time; the ratio to ``fp32`` is taken per round (the same round's fp32 step) and its median printed with the
+spread (min-max over rounds) beside it. Printed for each recipe: ``recipe  ms/step  ratio-to-fp32``, and the
+target where there is one (fp8-current, fp8-delayed <= 1.5; nvfp4 <= 2.0; mxfp8 for information).
+
+On a CPU the FP8 and NVFP4 GEMMs are emulated: the per-tensor recipes' ``torch._scaled_mm`` upcasts both
+operands to FP32 and runs one FP32 GEMM (``fastpath.cpu_scaled_mm``), the block recipes dequantize and run one
+FP32 GEMM; on top come the quantizers (amax, scale, cast) and for NVFP4 the random Hadamard transforms and the
+stochastic rounding draws. So a ratio is the cost of the emulation's extra passes on this CPU, not a GPU
+speed-up.
+
+    python benchmarks/bench_step_ratio.py                       # fp32, fp8-current, fp8-delayed, nvfp4, mxfp8
+    python benchmarks/bench_step_ratio.py --rounds 12 --clock wall
+    MPCOURSE_FUSED=0 python benchmarks/bench_step_ratio.py      # the torch rules instead of the kernels
+
+``--clock cpu`` (default) times with this process's CPU time (``time.process_time``): on one thread that is the
+step's compute, which other jobs on a shared machine inflate less than the wall clock.
+
+Measured (see ``docs/benchmarks.md`` for the table with dates): results are appended there.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.training.threads import training_threads
+from mpcourse.experiment.training.train import TrainConfig, Trainer
+
+DEFAULT = "fp32,fp8-current,fp8-delayed,nvfp4,mxfp8"
+TARGETS = {"fp8-current": 1.5, "fp8-delayed": 1.5, "nvfp4": 2.0}
+
+
+def measure(names: list[str], rounds: int, steps: int, warmup: int, clock) -> dict[str, list[float]]:
+    """{recipe: [mean seconds per step in round r]} for ``rounds`` rounds of ``steps`` steps each."""
+    corpus = load_corpus()
+    cfg = TrainConfig(steps=warmup + rounds * steps + 1, eval_interval=10 ** 9)   # no evaluation in timed steps
+    trainers = {n: Trainer(n, corpus, cfg) for n in names}
+    for _ in range(warmup):
+        for tr in trainers.values():
+            tr.train_step()
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]            # rotate who runs first
+        for n in order:
+            t0 = clock()
+            for _ in range(steps):
+                trainers[n].train_step()
+            per_round[n].append((clock() - t0) / steps)
+    return per_round
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipes", default=DEFAULT, help=f"comma-separated (fp32 is always added; default {DEFAULT})")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=2, help="steps per recipe per round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    if "fp32" not in names:
+        names.insert(0, "fp32")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    with training_threads():
+        per_round = measure(names, args.rounds, args.steps, args.warmup, clock)
+    base = per_round["fp32"]
+    print(f"{'recipe':>12}  {'ms/step':>8}  {'x fp32':>6}  {'spread':>11}  target   ({args.rounds} rounds x "
+          f"{args.steps} steps, medians; 1 intra-op thread; "
+          f"{args.clock} clock)")
+    for n in names:
+        ratios = [t / b for t, b in zip(per_round[n], base)]
+        med = statistics.median(ratios)
+        target = TARGETS.get(n)
+        verdict = "" if target is None else f"<= {target:.1f} {'ok' if med <= target else 'MISSED'}"
+        print(f"{n:>12}  {statistics.median(per_round[n]) * 1e3:8.1f}  {med:6.2f}  "
+              f"{min(ratios):5.2f}-{max(ratios):<5.2f}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
