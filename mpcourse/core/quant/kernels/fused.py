@@ -239,17 +239,18 @@ if AVAILABLE:
             mag = np.float32(n) * q + (a - a)                # NaN back in (a - a is 0 elsewhere)
         return _bits_f32(_f32_bits(mag) | (_f32_bits(y) & _SIGN))   # y's sign copied back (-0.0, NaN too)
 
+    @numba.njit(inline="always", **_JIT)
+    def _draw_at(ri, w, j, stochastic, draw):
+        """Element j's draw: from the row's engine words w (``draw``: torch's random64(), first word << 32 | second
+        word, mod 2^62), or the given draws ri (``stochastic``), or 0 (nearest)."""
+        if draw:
+            return (np.int64(w[2 * j] & _U32(0x3FFFFFFF)) << 32) | np.int64(w[2 * j + 1])
+        return ri[j] if stochastic else np.int64(0)
+
     def _make_e2m1(stochastic: bool, draw: bool = False):
         """The NVFP4 element kernel: q = e2m1(x * mult), its E4M3-container code and the copy q * dequant; with
         ``draw`` the stochastic rounding's draws come from the generator's MT19937 words (``_mt_words``), as
         ``torch.randint(0, 2**62)`` forms them, instead of from a tensor of draws."""
-        @numba.njit(inline="always", **_JIT)
-        def draw_at(ri, w, j):
-            # element j's draw: torch's random64() (first word << 32 | second word) mod 2^62, or the given one
-            if draw:
-                return (np.int64(w[2 * j] & _U32(0x3FFFFFFF)) << 32) | np.int64(w[2 * j + 1])
-            return ri[j] if stochastic else np.int64(0)
-
         @numba.njit(**_JIT)
         def kernel(x, r_, c, mult, dequant, draws, state, pos, codes, out):
             # x: (M, K) f32; mult, dequant: (M/r, K/c) f32; draws: (M, K) int64 (stochastic, not draw);
@@ -266,7 +267,7 @@ if AVAILABLE:
                 # arrays keeps LLVM from vectorizing the loop, 20x slower)
                 if c == 1:                                     # a multiplier per element of the row
                     for j in range(K):
-                        v = _round_e2m1(xi[j] * si[j], draw_at(ri, w, j), stochastic)
+                        v = _round_e2m1(xi[j] * si[j], _draw_at(ri, w, j, stochastic, draw), stochastic)
                         q, v8 = _round_e4m3(v)                 # exact: every E2M1 value is an E4M3 value
                         qi[j] = np.uint8(q)
                         oi[j] = v8 * di[j]
@@ -275,7 +276,7 @@ if AVAILABLE:
                         s, d = si[bj], di[bj]
                         for jj in range(c):
                             j = bj * c + jj
-                            v = _round_e2m1(xi[j] * s, draw_at(ri, w, j), stochastic)
+                            v = _round_e2m1(xi[j] * s, _draw_at(ri, w, j, stochastic, draw), stochastic)
                             q, v8 = _round_e4m3(v)
                             qi[j] = np.uint8(q)
                             oi[j] = v8 * d

@@ -655,6 +655,18 @@ def test_quantize_e2m1_drawing_falls_back_to_torch_randint_where_the_check_fails
     assert torch.equal(ours.get_state(), theirs.get_state())
 
 
+def test_the_kernels_closures_hold_only_numbers_so_numbas_cache_finds_them():
+    """numba's on-disk cache keys a closure's compiled code by its pickled cell contents: a cell holding a jitted
+    function pickles differently in every process, so the kernel would be compiled again (seconds) at every start
+    and another copy written to the cache. Each specialized kernel closes over flags and constants only."""
+    import numpy as np
+    kernels = [*fused._QUANTIZE.values(), *fused._DEQUANTIZE.values(), fused._e2m1_nearest, fused._e2m1_stochastic,
+               fused._e2m1_drawing]
+    for k in kernels:
+        cells = [c.cell_contents for c in (k.py_func.__closure__ or ())]
+        assert all(isinstance(v, (bool, int, float, str, np.number)) for v in cells), (k.py_func.__qualname__, cells)
+
+
 def _nvfp4_amax_grid() -> torch.Tensor:
     """(64, 32) float32 block amaxes where NVFP4's scale rules change behaviour: 0, FP32 subnormals, the
     thresholds around 6 * 2^-6 * t (the block-scale floor) and 6 * 448 * t (its cap), one ulp either side,
