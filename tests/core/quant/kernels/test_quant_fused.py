@@ -30,6 +30,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
 Where a test compares the kernel with the rule it also checks, with a spy, that the kernel ran (and that the
 forced rule did not call it), so a routing change cannot make the comparison vacuous.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -659,7 +660,6 @@ def test_the_kernels_closures_hold_only_numbers_so_numbas_cache_finds_them():
     """numba's on-disk cache keys a closure's compiled code by its pickled cell contents: a cell holding a jitted
     function pickles differently in every process, so the kernel would be compiled again (seconds) at every start
     and another copy written to the cache. Each specialized kernel closes over flags and constants only."""
-    import numpy as np
     kernels = [*fused._QUANTIZE.values(), *fused._DEQUANTIZE.values(), fused._e2m1_nearest, fused._e2m1_stochastic,
                fused._e2m1_drawing]
     for k in kernels:
@@ -837,6 +837,26 @@ def test_the_kernels_leave_their_tensors_resizable():
     for t in (w, codes, copy, amax, up):
         t.untyped_storage().resize_(0)                   # raises "not resizable" after t.numpy()
         assert t.untyped_storage().size() == 0
+
+
+def test_the_views_of_memory_follow_its_contents_shape_and_dtype():
+    """``fused._np`` hands out one NumPy view per (address, shape, dtype): a view reads the memory as it is now (the
+    kernel sees new contents written in place, and a new tensor at a freed tensor's address), another shape or
+    dtype at the same address gets its own view, and a non-contiguous tensor is refused."""
+    buf = torch.zeros(2 * 64 * 64)
+    x = buf[:4096].view(64, 64)
+    for v in (1.0, -3.5, 2.0 ** -140, 7.0):
+        x.fill_(v)
+        assert float(fused.block_amax(x, (64, 64))) == abs(v)
+        assert_bits_equal(fused.block_amax(buf.view(64, 128), (64, 128)).reshape(1), torch.tensor([abs(v)]))
+    assert fused._np(x).dtype == np.float32 and fused._np(x.view(torch.int32)).dtype == np.int32
+    assert fused._np(buf.view(64, 128)).shape == (64, 128) and fused._np(x).shape == (64, 64)
+    for i in range(50):                                  # new tensors, often at a freed one's address
+        y = torch.full((32, 48), float(i))
+        assert float(fused.block_amax(y, (32, 48))) == i
+        del y
+    with pytest.raises(AssertionError, match="contiguous"):
+        fused._np(buf.view(64, 128).t())
 
 
 @pytest.mark.slow
