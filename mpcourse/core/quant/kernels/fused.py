@@ -28,7 +28,8 @@ the rule cannot avoid, reading x and writing the codes (and the FP32 copy an emu
   multipliers in one pass over the block amaxes (``fastpath.nvfp4_block_scales``), where the rule takes a dozen
   small torch ops and torch's element-by-element E4M3 upcast.
 * ``dequantize_fp8(data, block, mult)``: float32(code) * mult, the upcast of ``fastpath.fp8_to_float32`` and
-  ``ScaledTensor.dequantize``.
+  ``ScaledTensor.dequantize``; each code read as the top bits of an FP16 number and converted by the CPU's
+  FP16 -> FP32 instruction (a vectorized loop), about 2x faster than decoding exponent and mantissa by hand.
 * ``pow2_scale`` and ``rceil_scale_inv``: ``fastpath``'s scale rules on the grid of blocks, in one call instead of
   seven small torch ops (10-25 us each on this CPU: by cProfile about a tenth of an ``fp8-block`` step).
 
@@ -390,14 +391,37 @@ if AVAILABLE:
             mult[i] = sf * t
         t_out[0] = t
 
+    @intrinsic
+    def _f16_bits_f32(typingctx, h):
+        """The float32 value of the IEEE half-precision number whose bits are the int16 h (exact: every FP16 number
+        is an FP32 number); LLVM turns a loop of these into F16C / AVX-512 conversions (vcvtph2ps)."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.int16), codegen
+
+    @numba.njit(inline="always", **_JIT)
+    def _decode_fp8(code, shift, factor, top):
+        """float32(code) for a uint8 FP8 code read through FP16 bits (``_make_dequantize`` says how; its constants
+        are arguments, so the kernels close over numbers only: see ``_make_e2m1``)."""
+        b = _I32(code)
+        mag, sign = b & _I32(0x7F), b & _I32(0x80)
+        v = _f16_bits_f32(np.int16(_I32(mag << shift) | _I32(sign << _I32(8)))) * factor
+        return _bits_f32(_f32_bits(_NAN) | _I32(sign << _I32(24))) if mag > top else v
+
     def _make_dequantize(name: str):
-        """float32(code) * mult per block for FP8 format ``name``'s codes (E2M1 values in an E4M3 container too)."""
+        """float32(code) * mult per block for FP8 format ``name``'s codes (E2M1 values in an E4M3 container too).
+
+        A code is read as the top bits of an FP16 number (``fastpath.fp8_to_float32``'s reading): its 7 magnitude
+        bits shifted to FP16's exponent and mantissa fields (E5M2: by 8, FP16's own top byte; E4M3: by 7, which
+        holds 2^-8 times the value, subnormals too), its sign to FP16's; the exact FP16 -> FP32 conversion, times
+        2^(15 - bias) (exact), is float32(code). E5M2's inf comes through; the NaN codes (E4M3 S.1111.111, E5M2
+        exponent all ones with a mantissa) become FP32's quiet NaN with the code's sign. Then one FP32 product
+        with the multiplier, as ``ScaledTensor.dequantize`` rounds it."""
         f = FORMATS[name]
-        mbits = _I32(f.mantissa_bits)
-        emask, mmask = _I32((1 << f.exponent_bits) - 1), _I32((1 << f.mantissa_bits) - 1)
-        rebias, sub = _I32(127 - f.bias), np.float32(f.min_subnormal)
-        inf_nan, all_ones = f.nan == "ieee", f.nan == "all_ones"      # E5M2: exponent all ones; E4M3: S.1111.111
-        inf = np.float32(np.inf)
+        shift = _I32(10 - f.mantissa_bits)
+        factor = np.float32(2.0 ** (15 - f.bias))
+        top = _I32(0x7E if f.nan == "all_ones" else 0x7C)            # the largest non-NaN magnitude code
+        assert f.exponent_bits <= 5 and f.nan in ("all_ones", "ieee"), name
 
         @numba.njit(**_JIT)
         def kernel(codes, r, c, mult, out):
@@ -405,19 +429,15 @@ if AVAILABLE:
             M, K = codes.shape
             for i in range(M):
                 ci, oi, mi = codes[i], out[i], mult[i // r]
-                for bj in range(K // c):
-                    for jj in range(c):
-                        j = np.uint64(bj * c + jj)
-                        b = _I32(ci[j])
-                        e, m = _I32(b >> mbits) & emask, b & mmask
-                        mag = _bits_f32(_I32(_I32(e + rebias) << 23) | _I32(m << (23 - mbits))) if e > 0 \
-                            else np.float32(m) * sub
-                        if all_ones:
-                            mag = _NAN if (e == emask and m == mmask) else mag
-                        if inf_nan:
-                            mag = (inf if m == 0 else _NAN) if e == emask else mag
-                        oi[j] = _bits_f32(_f32_bits(mag) | _I32(_I32(b & _I32(0x80)) << 24)) \
-                            * mi[np.uint64(bj) if c > 1 else j]
+                if c == 1:                                     # a multiplier per element of the row
+                    for j in range(K):
+                        oi[j] = _decode_fp8(ci[j], shift, factor, top) * mi[j]
+                else:                                          # one per c elements, read once per block
+                    for bj in range(K // c):
+                        mb = mi[bj]
+                        for jj in range(c):
+                            j = bj * c + jj
+                            oi[j] = _decode_fp8(ci[j], shift, factor, top) * mb
         return kernel
 
     _DEQUANTIZE = {name: _make_dequantize(name) for name in ("e4m3", "e5m2")}
