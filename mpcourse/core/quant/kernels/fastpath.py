@@ -40,8 +40,10 @@ whether ``torch.compile`` is tracing the call (it cannot trace into a compiled c
 The kernels of the quantization rules, each named after the rule it equals (``tests/core/quant/test_quant_layout.py`` runs
 every recipe's quantizers both ways): ``compute_amax`` (one ``aminmax`` pass), ``to_float8``, ``block_amax`` (max
 pooling for 1x16 blocks), ``quantize_fp32_scaled``, ``quantize_mx``, ``quantize_nvfp4`` and their ``encode_*``
-steps (the FP32 copy kept with the quantization), ``dequantize`` and ``rht`` (one batched matmul with a cached
-matrix). ``engine`` binds each of them or its rule (its table ``STEPS``); no layer imports this module.
+steps (the FP32 copy kept with the quantization; NVFP4's scale levels and multipliers in ``nvfp4_block_scales``,
+one compiled pass, and its stochastic draws made inside ``fused``'s kernel from the generator's state),
+``dequantize`` and ``rht`` (one batched matmul with a cached matrix). ``engine`` binds each of them or its rule
+(its table ``STEPS``); no layer imports this module.
 """
 from __future__ import annotations
 
@@ -445,25 +447,52 @@ def encode_mx_exponents(x: torch.Tensor, block: tuple[int, int], elem: str, amax
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torch.Tensor] = None,
                    rounding: str = "nearest", generator: Optional[torch.Generator] = None,
                    keep_fp32: bool = False, edges: str = "course") -> ScaledTensor:
-    """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``)."""
+    """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``, both scale levels and the
+    encoding multipliers from ``nvfp4_block_scales``)."""
     check_edges(edges)
     b = resolve_block(x.shape, block)
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
+    t, s, recip, mult = nvfp4_block_scales(amax_b, tensor_amax, edges)
+    return _encode_nvfp4(x, b, t, s, recip, mult, rounding, generator, keep_fp32)
+
+
+def nvfp4_block_scales(amax_b: torch.Tensor, tensor_amax=None, edges: str = "course"):
+    """(t, s, recip, mult) bit for bit: ``nvfp4.nvfp4_scales``' two levels from the block amaxes (t () float32
+    from ``given_tensor_amax`` and ``nvfp4_tensor_scale_inv``; s (M/r, K/c) float8_e4m3fn) and ``nvfp4_multipliers``
+    of them (``encode_nvfp4``'s). ``fused.nvfp4_scales``' one pass for non-empty float32 CPU amaxes."""
+    if _takes(amax_b, torch.float32, None):
+        given = None if tensor_amax is None else nvfp4.given_tensor_amax(tensor_amax, amax_b)
+        return fused.nvfp4_scales(amax_b, given, edges == "course")         # the same bits, one compiled pass
     amax_t = nvfp4.given_tensor_amax(tensor_amax, amax_b)
     t = nvfp4.nvfp4_tensor_scale_inv(amax_t, edges)
     s = ((amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))).clamp(
         FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
-    return encode_nvfp4(x, b, t, s, rounding, generator, keep_fp32)
+    return (t, s, *nvfp4_multipliers(t, s))
+
+
+def nvfp4_multipliers(t: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recip, mult), (M/r, K/c) float32 each, bit for bit: ``nvfp4.encode_nvfp4``'s encode multiplier
+    (1 / t') / float32(s) (t' = t, or 1 where t is not > 0) and ``block_multiplier(s, t)`` = float32(s) * t, with
+    the block scales upcast once by ``fp8_to_float32`` (torch's E4M3 upcast is element by element)."""
+    safe_t = torch.where(t > 0, t, torch.ones_like(t))
+    sf = fp8_to_float32(s)
+    return (1.0 / safe_t) / sf, sf * t
 
 
 def encode_nvfp4(x: torch.Tensor, b: tuple[int, int], t: torch.Tensor, s: torch.Tensor, rounding: str = "nearest",
                  generator: Optional[torch.Generator] = None, keep_fp32: bool = False) -> ScaledTensor:
     """``nvfp4.encode_nvfp4`` bit for bit: ``fused``'s one pass from the rule's own random draws, or ``round_e2m1``."""
-    safe_t = torch.where(t > 0, t, torch.ones_like(t))
-    recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
+    return _encode_nvfp4(x, b, t, s, *nvfp4_multipliers(t, s), rounding, generator, keep_fp32)
+
+
+def _encode_nvfp4(x: torch.Tensor, b: tuple[int, int], t: torch.Tensor, s: torch.Tensor, recip: torch.Tensor,
+                  mult: torch.Tensor, rounding: str, generator: Optional[torch.Generator], keep_fp32: bool):
+    """``encode_nvfp4`` with its multipliers computed (``nvfp4_multipliers``): recip scales x, mult the kept copy."""
     if keep_fp32 and rounding in ("nearest", "stochastic") and _fused(x):
-        draws = None if rounding == "nearest" else torch.randint(0, 2 ** 62, x.shape, generator=generator)
-        data, dq = fused.quantize_e2m1(x, b, recip, block_multiplier(s, t), draws)
+        if rounding == "nearest":
+            data, dq = fused.quantize_e2m1(x, b, recip, mult, None)
+        else:     # the rule's draws (torch.randint(0, 2**62)), drawn inside the kernel from the generator's state
+            data, dq = fused.quantize_e2m1_drawing(x, b, recip, mult, generator)
         return _kept(ScaledTensor(data, s, b, "e2m1", t, x.dtype), dq)
     y = block_view(x.float(), b) * expand(recip, b)
     data = cast_elements(y, "e2m1", rounding, generator).reshape(x.shape)

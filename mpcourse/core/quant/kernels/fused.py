@@ -15,8 +15,21 @@ the rule cannot avoid, reading x and writing the codes (and the FP32 copy an emu
   ``ScaledTensor.dequantize`` forms.
 * ``quantize_e2m1(x, block, mult, dequant, draws)``: NVFP4's element step, ``fastpath.round_e2m1`` to nearest
   or stochastically from the rule's own random draws (``torch.randint(0, 2**62)``, drawn in torch).
+* ``quantize_e2m1_drawing(x, block, mult, dequant, generator)``: the same with the rule's draws made inside the
+  kernel, row by row, from the generator's own MT19937 state (torch's ``at::mt19937``, read and written back
+  through ``get_state`` / ``set_state``): the same integers as ``torch.randint(0, 2**62, x.shape)`` and the
+  generator left where that call leaves it (``draws62`` is that draw alone; checked against torch once per
+  process, else the draws come from ``torch.randint``). torch's draw (two engine outputs, a 64-bit modulo, an
+  (M, K) int64 tensor written and read back) costs about 4 ns per element here; in the kernel about 0.5 ns.
+  Sources: PyTorch ``aten/src/ATen/core/MT19937RNGEngine.h`` (the engine), ``aten/src/ATen/CPUGeneratorImpl.cpp``
+  (``random64``: first output in the high word; the state's byte layout), ``aten/src/ATen/native/cpu/
+  DistributionTemplates.h`` (``random_from_to_kernel``: one ``random64() % range`` per element, serially).
+* ``nvfp4_scales(amax_b, tensor_amax, course)``: NVFP4's two scale levels and the per-block encode and decode
+  multipliers in one pass over the block amaxes (``fastpath.nvfp4_block_scales``), where the rule takes a dozen
+  small torch ops and torch's element-by-element E4M3 upcast.
 * ``dequantize_fp8(data, block, mult)``: float32(code) * mult, the upcast of ``fastpath.fp8_to_float32`` and
-  ``ScaledTensor.dequantize``.
+  ``ScaledTensor.dequantize``; each code read as the top bits of an FP16 number and converted by the CPU's
+  FP16 -> FP32 instruction (a vectorized loop), about 2x faster than decoding exponent and mantissa by hand.
 * ``pow2_scale`` and ``rceil_scale_inv``: ``fastpath``'s scale rules on the grid of blocks, in one call instead of
   seven small torch ops (10-25 us each on this CPU: by cProfile about a tenth of an ``fp8-block`` step).
 
@@ -31,13 +44,19 @@ The FP8 cast (OCP FP8: E4M3 "fn" has no inf, S.1111.111 is NaN, max 448; E5M2 ma
 (``tests/core/quant/kernels/test_quant_fused.py`` keeps every FP8 midpoint, its neighbours, the specials and random patterns, and checks
 each kernel against its torch rule on tensors with NaN, inf, signed zeros and ties, for every block shape).
 
+The loops are written so LLVM vectorizes them (AVX-512 here): per row, either one multiplier per element (c = 1)
+or one per block of c read once; indices from ``range`` (numba's negative-index wraparound check on an index it
+cannot prove non-negative, or a per-element choice of the block index, keeps the loop scalar), and no inlined
+helper that stores into arrays (the same). Written the other way the E2M1 kernel took 0.7 ms on a 1024 x 512
+tensor in (1, 16) blocks and 4.4 ms in (16, 1) blocks; written so, 0.3 ms in either (one thread).
+
 Compiled once per machine (``cache=True``: a few seconds the first time, then loaded from numba's cache) and used
 when numba imports (``AVAILABLE``): ``fastpath`` decides once, at import, whether to call these passes
 (``fastpath.COMPILED``) and per call whether a tensor fits them. With the library's switch off
 (``mpcourse.core.kernels_switch.ENABLED``: ``MPCOURSE_FUSED=0``) numba is not even imported (the torch rules run: the
 same bits, slower).
 Single-threaded: ``mpcourse compare`` runs one 1-thread worker per core. Measured with
-``benchmarks/bench_block_recipes.py``.
+``benchmarks/bench_block_recipes.py`` and ``benchmarks/bench_step_ratio.py``.
 """
 from __future__ import annotations
 
@@ -74,12 +93,26 @@ class _Memory:
                                     "typestr": _TYPESTR[t.dtype], "version": 3}
 
 
+_VIEWS: dict = {}      # (address, shape, dtype) -> the NumPy view of that memory
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of contiguous CPU tensor t's memory, made from its address: ``t.numpy()`` would mark t's
     storage as not resizable, and FSDP2 frees a gathered parameter by resizing its storage to 0. t must stay
-    alive while the view is used (the wrappers below hold it)."""
-    assert t.is_contiguous() and t.device.type == "cpu", "fused takes contiguous CPU tensors"
-    return np.asarray(_Memory(t))
+    alive while the view is used (the wrappers below hold it).
+
+    A view is nothing but (address, shape, dtype), owns nothing and refers to no tensor, so the one made for an
+    address, shape and dtype serves any later tensor with the same three (the allocator hands the same blocks
+    out step after step): looked up, a view costs about 0.5 us instead of 3 (the kernels take 10-20 per call).
+    The table is emptied when it reaches 4096 entries."""
+    assert t.is_contiguous() and t.is_cpu, "fused takes contiguous CPU tensors"
+    key = (t.data_ptr(), t.shape, t.dtype)
+    view = _VIEWS.get(key)
+    if view is None:
+        if len(_VIEWS) >= 4096:
+            _VIEWS.clear()
+        view = _VIEWS[key] = np.asarray(_Memory(t))
+    return view
 
 
 if AVAILABLE:
@@ -212,26 +245,94 @@ if AVAILABLE:
             mag = np.float32(n) * q + (a - a)                # NaN back in (a - a is 0 elsewhere)
         return _bits_f32(_f32_bits(mag) | (_f32_bits(y) & _SIGN))   # y's sign copied back (-0.0, NaN too)
 
-    def _make_e2m1(stochastic: bool):
-        """The NVFP4 element kernel: q = e2m1(x * mult), its E4M3-container code and the copy q * dequant."""
+    @numba.njit(inline="always", **_JIT)
+    def _draw_at(ri, w, j, stochastic, draw):
+        """Element j's draw: from the row's engine words w (``draw``: torch's random64(), first word << 32 | second
+        word, mod 2^62), or the given draws ri (``stochastic``), or 0 (nearest)."""
+        if draw:
+            return (np.int64(w[2 * j] & _U32(0x3FFFFFFF)) << 32) | np.int64(w[2 * j + 1])
+        return ri[j] if stochastic else np.int64(0)
+
+    def _make_e2m1(stochastic: bool, draw: bool = False):
+        """The NVFP4 element kernel: q = e2m1(x * mult), its E4M3-container code and the copy q * dequant; with
+        ``draw`` the stochastic rounding's draws come from the generator's MT19937 words (``_mt_words``), as
+        ``torch.randint(0, 2**62)`` forms them, instead of from a tensor of draws."""
         @numba.njit(**_JIT)
-        def kernel(x, r_, c, mult, dequant, draws, codes, out):
-            # x: (M, K) f32; mult, dequant: (M/r, K/c) f32; draws: (M, K) int64 (stochastic); codes uint8; out f32
+        def kernel(x, r_, c, mult, dequant, draws, state, pos, codes, out):
+            # x: (M, K) f32; mult, dequant: (M/r, K/c) f32; draws: (M, K) int64 (stochastic, not draw);
+            # state: (624,) int64 MT19937 words, pos: (left, next) int64 (draw); codes uint8; out f32
             M, K = x.shape
+            words = state.astype(np.uint32) if draw else np.empty(1, np.uint32)   # 32-bit working copy
+            w = np.empty(2 * K if draw else 1, np.uint32)                         # one row's words
             for i in range(M):
-                xi, qi, oi, ri = x[i], codes[i], out[i], draws[i if stochastic else 0]
+                xi, qi, oi, ri = x[i], codes[i], out[i], draws[i if stochastic and not draw else 0]
                 si, di = mult[i // r_], dequant[i // r_]
-                for bj in range(K // c):
-                    for jj in range(c):
-                        j = np.uint64(bj * c + jj)                   # unsigned: no wraparound check
-                        k = np.uint64(bj) if c > 1 else j                     # the element's block in this row
-                        v = _round_e2m1(xi[j] * si[k], ri[j] if stochastic else np.int64(0), stochastic)
-                        q, v8 = _round_e4m3(v)                       # exact: every E2M1 value is an E4M3 value
+                if draw:
+                    _mt_words(words, pos, w)                   # the row's 2K words, in the rule's order
+                # (the element's steps are written out in both loops: an inlined function that stores into the
+                # arrays keeps LLVM from vectorizing the loop, 20x slower)
+                if c == 1:                                     # a multiplier per element of the row
+                    for j in range(K):
+                        v = _round_e2m1(xi[j] * si[j], _draw_at(ri, w, j, stochastic, draw), stochastic)
+                        q, v8 = _round_e4m3(v)                 # exact: every E2M1 value is an E4M3 value
                         qi[j] = np.uint8(q)
-                        oi[j] = v8 * di[k]
+                        oi[j] = v8 * di[j]
+                else:                                          # one per c elements, read once per block
+                    for bj in range(K // c):
+                        s, d = si[bj], di[bj]
+                        for jj in range(c):
+                            j = bj * c + jj
+                            v = _round_e2m1(xi[j] * s, _draw_at(ri, w, j, stochastic, draw), stochastic)
+                            q, v8 = _round_e4m3(v)
+                            qi[j] = np.uint8(q)
+                            oi[j] = v8 * d
+            if draw:
+                for t in range(624):
+                    state[t] = np.int64(words[t])
         return kernel
 
-    _e2m1_nearest, _e2m1_stochastic = _make_e2m1(False), _make_e2m1(True)
+    # at::mt19937 (ATen/core/MT19937RNGEngine.h), the engine of torch's CPU generator: 624 32-bit words; each output
+    # is the next word, tempered; when they are used up the state is regenerated ("twisted") in place
+    _U32 = np.uint32
+    _MT_UPPER, _MT_LOWER, _MT_A = _U32(0x80000000), _U32(0x7FFFFFFF), _U32(0x9908B0DF)
+    _MT_B, _MT_C = _U32(0x9D2C5680), _U32(0xEFC60000)
+
+    @numba.njit(**_JIT)
+    def _mt_twist(s):
+        # s: (624,) uint32, regenerated in place (MT19937 with n = 624, m = 397)
+        for p in range(227):
+            y = (s[p] & _MT_UPPER) | (s[p + 1] & _MT_LOWER)
+            s[p] = s[p + 397] ^ (y >> _U32(1)) ^ ((s[p + 1] & _U32(1)) * _MT_A)
+        for p in range(227, 623):
+            y = (s[p] & _MT_UPPER) | (s[p + 1] & _MT_LOWER)
+            s[p] = s[p - 227] ^ (y >> _U32(1)) ^ ((s[p + 1] & _U32(1)) * _MT_A)
+        y = (s[623] & _MT_UPPER) | (s[0] & _MT_LOWER)
+        s[623] = s[396] ^ (y >> _U32(1)) ^ ((s[0] & _U32(1)) * _MT_A)
+
+    @numba.njit(**_JIT)
+    def _mt_words(s, pos, w):
+        # w: (n,) uint32 := the engine's next n outputs. s: (624,) uint32 state; pos: (left, next) int64, as torch
+        # keeps them: an output first decrements left and twists when it reaches 0 (then left = 624, next = 0),
+        # then returns word next (tempered) and increments next; so left - 1 words are there before a twist
+        left, nxt = pos[0], pos[1]
+        n, f = w.shape[0], 0
+        while f < n:
+            if left == 1:
+                _mt_twist(s)
+                left, nxt = 625, 0
+            k = min(left - 1, n - f)
+            src, dst = s[nxt:nxt + k], w[f:f + k]
+            for t in range(k):
+                y = src[t]
+                y ^= y >> _U32(11)
+                y ^= (y << _U32(7)) & _MT_B
+                y ^= (y << _U32(15)) & _MT_C
+                y ^= y >> _U32(18)
+                dst[t] = y
+            f, nxt, left = f + k, nxt + k, left - k
+        pos[0], pos[1] = left, nxt
+
+    _e2m1_nearest, _e2m1_stochastic, _e2m1_drawing = _make_e2m1(False), _make_e2m1(True), _make_e2m1(True, True)
 
     _EXP, _TOP_POW2, _INF = _I32(0x7F800000), _I32(0x7F000000), np.float32(np.inf)
 
@@ -251,14 +352,67 @@ if AVAILABLE:
             up = min(_I32(_I32(b + _I32(0x7FFFFF)) & _EXP), _TOP_POW2)   # 2^ceil(log2 d), int32 wrap as torch's
             out[i] = _bits_f32(_I32(0x400000) if b <= _I32(0x400000) else up)
 
+    _NV_T_DIV = np.float32(FORMATS["e4m3"].max * FORMATS["e2m1"].max)    # 2688: t = amax / (448 * 6)
+    _NV_T_MIN = np.float32(2.0 ** -121)                                 # nvfp4.NVFP4_MIN_TENSOR_SCALE_INV
+    _NV_S_MIN, _NV_S_MAX = np.float32(FORMATS["e4m3"].min_normal), np.float32(FORMATS["e4m3"].max)
+
+    @numba.njit(**_JIT)
+    def _nvfp4_scales(amax, given, use_given, course, t_out, codes, recip, mult):
+        # amax: (n,) f32 block amaxes; given: (1,) f32 the tensor amax (use_given) ; course: the course's t floor.
+        # t_out (1,) f32; codes (n,) uint8 the E4M3 block scales; recip, mult (n,) f32. fastpath.nvfp4_block_scales
+        if use_given:
+            at = given[0]
+        else:                                                # max |amax|, NaN propagating (block_amax's bits max)
+            m = _I32(0)
+            for i in range(amax.shape[0]):
+                m = max(m, _I32(_f32_bits(amax[i]) & _MASK))
+            at = _bits_f32(m)
+        t = at / _NV_T_DIV
+        if course and at > 0 and t < _NV_T_MIN:
+            t = _NV_T_MIN
+        safe = t if t > 0 else np.float32(1.0)               # NaN: 1, as torch.where(t > 0, t, 1)
+        inv = np.float32(1.0) / safe
+        for i in range(amax.shape[0]):
+            v = (amax[i] / _SIX) / safe
+            v = _NV_S_MIN if v < _NV_S_MIN else v            # torch.clamp; NaN stays NaN
+            v = _NV_S_MAX if v > _NV_S_MAX else v
+            q, sf = _round_e4m3(v)                           # the E4M3 scale and its value
+            codes[i] = np.uint8(q)
+            recip[i] = inv / sf
+            mult[i] = sf * t
+        t_out[0] = t
+
+    @intrinsic
+    def _f16_bits_f32(typingctx, h):
+        """The float32 value of the IEEE half-precision number whose bits are the int16 h (exact: every FP16 number
+        is an FP32 number); LLVM turns a loop of these into F16C / AVX-512 conversions (vcvtph2ps)."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.int16), codegen
+
+    @numba.njit(inline="always", **_JIT)
+    def _decode_fp8(code, shift, factor, top):
+        """float32(code) for a uint8 FP8 code read through FP16 bits (``_make_dequantize`` says how; its constants
+        are arguments, so the kernels close over numbers only: see ``_make_e2m1``)."""
+        b = _I32(code)
+        mag, sign = b & _I32(0x7F), b & _I32(0x80)
+        v = _f16_bits_f32(np.int16(_I32(mag << shift) | _I32(sign << _I32(8)))) * factor
+        return _bits_f32(_f32_bits(_NAN) | _I32(sign << _I32(24))) if mag > top else v
+
     def _make_dequantize(name: str):
-        """float32(code) * mult per block for FP8 format ``name``'s codes (E2M1 values in an E4M3 container too)."""
+        """float32(code) * mult per block for FP8 format ``name``'s codes (E2M1 values in an E4M3 container too).
+
+        A code is read as the top bits of an FP16 number (``fastpath.fp8_to_float32``'s reading): its 7 magnitude
+        bits shifted to FP16's exponent and mantissa fields (E5M2: by 8, FP16's own top byte; E4M3: by 7, which
+        holds 2^-8 times the value, subnormals too), its sign to FP16's; the exact FP16 -> FP32 conversion, times
+        2^(15 - bias) (exact), is float32(code). E5M2's inf comes through; the NaN codes (E4M3 S.1111.111, E5M2
+        exponent all ones with a mantissa) become FP32's quiet NaN with the code's sign. Then one FP32 product
+        with the multiplier, as ``ScaledTensor.dequantize`` rounds it."""
         f = FORMATS[name]
-        mbits = _I32(f.mantissa_bits)
-        emask, mmask = _I32((1 << f.exponent_bits) - 1), _I32((1 << f.mantissa_bits) - 1)
-        rebias, sub = _I32(127 - f.bias), np.float32(f.min_subnormal)
-        inf_nan, all_ones = f.nan == "ieee", f.nan == "all_ones"      # E5M2: exponent all ones; E4M3: S.1111.111
-        inf = np.float32(np.inf)
+        shift = _I32(10 - f.mantissa_bits)
+        factor = np.float32(2.0 ** (15 - f.bias))
+        top = _I32(0x7E if f.nan == "all_ones" else 0x7C)            # the largest non-NaN magnitude code
+        assert f.exponent_bits <= 5 and f.nan in ("all_ones", "ieee"), name
 
         @numba.njit(**_JIT)
         def kernel(codes, r, c, mult, out):
@@ -266,19 +420,15 @@ if AVAILABLE:
             M, K = codes.shape
             for i in range(M):
                 ci, oi, mi = codes[i], out[i], mult[i // r]
-                for bj in range(K // c):
-                    for jj in range(c):
-                        j = np.uint64(bj * c + jj)
-                        b = _I32(ci[j])
-                        e, m = _I32(b >> mbits) & emask, b & mmask
-                        mag = _bits_f32(_I32(_I32(e + rebias) << 23) | _I32(m << (23 - mbits))) if e > 0 \
-                            else np.float32(m) * sub
-                        if all_ones:
-                            mag = _NAN if (e == emask and m == mmask) else mag
-                        if inf_nan:
-                            mag = (inf if m == 0 else _NAN) if e == emask else mag
-                        oi[j] = _bits_f32(_f32_bits(mag) | _I32(_I32(b & _I32(0x80)) << 24)) \
-                            * mi[np.uint64(bj) if c > 1 else j]
+                if c == 1:                                     # a multiplier per element of the row
+                    for j in range(K):
+                        oi[j] = _decode_fp8(ci[j], shift, factor, top) * mi[j]
+                else:                                          # one per c elements, read once per block
+                    for bj in range(K // c):
+                        mb = mi[bj]
+                        for jj in range(c):
+                            j = bj * c + jj
+                            oi[j] = _decode_fp8(ci[j], shift, factor, top) * mb
         return kernel
 
     _DEQUANTIZE = {name: _make_dequantize(name) for name in ("e4m3", "e5m2")}
@@ -346,8 +496,90 @@ def quantize_e2m1(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, d
     kernel = _e2m1_nearest if draws is None else _e2m1_stochastic
     d = torch.zeros(1, 1, dtype=torch.int64) if draws is None else draws.reshape(M, K).contiguous()
     mult, dequant = mult.float().contiguous(), dequant.float().contiguous()   # locals, alive for _np's views
-    kernel(_np(x), r, c, _np(mult), _np(dequant), _np(d), _np(codes), _np(out))
+    none = torch.zeros(1, dtype=torch.int64)
+    kernel(_np(x), r, c, _np(mult), _np(dequant), _np(d), _np(none), _np(none), _np(codes), _np(out))
     return codes.view(torch.float8_e4m3fn), out
+
+
+def quantize_e2m1_drawing(x: torch.Tensor, block: tuple[int, int], mult: torch.Tensor, dequant: torch.Tensor,
+                          generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_e2m1(x, block, mult, dequant, torch.randint(0, 2**62, x.shape, generator=generator))``, the same
+    bits and the generator left in the same state, without the (M, K) int64 tensor of draws: the kernel draws
+    each row's integers itself from the generator's MT19937 state (``generator`` None: torch's default CPU
+    generator), as torch's CPU ``randint`` forms them: per element, in row-major order, two engine outputs
+    (first << 32 | second) reduced mod 2^62 (``draws62``, checked against torch once per process). Where that
+    check fails (another torch's state layout) or the generator is not a CPU one, the draws come from
+    ``torch.randint``. The generator's state is read before and written back after the kernel (nothing else may
+    draw from it meanwhile; torch's ``randint`` holds its lock instead)."""
+    gen = torch.default_generator if generator is None else generator
+    if not _mt_matches_torch() or gen.device.type != "cpu":
+        draws = torch.randint(0, 2 ** 62, x.shape, generator=generator)
+        return quantize_e2m1(x, block, mult, dequant, draws)
+    x = x.detach().contiguous()
+    M, K = x.shape
+    r, c = block
+    _grid(x, block, mult, dequant)
+    codes = torch.empty(M, K, dtype=torch.uint8)
+    out = torch.empty(M, K, dtype=torch.float32)
+    mult, dequant = mult.float().contiguous(), dequant.float().contiguous()   # locals, alive for _np's views
+    none = torch.zeros(1, 1, dtype=torch.int64)
+    _with_mt_state(gen, lambda words, pos: _e2m1_drawing(_np(x), r, c, _np(mult), _np(dequant), _np(none),
+                                                          words, pos, _np(codes), _np(out)))
+    return codes.view(torch.float8_e4m3fn), out
+
+
+# torch's CPU generator state (``CPUGeneratorImplState``, aten/src/ATen/CPUGeneratorImpl.cpp), a byte tensor:
+# the_initial_seed (uint64, byte 0), left (int32, byte 8), seeded (int32, byte 12), next (uint64, byte 16), the 624
+# MT19937 words each widened to uint64 (bytes 24 to 5015), then the normal distributions' caches (left as they are)
+_STATE_BYTES, _LEFT, _NEXT, _WORDS = 5056, 8, 16, 24
+
+
+def _with_mt_state(gen: torch.Generator, fn) -> None:
+    """fn(words (624,) int64, pos (left, next) int64), NumPy arrays, on ``gen``'s MT19937 state, which fn advances in
+    place; the advanced state is set back into ``gen``."""
+    state = gen.get_state()
+    if state.numel() != _STATE_BYTES:
+        raise RuntimeError(f"a CPU generator state of {state.numel()} bytes, not {_STATE_BYTES}")
+    b = _np(state)                                            # (5056,) uint8 view of the state's bytes
+    left, nxt = b[_LEFT:_LEFT + 4].view(np.int32), b[_NEXT:_NEXT + 8].view(np.int64)
+    pos = np.array([left[0], nxt[0]], dtype=np.int64)
+    fn(b[_WORDS:_WORDS + 624 * 8].view(np.int64), pos)
+    left[0], nxt[0] = pos[0], pos[1]
+    gen.set_state(state)
+
+
+def draws62(n: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``torch.randint(0, 2**62, (n,), generator=generator)`` (int64), drawn by ``_mt_words`` from the generator's
+    state, which is advanced as torch advances it. For the check below and the tests."""
+    gen = torch.default_generator if generator is None else generator
+    w = np.empty(2 * n, dtype=np.uint32)
+
+    def fill(words, pos):
+        s = words.astype(np.uint32)                  # 32-bit working copy
+        _mt_words(s, pos, w)
+        words[:] = s
+    _with_mt_state(gen, fill)
+    hi, lo = torch.from_numpy(w.astype(np.int64)).reshape(n, 2).unbind(1)
+    return ((hi & 0x3FFFFFFF) << 32) | lo
+
+
+_MT_CHECKED: list = []
+
+
+def _mt_matches_torch() -> bool:
+    """Whether ``draws62`` gives ``torch.randint(0, 2**62)``'s integers and leaves the generator in torch's state,
+    on a fresh generator across two twists and their boundaries (checked once per process)."""
+    if not _MT_CHECKED:
+        ok = True
+        try:
+            ours, theirs = torch.Generator().manual_seed(20250), torch.Generator().manual_seed(20250)
+            for n in (1, 311, 1, 700, 5):             # 312 draws end exactly at the first twist's 624 words
+                ok = ok and torch.equal(draws62(n, ours), torch.randint(0, 2 ** 62, (n,), generator=theirs))
+            ok = ok and torch.equal(ours.get_state(), theirs.get_state())
+        except (RuntimeError, ValueError):
+            ok = False
+        _MT_CHECKED.append(ok)
+    return _MT_CHECKED[0]
 
 
 def dequantize_fp8(data: torch.Tensor, block: tuple[int, int], mult: torch.Tensor) -> torch.Tensor:
@@ -376,3 +608,19 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     out = torch.empty_like(a)
     _rceil_scale_inv(_np(a.view(-1)), np.float32(elem_max), _np(out.view(-1)))
     return out
+
+
+def nvfp4_scales(amax_b: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None, course: bool = True):
+    """``fastpath.nvfp4_block_scales``: (t () float32, s (M/r, K/c) float8_e4m3fn, recip, mult (M/r, K/c) float32)
+    from non-empty float32 CPU block amaxes ``amax_b`` in one pass: the tensor decode scale t from max(amax_b) (or
+    ``tensor_amax``, a checked one-element float32 tensor), floored at 2^-121 if ``course``; the block scales
+    s = e4m3(clamp((amax_b / 6) / t', 2^-6, 448)) with t' = t if t > 0 else 1; recip = (1 / t') / float32(s);
+    mult = float32(s) * t. Each an FP32 operation rounded once, as the rule's torch ops round it."""
+    a = amax_b.detach().float().contiguous()
+    codes = torch.empty(a.shape, dtype=torch.uint8)
+    recip, mult = torch.empty_like(a), torch.empty_like(a)
+    t = torch.empty(1, dtype=torch.float32)
+    given = torch.zeros(1) if tensor_amax is None else tensor_amax.detach().float().reshape(1).contiguous()
+    _nvfp4_scales(_np(a.view(-1)), _np(given), tensor_amax is not None, bool(course), _np(t), _np(codes.view(-1)),
+                  _np(recip.view(-1)), _np(mult.view(-1)))
+    return t.reshape(()), codes.view(torch.float8_e4m3fn), recip, mult

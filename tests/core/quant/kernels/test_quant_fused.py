@@ -30,6 +30,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
 Where a test compares the kernel with the rule it also checks, with a spy, that the kernel ran (and that the
 forced rule did not call it), so a routing change cannot make the comparison vacuous.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -543,16 +544,18 @@ def test_dequantize_kernel_equals_torch_upcast_times_the_multiplier(dtype, block
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
 def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
-    """``fused.quantize_e2m1`` through ``quantize_nvfp4(..., keep_fp32=True)`` against the forced
-    rule with the same generator seed (the kernel reads the rule's own draws): data bytes, both scales, the copy."""
-    real, count = fused.quantize_e2m1, [0]
+    """``fused.quantize_e2m1`` (nearest) and ``fused.quantize_e2m1_drawing`` (stochastic: the rule's draws, drawn
+    inside the kernel) through ``quantize_nvfp4(..., keep_fp32=True)`` against the forced rule with the same
+    generator seed: data bytes, both scales, the copy."""
+    name = "quantize_e2m1" if rounding == "nearest" else "quantize_e2m1_drawing"
+    real, count = getattr(fused, name), [0]
 
     def spy(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "quantize_e2m1", spy)
+        mp.setattr(fused, name, spy)
         tiny = [_boundary_matrix(128, 128, 63) / float(_boundary_matrix(128, 128, 63).abs().max()) * t
                 for t in (1e-30, 1e-33, 1e-36, 2.0 ** -127, 1e-40, 1e-45)]      # tensor scales floored at 2^-121
         for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
@@ -567,6 +570,163 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
             assert got.dequantized is not None
             assert_bits_equal(got.dequantized, torch_rule(want.dequantize, torch.float32), ("x", x))
     assert count[0] == 10
+
+
+# ------------------------------------------------------------------------------------------------ NVFP4: draws, scales
+def test_the_mt19937_reading_is_checked_and_holds_on_this_torch():
+    """``quantize_e2m1_drawing`` reads torch's generator state; its check against ``torch.randint`` passed here
+    (else every stochastic NVFP4 cast would silently take the slower path)."""
+    assert fused._mt_matches_torch()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2 ** 40 + 3])
+def test_draws62_equals_torch_randint_and_leaves_the_generator_where_torch_does(seed):
+    """``fused.draws62(n, g)`` against ``torch.randint(0, 2**62, (n,), generator=g)`` on twin generators, for
+    sizes that end one word short of, exactly at and one past a twist (312 draws are 624 words), none, a run
+    across several twists; after other draws (``rand``, and ``randn`` whose cached normal sample must survive
+    the state's round trip), the generators' states and their next draws of every kind are equal."""
+    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for g in (ours, theirs):
+        torch.rand(5, generator=g)
+        torch.randn(1, generator=g, dtype=torch.float64)     # leaves a cached normal sample in the state
+    for n in (0, 1, 310, 1, 1, 312, 313, 0, 5000, 624):
+        assert torch.equal(fused.draws62(n, ours), torch.randint(0, 2 ** 62, (n,), generator=theirs)), n
+        assert torch.equal(ours.get_state(), theirs.get_state()), n
+    assert torch.equal(torch.randn(3, generator=ours, dtype=torch.float64),
+                       torch.randn(3, generator=theirs, dtype=torch.float64))
+    assert torch.equal(torch.randint(0, 2 ** 62, (7,), generator=ours),
+                       torch.randint(0, 2 ** 62, (7,), generator=theirs))
+
+
+def test_draws62_from_the_default_generator():
+    """With no generator, the draws are the default generator's (as ``torch.randint`` without one)."""
+    torch.manual_seed(123)
+    want, after = torch.randint(0, 2 ** 62, (1000,)), torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(fused.draws62(1000), want)
+    assert torch.equal(torch.rand(4), after)
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_quantize_e2m1_drawing_equals_the_kernel_on_torch_randint_draws(block, layout):
+    """``quantize_e2m1_drawing(x, ..., g)`` against ``quantize_e2m1(x, ..., torch.randint(0, 2**62, x.shape, g))``
+    (the rule's draws, then the kernel already checked against the rule): codes, the FP32 copy and the
+    generator's state after, on tensors with NaN, +-inf, +-0, FP32 subnormals and ties, with block multipliers
+    that are 0, subnormal, huge and non-powers of two, row-major or a transposed view; with a generator and
+    with the default one."""
+    g0 = torch.Generator().manual_seed(41)
+    for x in (_special_matrix(256, 384, 42), _ties_matrix(128, 128, 43) / 64, torch.zeros(64, 128),
+              _boundary_matrix(128, 128, 44)):
+        if layout == "transposed":
+            x = x.t().contiguous().t() if x.shape[0] == x.shape[1] else x.reshape(x.shape[1], x.shape[0]).t()
+        M, K = x.shape
+        r, c = block
+        mult = torch.exp(torch.empty(M // r, K // c).uniform_(-30, 30, generator=g0))
+        mult.view(-1)[:4] = torch.tensor([0.0, 1e-40, 3e30, 0.3712])
+        dq = torch.exp(torch.empty(M // r, K // c).uniform_(-30, 30, generator=g0))
+        for seed in (3, 4):
+            ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            torch.randint(0, 5, (seed * 101,), generator=ours)
+            torch.randint(0, 5, (seed * 101,), generator=theirs)
+            got = fused.quantize_e2m1_drawing(x, block, mult, dq, ours)
+            want = fused.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
+            assert_codes_equal(got[0], want[0], ("x", x))
+            assert_bits_equal(got[1], want[1], ("x", x))
+            assert torch.equal(ours.get_state(), theirs.get_state())
+        torch.manual_seed(5)
+        got = fused.quantize_e2m1_drawing(x, block, mult, dq)
+        after = torch.rand(2)
+        torch.manual_seed(5)
+        want = fused.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape))
+        assert_codes_equal(got[0], want[0], ("x", x))
+        assert_bits_equal(got[1], want[1], ("x", x))
+        assert torch.equal(torch.rand(2), after)
+
+
+def test_quantize_e2m1_drawing_falls_back_to_torch_randint_where_the_check_fails(monkeypatch):
+    """Where the state reading does not match torch (another torch's layout), the draws come from
+    ``torch.randint``: the same bits, the same generator state."""
+    monkeypatch.setattr(fused, "_MT_CHECKED", [False])
+    x, ones = _special_matrix(128, 128, 45, nan=False), torch.ones(128, 8)
+    ours, theirs = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    got = fused.quantize_e2m1_drawing(x, (1, 16), ones, ones, ours)
+    want = fused.quantize_e2m1(x, (1, 16), ones, ones, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
+    assert_codes_equal(got[0], want[0])
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_the_kernels_closures_hold_only_numbers_so_numbas_cache_finds_them():
+    """numba's on-disk cache keys a closure's compiled code by its pickled cell contents: a cell holding a jitted
+    function pickles differently in every process, so the kernel would be compiled again (seconds) at every start
+    and another copy written to the cache. Each specialized kernel closes over flags and constants only."""
+    kernels = [*fused._QUANTIZE.values(), *fused._DEQUANTIZE.values(), fused._e2m1_nearest, fused._e2m1_stochastic,
+               fused._e2m1_drawing]
+    for k in kernels:
+        cells = [c.cell_contents for c in (k.py_func.__closure__ or ())]
+        assert all(isinstance(v, (bool, int, float, str, np.number)) for v in cells), (k.py_func.__qualname__, cells)
+
+
+def _nvfp4_amax_grid() -> torch.Tensor:
+    """(64, 32) float32 block amaxes where NVFP4's scale rules change behaviour: 0, FP32 subnormals, the
+    thresholds around 6 * 2^-6 * t (the block-scale floor) and 6 * 448 * t (its cap), one ulp either side,
+    E4M3 ties of amax / 6 / t, a tensor max 2688 (t = 1), large and tiny values."""
+    g = torch.Generator().manual_seed(47)
+    base = torch.tensor([0.0, F32_SUB_MIN, 1e-40, F32_TINY, 6 * 2.0 ** -6, 6 * 448.0, 2688.0, 6 * 1.0625,
+                         6 * 1.1875, 6 * 0.0703125, 6 * 2.0 ** -9, 6 * 3 * 2.0 ** -10, 6 * 464.0, 1e30, 1.0])
+    edges = torch.cat([base, torch.nextafter(base, torch.tensor(INF)), torch.nextafter(base, torch.tensor(0.0))])
+    rest = torch.exp(torch.empty(64 * 32 - edges.numel()).uniform_(-80, 7.8, generator=g))
+    a = torch.cat([edges, rest]).clamp(max=2688.0)
+    return a[torch.randperm(a.numel(), generator=g)].reshape(64, 32)
+
+
+@pytest.mark.parametrize("edges", ["course", "torchao"])
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -100, 2.0 ** -125, 1e-45, 0.0, 2.0 ** 100])
+def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
+    """``fastpath.nvfp4_block_scales`` through ``fused.nvfp4_scales`` against the rule: t and s from
+    ``nvfp4.nvfp4_scales`` on a tensor whose block amaxes are the grid (one element per block holds its amax),
+    recip and mult as ``nvfp4.encode_nvfp4`` and ``ScaledTensor.block_scale_inv`` form them from those; the
+    grid scaled so t is ordinary, floored at 2^-121 (course), subnormal (torchao), 0 and large; with
+    ``tensor_amax`` given (0, inf, NaN, a value), a grid holding inf or NaN, and a transposed grid."""
+    amax = _nvfp4_amax_grid() * scale
+    grids = [amax, amax.t()]
+    if scale == 1.0:
+        with_inf, with_nan = amax.clone(), amax.clone()
+        with_inf[3, 4], with_nan[5, 6] = INF, NAN
+        grids += [with_inf, with_nan]
+    for a in grids:
+        x = torch.zeros(a.shape[0], a.shape[1] * 16)
+        x[:, ::16] = a                                       # block (1, 16) j holds amax a[:, j]
+        for given in (None, 0.0, INF, NAN, 1234.5):
+            t_k, s_k, recip, mult = fastpath.nvfp4_block_scales(a, given, edges)
+            t, s = nvfp4.nvfp4_scales(x, (1, 16), given, edges)                  # the rule
+            assert_bits_equal(t_k.reshape(1), t.reshape(1))
+            assert_codes_equal(s_k, s, ("amax", a))
+            safe_t = torch.where(t > 0, t, torch.ones_like(t))
+            assert_bits_equal(recip, (1.0 / safe_t) / s.float(), ("amax", a))
+            st = scaled.ScaledTensor(torch.zeros(x.shape, dtype=E4M3), s, (1, 16), "e2m1", t)
+            assert_bits_equal(mult, st.block_scale_inv(), ("amax", a))
+            forced = torch_rule(fastpath.nvfp4_block_scales, a, given, edges)    # fastpath's torch body
+            for k, w in zip((recip, mult), forced[2:]):
+                assert_bits_equal(k, w)
+
+
+def test_nvfp4_block_scales_kernel_runs_and_empty_grids_take_the_rule(monkeypatch):
+    """The kernel is what ``quantize_nvfp4`` calls on a CPU (a spy counts it); an empty tensor's empty grid
+    takes the torch body, as the rule does (t = 0, nothing to scale)."""
+    real, count = fused.nvfp4_scales, [0]
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "nvfp4_scales", spy)
+    fastpath.quantize_nvfp4(torch.randn(32, 64), (1, 16), keep_fp32=True)
+    assert count[0] == 1
+    got = fastpath.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
+    want = nvfp4.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
+    assert count[0] == 1 and got.data.shape == want.data.shape == (0, 64)
+    assert_bits_equal(got.tensor_scale_inv.reshape(1), want.tensor_scale_inv.reshape(1))
 
 
 # ------------------------------------------------------------------------------------------------ per tensor
@@ -677,6 +837,26 @@ def test_the_kernels_leave_their_tensors_resizable():
     for t in (w, codes, copy, amax, up):
         t.untyped_storage().resize_(0)                   # raises "not resizable" after t.numpy()
         assert t.untyped_storage().size() == 0
+
+
+def test_the_views_of_memory_follow_its_contents_shape_and_dtype():
+    """``fused._np`` hands out one NumPy view per (address, shape, dtype): a view reads the memory as it is now (the
+    kernel sees new contents written in place, and a new tensor at a freed tensor's address), another shape or
+    dtype at the same address gets its own view, and a non-contiguous tensor is refused."""
+    buf = torch.zeros(2 * 64 * 64)
+    x = buf[:4096].view(64, 64)
+    for v in (1.0, -3.5, 2.0 ** -140, 7.0):
+        x.fill_(v)
+        assert float(fused.block_amax(x, (64, 64))) == abs(v)
+        assert_bits_equal(fused.block_amax(buf.view(64, 128), (64, 128)).reshape(1), torch.tensor([abs(v)]))
+    assert fused._np(x).dtype == np.float32 and fused._np(x.view(torch.int32)).dtype == np.int32
+    assert fused._np(buf.view(64, 128)).shape == (64, 128) and fused._np(x).shape == (64, 64)
+    for i in range(50):                                  # new tensors, often at a freed one's address
+        y = torch.full((32, 48), float(i))
+        assert float(fused.block_amax(y, (32, 48))) == i
+        del y
+    with pytest.raises(AssertionError, match="contiguous"):
+        fused._np(buf.view(64, 128).t())
 
 
 @pytest.mark.slow
