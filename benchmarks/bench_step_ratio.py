@@ -36,6 +36,10 @@ median of rounds (spread over the rounds in brackets):
 Before any change, on a quieter machine: fp8-current 1.30 (1.27-1.34), fp8-delayed 1.35 (1.33-1.42), nvfp4 2.88
 (2.82-3.01), mxfp8 1.33. The FP8 rows are unchanged within the noise (the faster FP8 upcast saves about 3% of
 a step, less than one round's spread here); a round's ratio can exceed a target when another job lands on it.
+
+Re-measured on the merged tree (the kernels behind the engine's one kernel table), same machine, load average
+about 5, ``--rounds 8``: fp32 108.7 ms; fp8-current 1.34 (1.32-1.47), fp8-delayed 1.33 (1.22-1.49), nvfp4 1.63
+(1.55-1.88), mxfp8 1.37 (1.30-1.50). No GPU was measured.
 """
 from __future__ import annotations
 
