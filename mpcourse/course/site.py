@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -188,6 +189,33 @@ def unlink_outside(text: str, page: Path, docs_dir: Path) -> str:
     return _LINK.sub(fix, text)
 
 
+#: files MkDocs (``.md``) and mkdocs-jupyter (``.ipynb``, ``.py``) would build into pages: never copied as a download
+PAGE_SUFFIXES = (".md", ".ipynb", ".py")
+
+
+def copy_linked_files(root: Path, docs: Path) -> None:
+    """Copy into the staged site the files under ``root/docs`` that its staged markdown pages link to (a
+    figure, a download), at the same place. The staged folder mirrors the course (``docs/docs/x.md`` is
+    ``root/docs/x.md``, a page made from the README sits where the README is), so a link means the same
+    file in both. Only what a page links to comes along: a run's output in ``docs/`` (a results folder, its
+    JSON, its reports) never reaches the site unless a page shows it. A linked page (``PAGE_SUFFIXES``:
+    MkDocs and mkdocs-jupyter would make it a page of the site) is not copied; ``unlink_outside`` makes
+    the link text."""
+    source_docs = (root / "docs").resolve()
+    for md in docs.rglob("*.md"):
+        for m in _LINK.finditer(md.read_text(encoding="utf-8")):
+            target = m.group(3).split("#", 1)[0]
+            if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("/"):
+                continue
+            rel = Path(os.path.normpath(md.parent.relative_to(docs) / target))
+            if rel.parts[:1] == ("..",) or (docs / rel).exists():
+                continue
+            src = (root / rel).resolve()
+            if src.is_file() and src.is_relative_to(source_docs) and src.suffix not in PAGE_SUFFIXES:
+                (docs / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, docs / rel)
+
+
 def index_page(lessons: list[Path], exercises: dict[str, Path], pages: list[tuple[str, str]]) -> str:
     rows = ["| lesson | exercise |", "|---|---|"]
     for lesson in lessons:
@@ -240,9 +268,12 @@ def stage(root: Path, docs: Path) -> list:
         exercise_nav.append({notebook_title(ex): f"exercises/{ex.name}"})
 
     readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
-    # docs/ keeps its layout (so the README's links into it and its pages' links to each other hold)
-    if (root / "docs").is_dir():
-        shutil.copytree(root / "docs", docs / "docs")
+    # docs/*.md keep their layout (so the README's links into docs/ and its pages' links to each other hold);
+    # nothing else of docs/ comes along but the files those pages link to (below)
+    for page in sorted((root / "docs").glob("*.md")) if (root / "docs").is_dir() else []:
+        if page.is_file():
+            (docs / "docs").mkdir(exist_ok=True)
+            shutil.copyfile(page, docs / "docs" / page.name)
     result_nav, guide_nav = [], []
     doc_pages = sorted((docs / "docs").glob("*.md")) if (docs / "docs").is_dir() else []
     library_doc = next((p for p in doc_pages if p.stem.lower() in ("library", "library_map")), None)
@@ -269,6 +300,7 @@ def stage(root: Path, docs: Path) -> list:
     if library_nav:
         pages.append(("The library map", library_nav))
     (docs / "index.md").write_text(index_page(lessons, exercises, pages), encoding="utf-8")
+    copy_linked_files(root, docs)
     for md in docs.rglob("*.md"):
         md.write_text(unlink_outside(md.read_text(encoding="utf-8"), md, docs.resolve()), encoding="utf-8")
 

@@ -6,7 +6,8 @@ many decoded figures as its notebook stores, links to its exercise and says how 
 JupyterLab; a crawl from the home page finds no broken internal link or anchor; the search box finds
 "hysteresis" in lesson 04; and no page asks for anything from outside the site. Without Chromium or
 playwright these tests skip, except under CI (``CI=true``), where they fail: CI must run them.
-The builder's own checks (folders it refuses, the missing extra, links it unlinks) run without them.
+The builder's own checks (folders it refuses, the missing extra, links it unlinks, run outputs in the clone
+changing nothing in the site) run without them.
 """
 from __future__ import annotations
 
@@ -126,6 +127,65 @@ def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_p
     assert "Exercise" not in json.loads((docs / "notebooks" / "01_b.ipynb").read_text())["cells"][0]["source"]
     exercise = json.loads((docs / "exercises" / "00_a.ipynb").read_text())["cells"][0]["source"]
     assert "[00 — Lesson A](../notebooks/00_a.html)" in exercise and "mpcourse grade exercises/00_a.ipynb" in exercise
+
+
+def _small_course(root: Path) -> None:
+    """A course of one lesson (with "hysteresis" in it), one exercise, a results page showing a figure from
+    docs/, and a README with a library section."""
+    for folder in ("notebooks", "exercises", "docs"):
+        (root / folder).mkdir(parents=True)
+    (root / "notebooks" / "04_scaling.ipynb").write_text(_notebook(
+        "04 — Scaling", {"cell_type": "markdown", "id": "h", "metadata": {}, "source": "Hysteresis keeps the scale."}))
+    (root / "exercises" / "04_scaling.ipynb").write_text(_notebook("Exercise 04"))
+    (root / "docs" / "results.md").write_text("# Results\n\n![loss](loss_curves.png)\n\nSee [set-up](setup.md).\n")
+    (root / "docs" / "setup.md").write_text("# Set-up\n")
+    (root / "docs" / "loss_curves.png").write_bytes(b"\x89PNG the figure the results page shows")
+    (root / "README.md").write_text("# C\n## The library\n| module |\n|---|\n| `x` |\n")
+
+
+def _run_outputs(root: Path) -> None:
+    """What runs and tools leave in a clone: the main job's mpcourse-out/ (with a report), a side run's folder,
+    a run sent into docs/ or started from notebooks/, an old results folder with a script and a notebook in
+    docs/, JupyterLab's checkpoints: pages, JSON, figures, all mentioning hysteresis."""
+    report = "# Run report\n\nhysteresis: the scale halved 3 times\n"
+    for folder in ("mpcourse-out", "mpcourse-out-runs/recipes=fp32+steps=2", "docs/mpcourse-out",
+                   "docs/results-old", "notebooks/mpcourse-out", "docs/.ipynb_checkpoints"):
+        d = root / folder
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"results": [{"recipe": "fp32", "note": "hysteresis"}]}))
+        (d / "loss_curves.png").write_bytes(b"\x89PNG a run's plot")
+        (d / "report.md").write_text(report)
+    (root / "docs" / "results-old" / "rerun.py").write_text("# hysteresis\nprint('hysteresis')\n")
+    (root / "docs" / "results-old" / "04_scaling.ipynb").write_text(_notebook("Old run: hysteresis"))
+    (root / "docs" / ".ipynb_checkpoints" / "results-checkpoint.md").write_text(report)
+
+
+def _tree(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_run_outputs_never_reach_the_site(tmp_path):
+    """The site is built from notebooks/, exercises/, docs/*.md (and what they show) and the README, nothing
+    else: the same course with run outputs beside it and in its folders builds the same site, byte for byte,
+    and the search index finds "hysteresis" in the lesson only."""
+    for module in ("mkdocs", "material", "mkdocs_jupyter"):
+        try:
+            __import__(module)
+        except ImportError:
+            _missing(f'{module} is not installed (pip install -e ".[site]")')
+    clean, cluttered = tmp_path / "clean", tmp_path / "cluttered"
+    _small_course(clean)
+    _small_course(cluttered)
+    _run_outputs(cluttered)
+    site.build_site(tmp_path / "site-clean", clean)
+    site.build_site(tmp_path / "site-cluttered", cluttered)
+    want, got = _tree(tmp_path / "site-clean"), _tree(tmp_path / "site-cluttered")
+    assert sorted(got) == sorted(want), f"files only in the cluttered build: {sorted(set(got) - set(want))}"
+    assert [name for name in want if got[name] != want[name]] == []
+    assert got["docs/loss_curves.png"] == b"\x89PNG the figure the results page shows"   # what a page shows comes
+    index = json.loads(got["search/search_index.json"])
+    hits = {d["location"].split("#")[0] for d in index["docs"] if "hysteresis" in (d["title"] + d["text"]).lower()}
+    assert hits == {"notebooks/04_scaling.html"}
 
 
 # --- the built site, in a browser --------------------------------------------------------------------------
@@ -256,6 +316,21 @@ def test_no_broken_internal_link(browser_page, base_url):
         assert response.ok, f"{source} links to {target}: HTTP {response.status}"
     missing = [(s, t, f) for s, t, f in anchors if t.endswith(".html") and f not in seen_pages[t]]
     assert not missing, f"anchors that are not on their page (from, page, anchor): {missing[:10]}"
+
+
+@pytest.mark.slow
+def test_every_page_comes_from_the_course(built):
+    """The built site's pages are the home page, the lessons, the exercises, docs/*.md and the README's pages:
+    nothing a run or a tool left in the clone (mpcourse-out/, a results folder) becomes a page."""
+    pages = {str(p.relative_to(built)) for p in built.rglob("*.html")}
+    lessons = {f"notebooks/{p.stem}.html" for p in LESSONS}
+    allowed = (lessons | {f"exercises/{p.stem}.html" for p in (ROOT / "exercises").glob("[0-9]*.ipynb")}
+               | {f"docs/{p.stem}.html" for p in (ROOT / "docs").glob("*.md")}
+               | {"index.html", "404.html", "results.html", "library.html"})
+    assert lessons <= pages
+    assert pages <= allowed, f"pages from outside the course's sources: {sorted(pages - allowed)}"
+    index = json.loads((built / "search" / "search_index.json").read_text(encoding="utf-8"))
+    assert {d["location"].split("#")[0] or "index.html" for d in index["docs"]} <= allowed
 
 
 @pytest.mark.slow
