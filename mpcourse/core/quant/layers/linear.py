@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ...autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
 from ..region import get_fp8_recipe, is_fp8_enabled
-from .gemm import fp8_gemm_with, fp8_linear_backward_gemms
+from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from ..block_recipes import backward_operand
 from ..engine import quantizers
@@ -78,8 +78,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         w8 = layer._quantize("weight", weight, record)  # (N, K) E4M3, row-major
         # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
         # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
-        y = fp8_gemm_with(layer.quantizers["input"].binding, x8, w8.t(), out_dtype,
-                          pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
+        y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
+                     binding=layer.quantizers["input"].binding)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
