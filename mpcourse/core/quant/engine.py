@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from .. import kernels_switch
-from ..learner_table import check_overrides, exercise_names, returned
+from ..learner_table import CheckedFunctions, check_overrides, exercise_names, returned
 from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
@@ -93,13 +93,17 @@ def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
     return None
 
 
-def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> dict:
+def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
     """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
     ``OVERRIDABLE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
-    ValueError, naming the fix."""
+    ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
+    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once."""
+    if isinstance(functions, CheckedFunctions) and functions.checked_for == recipe:
+        return functions
     return check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
                            refuse=lambda name: rule_refusal(recipe, name),
-                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names])
+                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names],
+                           checked_for=recipe)
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -182,7 +186,7 @@ def quantizer(recipe: Recipe, role: str, functions: Optional[Mapping[str, Callab
 
 def build(recipe: Recipe, role: str, functions: dict, kernels: Optional[bool] = None, layer_key: str = "",
           device=None):
-    """``quantizer`` with ``functions`` already checked (``quantizers`` checks them once for the whole layer)."""
+    """``quantizer`` with ``functions`` already checked (``check_functions``, once for the whole layer)."""
     row = table_row(recipe)
     return row.quantizer(recipe, role, bind(row.steps, kernels), functions, layer_key, device)
 

@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from mpcourse.core import quant
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
+from mpcourse.core.quant.engine import rule_refusal
 from mpcourse.core.quant.layers.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
@@ -92,6 +93,13 @@ class QuantizedRecipe(TrainingRecipe):
 
     fp8_recipe: quant.Recipe
     gemm_dtype = "fp8"
+
+    def checked_overrides(self, overrides):
+        """``TrainingRecipe.checked_overrides`` with the engine's refusal of a function this recipe's
+        ``fp8_recipe`` fields do not follow (``engine.rule_refusal``), checked for that ``fp8_recipe``: the
+        engine's quantizers take the result as it is (``engine.check_functions``)."""
+        return super().checked_overrides(overrides, refuse=lambda name: rule_refusal(self.fp8_recipe, name),
+                                         checked_for=self.fp8_recipe)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
