@@ -23,7 +23,7 @@ The three places:
   (``SeamError`` naming the function and the fix).
 
 Which names a recipe accepts is said once per recipe, by the recipe: a TrainingRecipe's ``OVERRIDABLE``
-(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE`` for its recipes (``mpcourse.core.quant.engine``);
+(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE_BY_RECIPE`` for its recipes (``mpcourse.core.quant.engine``);
 both are written with ``exercise_names(...)``, which refuses a name that is not in the table.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never as
 step a quantizer or a layer's GEMM runs is bound once, here, at construction, to one of three functions:
 
 * the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
-  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE``
+  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE_BY_RECIPE``
   says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
 * the kernel (``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled passes) where kernels
   are on: the same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``,
@@ -72,7 +72,7 @@ from .rules.tensor import Float8Tensor, fp8_max
 
 #: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
 #: a TrainingRecipe built on one of these recipes states its own from this (``mpcourse.experiment.recipes.fp8``)
-OVERRIDABLE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
+OVERRIDABLE_BY_RECIPE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
                DelayedScaling: exercise_names("quantize", "update"), Float8RowwiseScaling: (),
                Float8BlockScaling: exercise_names("block_quantize"),
                MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
@@ -95,14 +95,14 @@ def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
 
 def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
     """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
-    ``OVERRIDABLE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
+    ``OVERRIDABLE_BY_RECIPE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
     ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
     TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once."""
     if isinstance(functions, CheckedFunctions) and functions.checked_for == recipe:
         return functions
-    return check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
+    return check_overrides(functions, OVERRIDABLE_BY_RECIPE.get(type(recipe), ()), type(recipe).__name__,
                            refuse=lambda name: rule_refusal(recipe, name),
-                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names],
+                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE_BY_RECIPE.items() if name in names],
                            checked_for=recipe)
 
 

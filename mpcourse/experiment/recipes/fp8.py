@@ -89,7 +89,7 @@ keep_linear_in_fp8.check_model = _check_high_precision_modules
 class QuantizedRecipe(TrainingRecipe):
     """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
     NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
-    (the engine's ``mpcourse.core.quant.OVERRIDABLE`` for its recipe's class), handed to the engine by name."""
+    (the engine's ``mpcourse.core.quant.OVERRIDABLE_BY_RECIPE`` for its recipe's class), handed to the engine by name."""
 
     fp8_recipe: quant.Recipe
     gemm_dtype = "fp8"
@@ -126,7 +126,7 @@ class FP8Current(QuantizedRecipe):
     name = "fp8-current"
     description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
     fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
-    OVERRIDABLE = quant.OVERRIDABLE[type(fp8_recipe)]  # lesson 07: compute_scale, quantize
+    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lesson 07: compute_scale, quantize
 
 
 @register
@@ -134,4 +134,4 @@ class FP8Delayed(QuantizedRecipe):
     name = "fp8-delayed"
     description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
     fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
-    OVERRIDABLE = quant.OVERRIDABLE[type(fp8_recipe)]  # lessons 07 and 08: quantize, update
+    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lessons 07 and 08: quantize, update
