@@ -17,11 +17,13 @@ The three places:
 * ``check_overrides(overrides, accepts, who)``: the one check, where a recipe is built (a TrainingRecipe,
   the quant engine's ``quantizers``): an unknown name, a name the recipe does not accept, or a function that
   cannot be called as the table's signature says stop with one line (``OverrideRefused``) naming the fix.
+  What passes comes back as ``CheckedFunctions``, a read-only mapping that says it was checked: the quant
+  engine takes one as it is, so a TrainingRecipe's functions are checked once on their way to a quantizer.
 * ``returned(name, ...)``: at run time, what the learner's function returned, by its table entry's check
   (``SeamError`` naming the function and the fix).
 
 Which names a recipe accepts is said once per recipe, by the recipe: a TrainingRecipe's ``OVERRIDABLE``
-(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE`` for its recipes (``mpcourse.core.quant.engine``);
+(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE_BY_RECIPE`` for its recipes (``mpcourse.core.quant.engine``);
 both are written with ``exercise_names(...)``, which refuses a name that is not in the table.
 """
 from __future__ import annotations
@@ -29,8 +31,9 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 from . import seams
@@ -166,15 +169,70 @@ def check_signature(name: str, fn: Callable) -> None:
                               "in that order") from None
 
 
+_MADE_BY_CHECK = object()     # only check_overrides (and CheckedFunctions.wrapped) make a CheckedFunctions
+
+
+class CheckedFunctions(Mapping):
+    """A learner's functions as ``check_overrides`` passed them: {exercise's name: function}, read-only, and the
+    record that they were checked: ``who`` they were checked for, and ``checked_for``, the configuration the check
+    depended on (the quant engine's: the quantization recipe whose names and fields they were checked against;
+    None: none given). The quant engine takes one checked for its recipe as it is and checks anything else (a plain
+    dict): a TrainingRecipe's functions are checked once on their way to a quantizer.
+
+    Made only by ``check_overrides`` (TypeError otherwise) and by ``wrapped``; a mapping like any other (``in``,
+    ``get``, ``**``, ``==`` a dict), without item or attribute assignment."""
+
+    __slots__ = ("_functions", "who", "checked_for")
+
+    def __init__(self, functions: Mapping[str, Callable], who: str, checked_for: object = None, *,
+                 _made_by: object = None):
+        if _made_by is not _MADE_BY_CHECK:
+            raise TypeError("CheckedFunctions are made by mpcourse.core.learner_table.check_overrides: pass the "
+                            "functions through it (or hand a plain dict to the recipe or the layer, which check it)")
+        object.__setattr__(self, "_functions", MappingProxyType(dict(functions)))
+        object.__setattr__(self, "who", who)
+        object.__setattr__(self, "checked_for", checked_for)
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._functions[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._functions)
+
+    def __len__(self) -> int:
+        return len(self._functions)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("CheckedFunctions is read-only: check a new mapping with check_overrides")
+
+    __delattr__ = __setattr__
+
+    def __reduce__(self):          # copy.deepcopy of a model that holds them: the same checked functions
+        return _checked, (dict(self._functions), self.who, self.checked_for)
+
+    def __repr__(self) -> str:
+        return f"CheckedFunctions({dict(self._functions)!r}, checked for {self.who})"
+
+    def wrapped(self, wrap: Callable[[str, Callable], Callable]) -> "CheckedFunctions":
+        """Each function replaced by ``wrap(name, fn)``, still checked: ``wrap`` must keep ``fn``'s signature
+        (``functools.wraps``), e.g. a guard that turns what the function raises into an error naming it."""
+        return _checked({name: wrap(name, fn) for name, fn in self._functions.items()}, self.who, self.checked_for)
+
+
+def _checked(functions: Mapping[str, Callable], who: str, checked_for: object = None) -> CheckedFunctions:
+    return CheckedFunctions(functions, who, checked_for, _made_by=_MADE_BY_CHECK)
+
+
 def check_overrides(overrides: Optional[Mapping[str, Callable]], accepts: Sequence[str], who: str, *,
                     takers: Optional[Callable[[str], Sequence[str]]] = None,
-                    refuse: Optional[Callable[[str], Optional[str]]] = None) -> dict[str, Callable]:
+                    refuse: Optional[Callable[[str], Optional[str]]] = None,
+                    checked_for: object = None) -> CheckedFunctions:
     """The learner's functions handed to ``who`` (e.g. "recipe 'fp16-dynamic'"), which accepts the names
-    ``accepts``, as a plain dict (empty for None). ``OverrideRefused`` (one line) for a name not in the table (with
-    the closest one), a name ``who`` does not accept (naming what it takes, and ``takers(name)``: who does), a value
-    that is not a function, or a function that cannot be called with the table's parameters. ``refuse(name)``:
-    a reason of ``who``'s own to refuse a name it accepts (the quant engine: a recipe field the lesson's rule
-    does not follow), or None."""
+    ``accepts``, as a ``CheckedFunctions`` (empty for None) recording ``checked_for``. ``OverrideRefused`` (one
+    line) for a name not in the table (with the closest one), a name ``who`` does not accept (naming what it takes,
+    and ``takers(name)``: who does), a value that is not a function, or a function that cannot be called with the
+    table's parameters. ``refuse(name)``: a reason of ``who``'s own to refuse a name it accepts (the quant engine:
+    a recipe field the lesson's rule does not follow), or None."""
     overrides = dict(overrides or {})
     unknown = [n for n in overrides if n not in EXERCISE_FUNCTIONS]
     if unknown:
@@ -193,7 +251,7 @@ def check_overrides(overrides: Optional[Mapping[str, Callable]], accepts: Sequen
         why = refuse(name) if refuse is not None else None
         if why:
             raise OverrideRefused(why)
-    return overrides
+    return _checked(overrides, who, checked_for)
 
 
 def returned(name: str, *args, **kwargs):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mpcourse.core import seams
-from mpcourse.core.learner_table import (EXERCISE_FUNCTIONS, OverrideRefused, check_overrides, check_signature,
-                                         exercise_names, learner_functions, returned)
-from mpcourse.core.quant import OVERRIDABLE as QUANT_OVERRIDABLE
+from mpcourse.core.learner_table import (EXERCISE_FUNCTIONS, CheckedFunctions, OverrideRefused, check_overrides,
+                                         check_signature, exercise_names, learner_functions, returned)
+from mpcourse.core.quant import OVERRIDABLE_BY_RECIPE
 from mpcourse.core.seams import SeamError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_each_generated_exercise_states_the_tables_signatures(path):
 
 
 def test_each_function_the_library_calls_has_a_check_on_what_it_returns():
-    for names in QUANT_OVERRIDABLE.values():
+    for names in OVERRIDABLE_BY_RECIPE.values():
         for name in names:
             assert EXERCISE_FUNCTIONS[name].returned is not None, name
     for entry in EXERCISE_FUNCTIONS.values():
@@ -232,3 +232,50 @@ def test_the_in_place_checks_refuse_what_they_name():
     returned("master_step", [p], [(torch.float16, p.shape)], None)
     with pytest.raises(SeamError, match=re.escape("master_step turned model parameter 0 into torch.float32")):
         returned("master_step", [p.float()], [(torch.float16, p.shape)], None)
+
+
+# -- CheckedFunctions: what check_overrides returns, the record that the functions were checked ---------------------
+
+def test_what_passes_comes_back_read_only_and_recording_the_check():
+    given = {"update_scale": _update_scale}
+    checked = check_overrides(given, ACCEPTS, "recipe 'x'", checked_for="the recipe's configuration")
+    assert isinstance(checked, CheckedFunctions) and checked == given and dict(checked) == given
+    assert (checked.who, checked.checked_for) == ("recipe 'x'", "the recipe's configuration")
+    given["unscale_grads_"] = lambda grads, scale: False          # the caller's dict changing later changes nothing
+    assert list(checked) == ["update_scale"] and len(checked) == 1 and "unscale_grads_" not in checked
+    with pytest.raises(TypeError):
+        checked["unscale_grads_"] = lambda grads, scale: False   # no item assignment
+    with pytest.raises(TypeError):
+        del checked["update_scale"]
+    with pytest.raises(AttributeError):
+        checked.checked_for = None                              # nor attribute assignment: the record stays
+    with pytest.raises(AttributeError):
+        checked._functions = {"update_scale": len}
+    with pytest.raises(AttributeError):
+        checked.update({"unscale_grads_": len})                 # not a dict: no mutating methods
+    assert checked["update_scale"] is _update_scale and checked.checked_for == "the recipe's configuration"
+
+
+def test_only_the_check_makes_checked_functions():
+    with pytest.raises(TypeError, match="made by mpcourse.core.learner_table.check_overrides"):
+        CheckedFunctions({"update_scale": len}, "recipe 'x'")
+
+
+def test_wrapped_and_copied_checked_functions_keep_the_record():
+    import copy
+    import functools
+
+    def guard(name, fn):
+        @functools.wraps(fn)
+        def call(*args):
+            return fn(*args)
+        return call
+
+    checked = check_overrides({"update_scale": _update_scale}, ACCEPTS, "recipe 'x'", checked_for=("r", 1))
+    wrapped = checked.wrapped(guard)
+    assert isinstance(wrapped, CheckedFunctions) and (wrapped.who, wrapped.checked_for) == ("recipe 'x'", ("r", 1))
+    assert wrapped["update_scale"] is not _update_scale and wrapped["update_scale"].__wrapped__ is _update_scale
+    assert checked["update_scale"] is _update_scale                 # the original is left as it was
+    copied = copy.deepcopy(wrapped)
+    assert isinstance(copied, CheckedFunctions) and copied == wrapped
+    assert (copied.who, copied.checked_for) == ("recipe 'x'", ("r", 1))

@@ -6,7 +6,7 @@ and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never as
 step a quantizer or a layer's GEMM runs is bound once, here, at construction, to one of three functions:
 
 * the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
-  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE``
+  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE_BY_RECIPE``
   says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
 * the kernel (``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled passes) where kernels
   are on: the same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``,
@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from .. import kernels_switch
-from ..learner_table import check_overrides, exercise_names, returned
+from ..learner_table import CheckedFunctions, check_overrides, exercise_names, returned
 from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
@@ -72,7 +72,7 @@ from .rules.tensor import Float8Tensor, fp8_max
 
 #: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
 #: a TrainingRecipe built on one of these recipes states its own from this (``mpcourse.experiment.recipes.fp8``)
-OVERRIDABLE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
+OVERRIDABLE_BY_RECIPE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
                DelayedScaling: exercise_names("quantize", "update"), Float8RowwiseScaling: (),
                Float8BlockScaling: exercise_names("block_quantize"),
                MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
@@ -93,13 +93,17 @@ def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
     return None
 
 
-def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> dict:
+def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
     """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
-    ``OVERRIDABLE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
-    ValueError, naming the fix."""
-    return check_overrides(functions, OVERRIDABLE.get(type(recipe), ()), type(recipe).__name__,
+    ``OVERRIDABLE_BY_RECIPE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
+    ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
+    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once."""
+    if isinstance(functions, CheckedFunctions) and functions.checked_for == recipe:
+        return functions
+    return check_overrides(functions, OVERRIDABLE_BY_RECIPE.get(type(recipe), ()), type(recipe).__name__,
                            refuse=lambda name: rule_refusal(recipe, name),
-                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE.items() if name in names])
+                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE_BY_RECIPE.items() if name in names],
+                           checked_for=recipe)
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -182,7 +186,7 @@ def quantizer(recipe: Recipe, role: str, functions: Optional[Mapping[str, Callab
 
 def build(recipe: Recipe, role: str, functions: dict, kernels: Optional[bool] = None, layer_key: str = "",
           device=None):
-    """``quantizer`` with ``functions`` already checked (``quantizers`` checks them once for the whole layer)."""
+    """``quantizer`` with ``functions`` already checked (``check_functions``, once for the whole layer)."""
     row = table_row(recipe)
     return row.quantizer(recipe, role, bind(row.steps, kernels), functions, layer_key, device)
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
-from mpcourse.core.learner_table import check_overrides, exercise_names
+from mpcourse.core.learner_table import CheckedFunctions, check_overrides, exercise_names
 from mpcourse.core.master import MasterWeights, cast_model
 
 RECIPES: dict[str, type["TrainingRecipe"]] = {}
@@ -134,13 +134,22 @@ class TrainingRecipe:
 
     def __init__(self, model: nn.Module, optim: OptimConfig | None = None,
                  overrides: Mapping[str, Callable] | None = None):
-        # The one check of a learner's functions (names, this recipe's OVERRIDABLE, signatures): OverrideRefused,
-        # a ValueError naming the fix; then each is wrapped so that what it raises is one OverrideError naming it.
-        checked = check_overrides(overrides, self.OVERRIDABLE, self.who(), takers=self.recipes_taking)
-        self.overrides = {n: _guarded(n, f) for n, f in checked.items()}
+        # The one check of a learner's functions (``checked_overrides``): OverrideRefused, a ValueError naming the
+        # fix; then each is wrapped so that what it raises is one OverrideError naming it (still a CheckedFunctions).
+        self.overrides = self.checked_overrides(overrides).wrapped(_guarded)
         self.optim = optim or OptimConfig()
         self.model = self.prepare_model(model)
         self.optimizer = self.make_optimizer(list(self.model.parameters()))
+
+    def checked_overrides(self, overrides: Mapping[str, Callable] | None, *,
+                          refuse: Callable[[str], str | None] | None = None,
+                          checked_for: object = None) -> CheckedFunctions:
+        """The one check of a learner's ``overrides`` (``learner_table.check_overrides``: the names, this recipe's
+        ``OVERRIDABLE``, the signatures), read-only. A recipe with reasons of its own to refuse a name it takes
+        extends it with ``refuse(name)`` and says what the check depended on (``checked_for``): the FP8 recipes
+        pass the quant engine's refusal and their quantization recipe, so the engine does not check again."""
+        return check_overrides(overrides, self.OVERRIDABLE, self.who(), takers=self.recipes_taking, refuse=refuse,
+                               checked_for=checked_for)
 
     def who(self) -> str:
         """How a refusal of a learner's function names this recipe."""

@@ -42,7 +42,7 @@ class FP8Block(QuantizedRecipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
-    OVERRIDABLE = quant.OVERRIDABLE[type(fp8_recipe)]   # lesson 09: block_quantize
+    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: block_quantize
 
 
 @register
@@ -57,7 +57,7 @@ class MXFP8Floor(QuantizedRecipe):
     name = "mxfp8-floor"
     description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
     fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
-    OVERRIDABLE = quant.OVERRIDABLE[type(fp8_recipe)]   # lesson 09: mx_shared_exponent
+    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: mx_shared_exponent
 
 
 @register
@@ -65,4 +65,4 @@ class NVFP4(QuantizedRecipe):
     name = "nvfp4"
     description = "NVFP4 linear layers (E2M1, E4M3 scale per 16 + FP32 per tensor, RHT, SR grads); emb/head FP32"
     fp8_recipe = NVFP4BlockScaling()
-    OVERRIDABLE = quant.OVERRIDABLE[type(fp8_recipe)]   # lesson 09: nvfp4_scales
+    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: nvfp4_scales

@@ -188,3 +188,21 @@ def test_the_public_gemms_follow_the_switch():
         outs[kernels] = (per_tensor, *block)
     for x, y in zip(outs[True], outs[False]):
         assert torch.equal(x.float().view(torch.int32), y.float().view(torch.int32))
+
+
+def test_the_public_gemms_take_a_binding_that_overrides_the_switch():
+    """``binding=`` (what a layer passes: its quantizers') is the one used, whatever the switch says; the same bits."""
+    torch.manual_seed(4)
+    a, w = torch.randn(64, 256), torch.randn(96, 256)
+    a8, w8 = quant.quantize_current(a, "e4m3"), quant.quantize_current(w, "e4m3")
+    am, wm = quant.quantize_mx(a, (1, 32), "e4m3", "rceil"), quant.quantize_mx(w, (1, 32), "e4m3", "rceil")
+    outs = {}
+    for kernels in (True, False):
+        per_tensor, block = engine.bind(engine.PER_TENSOR_GEMM, kernels), engine.bind(engine.BLOCK_GEMM, kernels)
+        with kernels_switch.flags(enabled=not kernels), kernel_calls() as seen:
+            outs[kernels] = (quant.fp8_gemm(a8, w8.t(), torch.float32, binding=per_tensor),
+                             quant.scaled_gemm(am, wm.t(), torch.bfloat16, binding=block),
+                             quant.emulated_gemm(am, wm.t(), binding=block))
+        assert bool(seen) is kernels, sorted(set(seen))
+    for x, y in zip(outs[True], outs[False]):
+        assert torch.equal(x.float().view(torch.int32), y.float().view(torch.int32))

@@ -14,9 +14,9 @@ each with its scales in blocks along K (the contraction dimension). Which path r
 
 The emulation dequantizes each operand with the engine's binding of the step ``dequantize`` (the rule
 ``ScaledTensor.dequantize`` or its kernel ``fastpath.dequantize``), unless the quantizer kept its float32 copy:
-the layers pass their quantizers' ``binding`` (``scaled_gemm_with``); the public ``scaled_gemm`` and
-``emulated_gemm`` take the binding the engine makes now (``engine.bind(BLOCK_GEMM)``: the kernel unless the
-library's switch, ``mpcourse.core.kernels_switch``, is off).
+the layers pass their quantizers' ``binding`` (``scaled_gemm(..., binding=)``); without one (``binding=None``)
+``scaled_gemm`` and ``emulated_gemm`` take the binding the engine makes now (``engine.bind(BLOCK_GEMM)``: the
+kernel unless the library's switch, ``mpcourse.core.kernels_switch``, is off).
 
 The emulation rounds like an FP32 GEMM, not like a tensor core. Real FP8 tensor cores on Hopper with
 ``use_fast_accum=True`` keep only about 14 bits of the running sum (DeepSeek-V3 technical report,
@@ -63,14 +63,12 @@ def native_supported(kind: Optional[str], device: torch.device) -> bool:
     return False
 
 
-def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N)."""
-    return emulated_gemm_with(bind(BLOCK_GEMM), a, b, out_dtype)
-
-
-def emulated_gemm_with(binding: Binding, a: ScaledTensor, b: ScaledTensor,
-                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``emulated_gemm`` with each operand dequantized by ``binding.dequantize`` (where no copy was kept)."""
+def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
+                  binding: Optional[Binding] = None) -> torch.Tensor:
+    """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N). Each operand is
+    dequantized by ``binding.dequantize`` where no float32 copy was kept (``binding``: the engine's binding of
+    ``BLOCK_GEMM``, a layer's quantizers'; None: the binding ``engine.bind`` makes now)."""
+    binding = bind(BLOCK_GEMM) if binding is None else binding
     return (_fp32(binding, a) @ _fp32(binding, b)).to(out_dtype)
 
 
@@ -95,21 +93,18 @@ def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_acc
 
 
 def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
-                use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+                use_fast_accum: bool = False, backend: str = "auto", binding: Optional[Binding] = None
+                ) -> torch.Tensor:
     """``a @ b`` for block-scaled operands: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
 
     a's blocks and b's blocks must each lie along K (e.g. a 1x128 / 1x32 / 1x16 / 128x128 a, and b the
     transpose of such a tensor). backend: "auto" (F.scaled_mm where a GPU supports the scaling, else the
     emulation, which on a CPU is what F.scaled_mm computes there, bit for bit, only faster),
     "emulate" or "native" (RuntimeError where the device does not take this scaling).
-    ``scaled_gemm_with`` with the engine's binding made now (see the module docstring).
+    binding: the engine's binding of ``BLOCK_GEMM``, whose ``dequantize`` the emulation uses (a layer passes its
+    quantizers'; None: the binding ``engine.bind`` makes now, see the module docstring).
     """
-    return scaled_gemm_with(bind(BLOCK_GEMM), a, b, out_dtype, use_fast_accum=use_fast_accum, backend=backend)
-
-
-def scaled_gemm_with(binding: Binding, a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
-                     use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
-    """``scaled_gemm``, its emulation dequantizing with ``binding.dequantize`` (a layer's quantizers' binding)."""
+    binding = bind(BLOCK_GEMM) if binding is None else binding
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -127,7 +122,7 @@ def scaled_gemm_with(binding: Binding, a: ScaledTensor, b: ScaledTensor, out_dty
     # element-by-element FP8 upcast: "auto" takes the emulation there.
     if native and (backend == "native" or (backend == "auto" and a.data.device.type != "cpu")):
         return _native(a, b, kind, out_dtype, use_fast_accum)
-    return emulated_gemm_with(binding, a, b, out_dtype)
+    return emulated_gemm(a, b, out_dtype, binding=binding)
 
 
 def accumulator_format(mantissa_bits: int) -> NumberFormat:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_gemm import scaled_gemm_with
+from .block_gemm import scaled_gemm
 from ..block_recipes import block_for
 from ..rules.scaled import ScaledTensor
 
@@ -57,7 +57,7 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         # x: (M, K); weight: (N, K); bias: (N,) or None. quantizers: ``engine.quantizers`` of the layer's recipe
         q = quantizers
         xq, wq = fprop_operands(q, x, weight)                     # (M, K), (N, K), blocks along K
-        y = scaled_gemm_with(q["input"].binding, xq, wq.t(), out_dtype)          # (M, N)
+        y = scaled_gemm(xq, wq.t(), out_dtype, binding=q["input"].binding)          # (M, N)
         x_src = backward_source(x, xq, backward_operand)          # (M, K): what wgrad's copy of x comes from
         w_src = backward_source(weight, wq, backward_operand)     # (N, K): what dgrad's copy of W comes from
         xq = wq.dequantized = None                                # the kept FP32 copies have been read
@@ -89,11 +89,11 @@ class BlockScaledLinearFunction(torch.autograd.Function):
             else:                                                   # the forward's copy: dgrad_operands' W bits
                 g1 = q["grad_output"](grad_y, 1)
                 w1 = ScaledTensor(w0[0], w0[1], ctx.w0[0], ctx.w0[1], w0[2], ctx.w0[2])
-            dx = scaled_gemm_with(q["grad_output"].binding, g1, w1, x_src.dtype)   # (M, K)
+            dx = scaled_gemm(g1, w1, x_src.dtype, binding=q["grad_output"].binding)   # (M, K)
             del g1, w1                                              # and their FP32 copies, before the wgrad
         if ctx.needs_input_grad[1]:
             g0, x0 = wgrad_operands(q, grad_y, x_src)               # (M, N), (M, K)
-            dw = scaled_gemm_with(q["grad_output"].binding, g0.t(), x0, ctx.weight_dtype)   # (N, K)
+            dw = scaled_gemm(g0.t(), x0, ctx.weight_dtype, binding=q["grad_output"].binding)   # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .gemm import fp8_gemm_with
+from .gemm import fp8_gemm
 from .linear import Float8Linear, _FP8LinearFunction
 from ..rules.tensor import Float8Tensor, fp8_dtype
 
@@ -60,8 +60,8 @@ class _StoredWeightFunction(_FP8LinearFunction):
         # x: (M, K) fp32/bf16/fp16; master: (N, K) fp32 or None (no weight gradient); bias: (N,) or None
         x8 = layer._quantize("input", x, record)  # (M, K) E4M3, row-major
         w8 = layer.fp8_weight()  # (N, K) E4M3 as stored: no cast of the weight here
-        y = fp8_gemm_with(layer.quantizers["input"].binding, x8, w8.t(), out_dtype,
-                          pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
+        y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
+                     binding=layer.quantizers["input"].binding)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The weight's data is a parameter (saved: version-checked at backward); its scale_inv is layer state that

@@ -32,9 +32,9 @@ Policies here:
 operand upcast once (the FP32 copy of dy serves both GEMMs) and none of those copies.
 
 Which functions run on a CPU (the rule or its kernel) is the engine's choice, not this module's: the layers pass
-their quantizers' ``binding`` (``fp8_gemm_with``, ``fp8_linear_backward_gemms(..., binding=)``); the public
-``fp8_gemm`` takes the binding the engine makes now (``engine.bind(PER_TENSOR_GEMM)``: the kernels unless the
-library's switch, ``mpcourse.core.kernels_switch``, is off).
+their quantizers' ``binding`` (``fp8_gemm(..., binding=)``, ``fp8_linear_backward_gemms(..., binding=)``);
+without one (``binding=None``) each takes the binding the engine makes now (``engine.bind(PER_TENSOR_GEMM)``: the
+kernels unless the library's switch, ``mpcourse.core.kernels_switch``, is off).
 """
 from __future__ import annotations
 
@@ -100,15 +100,7 @@ def _round_up(n: int) -> int:
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_inner_dim: bool = False,
-             use_fast_accum: bool = False) -> torch.Tensor:
-    """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
-    ``fp8_gemm_with`` with the engine's binding made now (see the module docstring)."""
-    return fp8_gemm_with(bind(PER_TENSOR_GEMM), a, b, out_dtype, pad_inner_dim=pad_inner_dim,
-                         use_fast_accum=use_fast_accum)
-
-
-def fp8_gemm_with(binding: Binding, a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *,
-                  pad_inner_dim: bool = False, use_fast_accum: bool = False) -> torch.Tensor:
+             use_fast_accum: bool = False, binding: Optional[Binding] = None) -> torch.Tensor:
     """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``; on a CPU
     through ``binding.scaled_mm`` (the engine's: the rule ``tensor.scaled_mm`` or its kernel).
 
@@ -120,10 +112,13 @@ def fp8_gemm_with(binding: Binding, a: Float8Tensor, b: Float8Tensor, out_dtype:
       pad_inner_dim: zero-pad dimensions to multiples of 16 (needed on CUDA for shapes that are not).
       use_fast_accum: cuBLAS fast accumulation (torchao uses it for the forward GEMM); ignored on CPU. On
          Hopper it trades the FP32 accumulator for a ~14-bit one (see the module docstring).
+      binding: the engine's binding of ``PER_TENSOR_GEMM`` (a layer passes its quantizers'; None: the binding
+         ``engine.bind`` makes now, see the module docstring).
     Returns ``(dequant(a) @ dequant(b))``, rounded once to out_dtype: accumulated in FP32 on CPU (and on GPUs
     without fast accumulation), so there the only error is the operands' cast.
     Raises ValueError for bad operands or shapes, RuntimeError for a device without FP8 GEMMs.
     """
+    binding = bind(PER_TENSOR_GEMM) if binding is None else binding
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if a.fp8_format == "e5m2" and b.fp8_format == "e5m2":
@@ -201,9 +196,9 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
         return dx, dw
     if need_dx:
         w_col = Float8Tensor(w8.data.t().contiguous().t(), w8.scale_inv)       # (N, K) column-major
-        dx = fp8_gemm_with(binding, g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim)     # (M, K) x dtype
+        dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim, binding=binding)     # (M, K) x dtype
     if need_dw:
         g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)             # (N, M) row-major
         x_col = Float8Tensor(x8.data.t().contiguous().t(), x8.scale_inv)       # (M, K) column-major
-        dw = fp8_gemm_with(binding, g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim)    # (N, K) weight dtype
+        dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim, binding=binding)    # (N, K) weight dtype
     return dx, dw

@@ -57,10 +57,10 @@ import torch.nn.functional as F
 
 from ...autocast import any_autocast_enabled, autocast_dtype_in_effect, no_autocast
 from ..region import get_fp8_recipe, is_fp8_enabled
-from .gemm import fp8_gemm_with, fp8_linear_backward_gemms
+from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from ..block_recipes import backward_operand
-from ..engine import quantizers
+from ..engine import check_functions, quantizers
 from .module_filter import check_filter
 from ..recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from ..rules.tensor import Float8Tensor
@@ -78,8 +78,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         w8 = layer._quantize("weight", weight, record)  # (N, K) E4M3, row-major
         # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
         # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
-        y = fp8_gemm_with(layer.quantizers["input"].binding, x8, w8.t(), out_dtype,
-                          pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True)  # (M, N)
+        y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
+                     binding=layer.quantizers["input"].binding)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
@@ -129,7 +129,9 @@ class Float8Linear(nn.Linear):
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
-        self.recipe, self.functions = recipe, dict(functions or {})   # checked by quantizers, next
+        # the learner's functions checked once, here (as they are if already checked for this recipe: a
+        # TrainingRecipe's, convert_to_float8_training's); every quantizer built for the layer takes them as they are
+        self.recipe, self.functions = recipe, check_functions(recipe, functions)
         self.pad_inner_dim = pad_inner_dim
         self._reset_scaling_state()
 
@@ -318,6 +320,8 @@ def convert_to_float8_training(module: nn.Module, *,
     """
     recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
     check_filter(module_filter_fn, module)
+    if isinstance(recipe, Recipe):    # checked once for every layer (None: each layer checks for its default recipe)
+        functions = check_functions(recipe, functions)
 
     def wanted(m: nn.Module, fqn: str) -> bool:
         return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)

@@ -452,16 +452,16 @@ def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_grad
     assert kept.dequantized is not None
     assert dataclasses.replace(kept, scale_inv=kept.scale_inv * 2).dequantized is None
     refs, alive_at_call = [], []
-    real = bg.emulated_gemm_with
+    real = bg.emulated_gemm
 
-    def spy(binding, a, b, out_dtype=torch.float32):
+    def spy(a, b, out_dtype=torch.float32, *, binding=None):
         alive_at_call.append(sum(r() is not None for r in refs))
         for t in (a, b):
             if t.dequantized is not None:
                 refs.append(weakref.ref(t.dequantized._base if t.dequantized._base is not None else t.dequantized))
-        return real(binding, a, b, out_dtype)
+        return real(a, b, out_dtype, binding=binding)
 
-    monkeypatch.setattr(bg, "emulated_gemm_with", spy)
+    monkeypatch.setattr(bg, "emulated_gemm", spy)
     layer = Float8Linear(256, 512, bias=False, recipe=MXFP8BlockScaling())
     x = torch.randn(1024, 256, requires_grad=True)
     layer(x).sum().backward()

@@ -1,0 +1,109 @@
+"""A quantized TrainingRecipe checks the learner's functions once, where it is built (``checked_overrides``): the
+names, the signatures and the quant engine's refusal for the recipe's fields (``engine.rule_refusal``). Its
+quantizers take what that check returned (``learner_table.CheckedFunctions``) as it is: one check across building
+the recipe and training it, with the learner's functions run by every step."""
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpcourse.core import learner_table
+from mpcourse.core.learner_table import CheckedFunctions, OverrideRefused, exercise_names
+from mpcourse.core.quant import Float8Linear, MXFP8BlockScaling
+from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.gpt.model import GPT, GPTConfig
+from mpcourse.experiment.learner import load_functions
+from mpcourse.experiment.recipes import OptimConfig, get_recipe
+from mpcourse.experiment.recipes.fp8 import QuantizedRecipe
+from recipe_loop import run_steps
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+WIDE = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=128)   # fp8-block: 128 x 128 weight blocks, 128 tokens
+B = 2
+#: each quantized recipe that takes a learner's functions, and those it takes
+TAKING = {"fp8-current": ("compute_scale", "quantize"), "fp8-delayed": ("quantize", "update"),
+          "fp8-block": ("block_quantize",), "mxfp8-floor": ("mx_shared_exponent",), "nvfp4": ("nvfp4_scales",),
+          "nvfp4-selective": ("nvfp4_scales",)}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+@pytest.fixture(scope="module")
+def solutions():
+    out = {}
+    for nb in ("07_fp8_formats_and_scaling", "08_delayed_scaling", "09_finer_grained_scaling"):
+        out.update(load_functions(ROOT / "solutions" / f"{nb}.ipynb"))
+    return out
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The ``who`` of every call of ``learner_table.check_overrides``, wherever a module imported it."""
+    real, calls, patched = learner_table.check_overrides, [], []
+
+    def counting(overrides, accepts, who, **kw):
+        calls.append(who)
+        return real(overrides, accepts, who, **kw)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mpcourse") and getattr(module, "check_overrides", None) is real:
+            monkeypatch.setattr(module, "check_overrides", counting)
+            patched.append(name)
+    assert {"mpcourse.core.quant.engine", "mpcourse.experiment.recipes.base"} <= set(patched)
+    return calls
+
+
+def _counted(name, fn, calls):
+    @functools.wraps(fn)
+    def call(*args):
+        calls[name] += 1
+        return fn(*args)
+    return call
+
+
+@pytest.mark.parametrize("name", sorted(TAKING))
+def test_a_quantized_recipe_checks_the_learners_functions_once_across_building_and_training(
+        name, corpus, solutions, checks):
+    assert get_recipe(name).OVERRIDABLE == TAKING[name]
+    calls = dict.fromkeys(TAKING[name], 0)
+    overrides = {fn: _counted(fn, solutions[fn], calls) for fn in TAKING[name]}
+    cfg = WIDE if name == "fp8-block" else SMALL
+    torch.manual_seed(0)
+    recipe = get_recipe(name)(GPT(GPTConfig(**{**cfg.__dict__, "vocab_size": corpus.vocab_size})), OptimConfig(),
+                              overrides=overrides)
+    assert checks == [f"recipe {name!r}"]                  # built: checked once, by the recipe, for all its layers
+    layers = [m for m in recipe.model.modules() if isinstance(m, Float8Linear)]
+    assert layers and all(layer.functions is recipe.overrides for layer in layers)
+    assert isinstance(recipe.overrides, CheckedFunctions) and recipe.overrides.checked_for == recipe.fp8_recipe
+    run_steps(recipe, corpus, torch.Generator().manual_seed(0), 3, block_size=cfg.block_size, batch_size=B)
+    assert checks == [f"recipe {name!r}"]                  # and never again while it trains
+    assert all(calls.values()), calls                     # every function ran: the count is over real training
+
+
+PREPARED = []
+
+
+class _RceilTakingTheFloorRule(QuantizedRecipe):
+    """Not registered: a recipe that takes lesson 09's floor rule under a recipe whose scale_rule is not floor."""
+    name = "mxfp8-rceil-floor-rule"
+    fp8_recipe = MXFP8BlockScaling()
+    OVERRIDABLE = exercise_names("mx_shared_exponent")
+
+    def prepare_model(self, model):
+        PREPARED.append(self.name)
+        return super().prepare_model(model)
+
+
+def test_the_engines_refusal_for_the_recipes_fields_runs_where_the_recipe_is_built(checks):
+    PREPARED.clear()
+    with pytest.raises(OverrideRefused) as e:
+        _RceilTakingTheFloorRule(GPT(SMALL), overrides={"mx_shared_exponent": lambda amax, elem: amax})
+    assert str(e.value) == ("mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the "
+                            "mxfp8-floor recipe)")
+    assert PREPARED == [] and checks == ["recipe 'mxfp8-rceil-floor-rule'"]     # refused before any layer is built
