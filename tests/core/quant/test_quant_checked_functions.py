@@ -8,16 +8,15 @@
 * What the check returns (``learner_table.CheckedFunctions``) is taken as it is by the engine for the recipe it was
   checked for, and checked again for any other (the record is of what was checked, not a pass).
 """
-import sys
 
 import pytest
 import torch.nn as nn
 
-from mpcourse.core import learner_table
 from mpcourse.core.learner_table import CheckedFunctions, OverrideRefused, check_overrides
 from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8Linear, MXFP8BlockScaling,
                                  convert_to_float8_training, fp8_autocast, quantizers)
 from mpcourse.core.quant.engine import check_functions
+from learner_fixtures import count_check_overrides
 
 
 def _compute_scale(amax, fp8_max, margin=0):
@@ -35,17 +34,8 @@ def _mx_shared_exponent(amax, elem):
 @pytest.fixture
 def checks(monkeypatch):
     """The ``who`` of every call of ``learner_table.check_overrides``, wherever a module imported it."""
-    real, calls, patched = learner_table.check_overrides, [], []
-
-    def counting(overrides, accepts, who, **kw):
-        calls.append(who)
-        return real(overrides, accepts, who, **kw)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mpcourse") and getattr(module, "check_overrides", None) is real:
-            monkeypatch.setattr(module, "check_overrides", counting)
-            patched.append(name)
-    assert {"mpcourse.core.learner_table", "mpcourse.core.quant.engine"} <= set(patched)   # the count sees the engine
+    calls, patched = count_check_overrides(monkeypatch)
+    assert {"mpcourse.core.learner_table", "mpcourse.core.quant.engine"} <= patched   # the count sees the engine
     return calls
 
 

@@ -1,7 +1,6 @@
 """The FP8 and block-scaling seams: a learner's lesson 07/08/10 functions handed to the engine give the
 library's quantized tensors and delayed-scaling states bit for bit; planted bugs stop with one ``SeamError`` line
 naming the function (``mpcourse.core.seams``). The library's own path is the oracle, run side by side."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,17 +10,13 @@ from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScal
 from mpcourse.core.quant.engine import learner_cast, quantizers
 from mpcourse.core.quant.rules.tensor import quantize_current, to_float8
 from mpcourse.core.seams import SeamError
-from mpcourse.experiment.learner import load_functions
+from learner_fixtures import fp8_solution_functions
 
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def fns():
-    out = {}
-    for nb in ("07_fp8_formats_and_scaling", "08_delayed_scaling", "09_finer_grained_scaling"):
-        out.update(load_functions(ROOT / "solutions" / f"{nb}.ipynb"))
-    return out
+    return fp8_solution_functions()
 
 
 def _x(shape, seed=0):

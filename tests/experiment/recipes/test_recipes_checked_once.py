@@ -3,23 +3,19 @@ names, the signatures and the quant engine's refusal for the recipe's fields (``
 quantizers take what that check returned (``learner_table.CheckedFunctions``) as it is: one check across building
 the recipe and training it, with the learner's functions run by every step."""
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from mpcourse.core import learner_table
 from mpcourse.core.learner_table import CheckedFunctions, OverrideRefused, exercise_names
 from mpcourse.core.quant import Float8Linear, MXFP8BlockScaling
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPT, GPTConfig
-from mpcourse.experiment.learner import load_functions
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
 from mpcourse.experiment.recipes.fp8 import QuantizedRecipe
 from recipe_loop import run_steps
+from learner_fixtures import count_check_overrides, fp8_solution_functions
 
-ROOT = Path(__file__).resolve().parents[3]
 SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 WIDE = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=128)   # fp8-block: 128 x 128 weight blocks, 128 tokens
 B = 2
@@ -36,26 +32,14 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def solutions():
-    out = {}
-    for nb in ("07_fp8_formats_and_scaling", "08_delayed_scaling", "09_finer_grained_scaling"):
-        out.update(load_functions(ROOT / "solutions" / f"{nb}.ipynb"))
-    return out
+    return fp8_solution_functions()
 
 
 @pytest.fixture
 def checks(monkeypatch):
     """The ``who`` of every call of ``learner_table.check_overrides``, wherever a module imported it."""
-    real, calls, patched = learner_table.check_overrides, [], []
-
-    def counting(overrides, accepts, who, **kw):
-        calls.append(who)
-        return real(overrides, accepts, who, **kw)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mpcourse") and getattr(module, "check_overrides", None) is real:
-            monkeypatch.setattr(module, "check_overrides", counting)
-            patched.append(name)
-    assert {"mpcourse.core.quant.engine", "mpcourse.experiment.recipes.base"} <= set(patched)
+    calls, patched = count_check_overrides(monkeypatch)
+    assert {"mpcourse.core.quant.engine", "mpcourse.experiment.recipes.base"} <= patched
     return calls
 
 
