@@ -97,8 +97,13 @@ def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]])
     """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
     ``OVERRIDABLE_BY_RECIPE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
     ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
-    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once."""
-    if isinstance(functions, CheckedFunctions) and functions.checked_for == recipe:
+    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once. Its record
+    says which recipe, not that the check was this one: it is taken only where every name is one the recipe's
+    class takes and ``rule_refusal`` refuses none (a check of another list of names, e.g. a TrainingRecipe's
+    ``OVERRIDABLE`` that names a function its quantization recipe does not take, is checked again here)."""
+    takes = OVERRIDABLE_BY_RECIPE.get(type(recipe), ())
+    if (isinstance(functions, CheckedFunctions) and functions.checked_for == recipe
+            and all(name in takes and rule_refusal(recipe, name) is None for name in functions)):
         return functions
     return check_overrides(functions, OVERRIDABLE_BY_RECIPE.get(type(recipe), ()), type(recipe).__name__,
                            refuse=lambda name: rule_refusal(recipe, name),

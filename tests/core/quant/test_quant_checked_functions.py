@@ -101,3 +101,23 @@ def test_checked_functions_are_taken_as_they_are_for_their_recipe_only(checks):
             Float8Linear(32, 16, recipe=MXFP8BlockScaling(), functions=other)
     with pytest.raises(OverrideRefused, match="CurrentScaling cannot use mx_shared_exponent"):
         quantizers(CurrentScaling(), functions=checked)
+
+
+@pytest.mark.parametrize("recipe,functions,words", [
+    (DelayedScaling(), {"compute_scale": _compute_scale},
+     "DelayedScaling cannot use compute_scale: it takes quantize, update; compute_scale (lesson 07) goes to "
+     "CurrentScaling"),
+    (MXFP8BlockScaling(), {"mx_shared_exponent": _mx_shared_exponent},
+     "mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the mxfp8-floor recipe)"),
+])
+def test_a_record_of_the_recipe_from_a_check_without_its_names_or_refusal_is_checked_again(recipe, functions, words):
+    """``checked_for`` says which recipe a check was for, not that it was the engine's: a check that accepted other
+    names or did not refuse what the recipe's fields refuse does not pass its functions to the quantizers."""
+    claimed = check_overrides(functions, tuple(functions), "recipe 'x'", checked_for=recipe)
+    assert claimed.checked_for == recipe
+    for door in (lambda: Float8Linear(32, 16, recipe=recipe, functions=claimed),
+                 lambda: convert_to_float8_training(_model(), recipe=recipe, functions=claimed),
+                 lambda: quantizers(recipe, functions=claimed)):
+        with pytest.raises(OverrideRefused) as e:
+            door()
+        assert str(e.value) == words

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpcourse.core.learner_table import CheckedFunctions, OverrideRefused, exercise_names
-from mpcourse.core.quant import Float8Linear, MXFP8BlockScaling
+from mpcourse.core.quant import DelayedScaling, Float8Linear, MXFP8BlockScaling
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import OptimConfig, get_recipe
@@ -91,3 +91,22 @@ def test_the_engines_refusal_for_the_recipes_fields_runs_where_the_recipe_is_bui
     assert str(e.value) == ("mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the "
                             "mxfp8-floor recipe)")
     assert PREPARED == [] and checks == ["recipe 'mxfp8-rceil-floor-rule'"]     # refused before any layer is built
+
+
+class _DelayedTakingCurrentScalingsRule(QuantizedRecipe):
+    """Not registered: a recipe whose ``OVERRIDABLE`` names a function its ``fp8_recipe``'s class does not take
+    (lesson 07's ``compute_scale``, which delayed scaling's quantizers never call)."""
+    name = "fp8-delayed-taking-compute-scale"
+    fp8_recipe = DelayedScaling(amax_history_len=4)
+    OVERRIDABLE = exercise_names("compute_scale")
+
+
+def test_a_function_the_quantization_recipe_does_not_take_is_refused_not_dropped():
+    """The recipe's check passes ``compute_scale`` (its ``OVERRIDABLE`` names it) and records the delayed recipe;
+    the engine, which takes quantize and update for it, refuses it rather than building quantizers that would
+    silently train the library's rule in its place."""
+    with pytest.raises(OverrideRefused) as e:
+        _DelayedTakingCurrentScalingsRule(GPT(SMALL), overrides={"compute_scale": lambda amax, fp8_max, margin=0:
+                                                                 fp8_max / amax})
+    assert str(e.value) == ("DelayedScaling cannot use compute_scale: it takes quantize, update; compute_scale "
+                            "(lesson 07) goes to CurrentScaling")
