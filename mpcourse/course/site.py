@@ -193,21 +193,60 @@ def unlink_outside(text: str, page: Path, docs_dir: Path) -> str:
 PAGE_SUFFIXES = (".md", ".ipynb", ".py")
 
 
+#: the markdown MkDocs renders the pages with (``mkdocs_config``); ``link_targets`` reads links through it too
+MARKDOWN_EXTENSIONS = ["tables", "toc", "admonition", "attr_list", {"pymdownx.superfences": {}},
+                       {"pymdownx.highlight": {}}]
+
+
+def link_targets(text: str) -> list[str]:
+    """The local targets of every link and image in markdown ``text``, as MkDocs reads them: rendered by
+    Python-Markdown with the site's extensions, so a target in angle brackets, with a title, by reference or in
+    raw HTML (``<img src=...>``) counts, and code does not; each URL-decoded, without its query or anchor. Web
+    links (a scheme or a host) and absolute paths are left out."""
+    import html.parser
+    from urllib.parse import unquote, urlsplit
+
+    import markdown
+
+    names = [e if isinstance(e, str) else next(iter(e)) for e in MARKDOWN_EXTENSIONS]
+    configs = {k: v for e in MARKDOWN_EXTENSIONS if isinstance(e, dict) for k, v in e.items()}
+    found: list[str] = []
+
+    class Links(html.parser.HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.extend(v for k, v in attrs if k in ("src", "href") and v)
+
+    Links().feed(markdown.markdown(text, extensions=names, extension_configs=configs))
+    out = []
+    for url in found:
+        parts = urlsplit(url)
+        path = unquote(parts.path)
+        if not parts.scheme and not parts.netloc and path and not path.startswith("/"):
+            out.append(path)
+    return out
+
+
+def _page_markdown(page: Path) -> str:
+    """A staged page's markdown: a ``.md`` file's text, a notebook's markdown cells."""
+    if page.suffix == ".md":
+        return page.read_text(encoding="utf-8")
+    cells = json.loads(page.read_text(encoding="utf-8")).get("cells", [])
+    return "\n\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown")
+
+
 def copy_linked_files(root: Path, docs: Path) -> None:
-    """Copy into the staged site the files under ``root/docs`` that its staged markdown pages link to (a
-    figure, a download), at the same place. The staged folder mirrors the course (``docs/docs/x.md`` is
-    ``root/docs/x.md``, a page made from the README sits where the README is), so a link means the same
-    file in both. Only what a page links to comes along: a run's output in ``docs/`` (a results folder, its
-    JSON, its reports) never reaches the site unless a page shows it. A linked page (``PAGE_SUFFIXES``:
-    MkDocs and mkdocs-jupyter would make it a page of the site) is not copied; ``unlink_outside`` makes
-    the link text."""
+    """Copy into the staged site the files under ``root/docs`` that its staged pages (markdown, and the lessons'
+    and exercises' markdown cells) link to (a figure, a download), at the same place. The staged folder mirrors
+    the course (``docs/docs/x.md`` is ``root/docs/x.md``, a page made from the README sits where the README is),
+    so a link means the same file in both. Only what a page links to comes along (``link_targets``): a run's
+    output in ``docs/`` (a results folder, its JSON, its reports) never reaches the site unless a page shows it.
+    A linked page (``PAGE_SUFFIXES``: MkDocs and mkdocs-jupyter would make it a page of the site) is not copied;
+    ``unlink_outside`` makes the link text."""
     source_docs = (root / "docs").resolve()
-    for md in docs.rglob("*.md"):
-        for m in _LINK.finditer(md.read_text(encoding="utf-8")):
-            target = m.group(3).split("#", 1)[0]
-            if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("/"):
-                continue
-            rel = Path(os.path.normpath(md.parent.relative_to(docs) / target))
+    pages = [*docs.rglob("*.md"), *docs.rglob("*.ipynb")]
+    for page in pages:
+        for target in link_targets(_page_markdown(page)):
+            rel = Path(os.path.normpath(page.parent.relative_to(docs) / target))
             if rel.parts[:1] == ("..",) or (docs / rel).exists():
                 continue
             src = (root / rel).resolve()
@@ -332,8 +371,7 @@ def mkdocs_config(docs: Path, out: Path, nav: list) -> dict:
                   "features": ["navigation.footer", "navigation.indexes", "search.highlight"]},
         "plugins": ["search", {"mkdocs-jupyter": {"execute": False, "include_source": True, "cache": False,
                                                   "include_requirejs": False, "ignore_h1_titles": True}}],
-        "markdown_extensions": ["tables", "toc", "admonition", "attr_list",
-                                {"pymdownx.superfences": {}}, {"pymdownx.highlight": {}}],
+        "markdown_extensions": MARKDOWN_EXTENSIONS,
         "validation": {"links": {"not_found": "warn", "anchors": "info"}},
     }
 

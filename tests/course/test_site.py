@@ -188,6 +188,37 @@ def test_run_outputs_never_reach_the_site(tmp_path):
     assert hits == {"notebooks/04_scaling.html"}
 
 
+def test_every_file_a_page_shows_comes_along_however_the_link_is_written(tmp_path):
+    """What MkDocs renders as a link or an image (Python-Markdown: a target in angle brackets, with a space, escaped
+    as %20, with a single-quoted title, a query, by reference, or raw HTML) and what a lesson's markdown shows from
+    docs/ is staged with the page; a file nothing links to is not."""
+    for module in ("mkdocs_jupyter",):
+        try:
+            __import__(module)
+        except ImportError:
+            _missing(f'{module} is not installed (pip install -e ".[site]")')
+    root = tmp_path / "course"
+    for folder in ("notebooks", "exercises", "docs"):
+        (root / folder).mkdir(parents=True)
+    shown = {"plain.png": "![a](plain.png)", "angle fig.png": "![a](<angle fig.png>)",
+             "pct fig.png": "![a](pct%20fig.png)", "single.png": "![a](single.png 'the title')",
+             "query.png": "![a](query.png?raw=true)", "ref.png": "![a][r]\n\n[r]: ref.png",
+             "html.png": '<img src="html.png" width="300">', "figs/table(1).csv": "[t](figs/table(1).csv)"}
+    (root / "docs" / "results.md").write_text("# Results\n\n" + "\n\n".join(shown.values()) + "\n")
+    (root / "notebooks" / "00_a.ipynb").write_text(_notebook("00 — A", {
+        "cell_type": "markdown", "id": "f", "metadata": {}, "source": "![curves](../docs/lesson.png)"}))
+    for name in [*shown, "lesson.png", "unlinked.png"]:
+        (root / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "docs" / name).write_bytes(b"\x89PNG " + name.encode())
+    docs = tmp_path / "src"
+    docs.mkdir()
+    site.stage(root, docs)
+    missing = [name for name in [*shown, "lesson.png"] if not (docs / "docs" / name).is_file()]
+    assert missing == []
+    assert (docs / "docs" / "angle fig.png").read_bytes() == b"\x89PNG angle fig.png"
+    assert not (docs / "docs" / "unlinked.png").exists()
+
+
 # --- the built site, in a browser --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
