@@ -38,6 +38,18 @@ def _missing(why: str) -> None:
     pytest.skip(why)
 
 
+def _empty_course(tmp_path: Path) -> Path:
+    """A course folder with empty notebooks/, exercises/ and docs/ to stage (the site extra needed)."""
+    try:
+        __import__("mkdocs_jupyter")
+    except ImportError:
+        _missing('mkdocs_jupyter is not installed (pip install -e ".[site]")')
+    root = tmp_path / "course"
+    for folder in ("notebooks", "exercises", "docs"):
+        (root / folder).mkdir(parents=True)
+    return root
+
+
 def _stored(nb_path: Path) -> tuple[int, str | None]:
     """(figures stored in the notebook's outputs, the first non-empty line of its first stream output)."""
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
@@ -91,14 +103,7 @@ def _notebook(title: str, *extra_cells: dict) -> str:
 
 
 def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_path):
-    for module in ("mkdocs_jupyter",):
-        try:
-            __import__(module)
-        except ImportError:
-            _missing(f'{module} is not installed (pip install -e ".[site]")')
-    root = tmp_path / "course"
-    for folder in ("notebooks", "exercises", "docs"):
-        (root / folder).mkdir(parents=True)
+    root = _empty_course(tmp_path)
     code = {"cell_type": "markdown", "id": "h", "metadata": {}, "source": "## 2. Nesting and `enabled=False`"}
     (root / "notebooks" / "00_a.ipynb").write_text(_notebook("00 — Lesson A", code))
     (root / "notebooks" / "01_b.ipynb").write_text(_notebook("01 — Lesson B"))
@@ -192,14 +197,7 @@ def test_every_file_a_page_shows_comes_along_however_the_link_is_written(tmp_pat
     """What MkDocs renders as a link or an image (Python-Markdown: a target in angle brackets, with a space, escaped
     as %20, with a single-quoted title, a query, by reference, or raw HTML) and what a lesson's markdown shows from
     docs/ is staged with the page; a file nothing links to is not."""
-    for module in ("mkdocs_jupyter",):
-        try:
-            __import__(module)
-        except ImportError:
-            _missing(f'{module} is not installed (pip install -e ".[site]")')
-    root = tmp_path / "course"
-    for folder in ("notebooks", "exercises", "docs"):
-        (root / folder).mkdir(parents=True)
+    root = _empty_course(tmp_path)
     shown = {"plain.png": "![a](plain.png)", "angle fig.png": "![a](<angle fig.png>)",
              "pct fig.png": "![a](pct%20fig.png)", "single.png": "![a](single.png 'the title')",
              "query.png": "![a](query.png?raw=true)", "ref.png": "![a][r]\n\n[r]: ref.png",
