@@ -40,13 +40,15 @@ class SiteError(Exception):
 
 def notebook_title(path: Path) -> str:
     """The first markdown heading of a notebook (its title), else its file name."""
-    nb = json.loads(path.read_text(encoding="utf-8"))
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") == "markdown":
-            for line in "".join(cell.get("source", "")).splitlines():
-                if line.startswith("#"):
-                    return line.lstrip("#").strip()
-    return path.stem
+    return markdown_title(page_markdown(path), path.stem)
+
+
+def page_markdown(page: Path) -> str:
+    """A page's markdown: a ``.md`` file's text, a notebook's markdown cells (blank lines between them)."""
+    if page.suffix == ".md":
+        return page.read_text(encoding="utf-8")
+    cells = json.loads(page.read_text(encoding="utf-8")).get("cells", [])
+    return "\n\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown")
 
 
 def markdown_title(text: str, default: str) -> str:
@@ -226,14 +228,6 @@ def link_targets(text: str) -> list[str]:
     return out
 
 
-def _page_markdown(page: Path) -> str:
-    """A staged page's markdown: a ``.md`` file's text, a notebook's markdown cells."""
-    if page.suffix == ".md":
-        return page.read_text(encoding="utf-8")
-    cells = json.loads(page.read_text(encoding="utf-8")).get("cells", [])
-    return "\n\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown")
-
-
 def copy_linked_files(root: Path, docs: Path) -> None:
     """Copy into the staged site the files under ``root/docs`` that its staged pages (markdown, and the lessons'
     and exercises' markdown cells) link to (a figure, a download), at the same place. The staged folder mirrors
@@ -245,7 +239,7 @@ def copy_linked_files(root: Path, docs: Path) -> None:
     source_docs = (root / "docs").resolve()
     pages = [*docs.rglob("*.md"), *docs.rglob("*.ipynb")]
     for page in pages:
-        for target in link_targets(_page_markdown(page)):
+        for target in link_targets(page_markdown(page)):
             rel = Path(os.path.normpath(page.parent.relative_to(docs) / target))
             if rel.parts[:1] == ("..",) or (docs / rel).exists():
                 continue
@@ -309,10 +303,9 @@ def stage(root: Path, docs: Path) -> list:
     readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
     # docs/*.md keep their layout (so the README's links into docs/ and its pages' links to each other hold);
     # nothing else of docs/ comes along but the files those pages link to (below)
-    for page in sorted((root / "docs").glob("*.md")) if (root / "docs").is_dir() else []:
-        if page.is_file():
-            (docs / "docs").mkdir(exist_ok=True)
-            shutil.copyfile(page, docs / "docs" / page.name)
+    for page in sorted(p for p in (root / "docs").glob("*.md") if p.is_file()):
+        (docs / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(page, docs / "docs" / page.name)
     result_nav, guide_nav = [], []
     doc_pages = sorted((docs / "docs").glob("*.md")) if (docs / "docs").is_dir() else []
     library_doc = next((p for p in doc_pages if p.stem.lower() in ("library", "library_map")), None)

@@ -38,13 +38,17 @@ def _missing(why: str) -> None:
     pytest.skip(why)
 
 
-def _empty_course(tmp_path: Path) -> Path:
-    """A course folder with empty notebooks/, exercises/ and docs/ to stage (the site extra needed)."""
-    try:
-        __import__("mkdocs_jupyter")
-    except ImportError:
-        _missing('mkdocs_jupyter is not installed (pip install -e ".[site]")')
-    root = tmp_path / "course"
+def _need(*modules: str) -> None:
+    """Skip (fail under CI) unless the site extra's ``modules`` import."""
+    for module in modules:
+        try:
+            __import__(module)
+        except ImportError:
+            _missing(f'{module} is not installed (pip install -e ".[site]")')
+
+
+def _empty_course(root: Path) -> Path:
+    """``root`` made a course folder with empty notebooks/, exercises/ and docs/."""
     for folder in ("notebooks", "exercises", "docs"):
         (root / folder).mkdir(parents=True)
     return root
@@ -103,7 +107,8 @@ def _notebook(title: str, *extra_cells: dict) -> str:
 
 
 def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_path):
-    root = _empty_course(tmp_path)
+    _need("mkdocs_jupyter")
+    root = _empty_course(tmp_path / "course")
     code = {"cell_type": "markdown", "id": "h", "metadata": {}, "source": "## 2. Nesting and `enabled=False`"}
     (root / "notebooks" / "00_a.ipynb").write_text(_notebook("00 — Lesson A", code))
     (root / "notebooks" / "01_b.ipynb").write_text(_notebook("01 — Lesson B"))
@@ -137,8 +142,7 @@ def test_stage_takes_results_from_docs_and_the_library_map_from_the_readme(tmp_p
 def _small_course(root: Path) -> None:
     """A course of one lesson (with "hysteresis" in it), one exercise, a results page showing a figure from
     docs/, and a README with a library section."""
-    for folder in ("notebooks", "exercises", "docs"):
-        (root / folder).mkdir(parents=True)
+    _empty_course(root)
     (root / "notebooks" / "04_scaling.ipynb").write_text(_notebook(
         "04 — Scaling", {"cell_type": "markdown", "id": "h", "metadata": {}, "source": "Hysteresis keeps the scale."}))
     (root / "exercises" / "04_scaling.ipynb").write_text(_notebook("Exercise 04"))
@@ -173,11 +177,7 @@ def test_run_outputs_never_reach_the_site(tmp_path):
     """The site is built from notebooks/, exercises/, docs/*.md (and what they show) and the README, nothing
     else: the same course with run outputs beside it and in its folders builds the same site, byte for byte,
     and the search index finds "hysteresis" in the lesson only."""
-    for module in ("mkdocs", "material", "mkdocs_jupyter"):
-        try:
-            __import__(module)
-        except ImportError:
-            _missing(f'{module} is not installed (pip install -e ".[site]")')
+    _need("mkdocs", "material", "mkdocs_jupyter")
     clean, cluttered = tmp_path / "clean", tmp_path / "cluttered"
     _small_course(clean)
     _small_course(cluttered)
@@ -197,7 +197,8 @@ def test_every_file_a_page_shows_comes_along_however_the_link_is_written(tmp_pat
     """What MkDocs renders as a link or an image (Python-Markdown: a target in angle brackets, with a space, escaped
     as %20, with a single-quoted title, a query, by reference, or raw HTML) and what a lesson's markdown shows from
     docs/ is staged with the page; a file nothing links to is not."""
-    root = _empty_course(tmp_path)
+    _need("mkdocs_jupyter")
+    root = _empty_course(tmp_path / "course")
     shown = {"plain.png": "![a](plain.png)", "angle fig.png": "![a](<angle fig.png>)",
              "pct fig.png": "![a](pct%20fig.png)", "single.png": "![a](single.png 'the title')",
              "query.png": "![a](query.png?raw=true)", "ref.png": "![a][r]\n\n[r]: ref.png",
@@ -221,11 +222,7 @@ def test_every_file_a_page_shows_comes_along_however_the_link_is_written(tmp_pat
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    for module in ("mkdocs", "material", "mkdocs_jupyter", "playwright"):
-        try:
-            __import__(module)
-        except ImportError:
-            _missing(f'{module} is not installed (pip install -e ".[site]")')
+    _need("mkdocs", "material", "mkdocs_jupyter", "playwright")
     if not Path(CHROMIUM).exists():
         _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
     out = tmp_path_factory.mktemp("site") / "site"

@@ -105,7 +105,7 @@ def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]])
     if (isinstance(functions, CheckedFunctions) and functions.checked_for == recipe
             and all(name in takes and rule_refusal(recipe, name) is None for name in functions)):
         return functions
-    return check_overrides(functions, OVERRIDABLE_BY_RECIPE.get(type(recipe), ()), type(recipe).__name__,
+    return check_overrides(functions, takes, type(recipe).__name__,
                            refuse=lambda name: rule_refusal(recipe, name),
                            takers=lambda name: [c.__name__ for c, names in OVERRIDABLE_BY_RECIPE.items() if name in names],
                            checked_for=recipe)
