@@ -225,3 +225,47 @@ def test_rules_are_plain_functions(qualname):
     assert 0 < len(code) <= 30, f"{qualname}: {len(code)} lines of body, at most 30"
     named = [w for w in KERNEL_WORDS if w in "\n".join(src).lower()]
     assert not named, f"{qualname} names {named}: a rule holds no kernel, fast path or hook"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Folders as well as modules: no cycle between folders; the experiment's folders import only downward
+# ----------------------------------------------------------------------------------------------------------
+def _folder(module: str) -> str:
+    """The room a module stands in at folder scale: ``mpcourse.<layer>.<folder or top-level module>``."""
+    parts = module.split(".")
+    return ".".join(parts[:3])
+
+
+def _folder_graph(graph=None) -> dict[str, set[str]]:
+    graph = _graph() if graph is None else graph
+    out: dict[str, set[str]] = {_folder(m): set() for m in graph}
+    for m, targets in graph.items():
+        out[_folder(m)] |= {_folder(t) for t in targets if _folder(t) != _folder(m)}
+    return out
+
+
+def test_no_import_cycle_between_folders():
+    cycles = _cycles(_folder_graph())
+    assert not cycles, "folders that import each other (through any of their modules):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_folder_check_finds_a_cycle_the_module_check_misses():
+    # two modules in two folders, each importing a module of the other folder that imports nothing back
+    graph = {"mpcourse.experiment.a.x": {"mpcourse.experiment.b.y"}, "mpcourse.experiment.b.y": set(),
+             "mpcourse.experiment.b.z": {"mpcourse.experiment.a.w"}, "mpcourse.experiment.a.w": set()}
+    assert not _cycles(graph)
+    assert _cycles(_folder_graph(graph)) == [["mpcourse.experiment.a", "mpcourse.experiment.b"]]
+
+
+def test_experiment_folders_import_only_downward():
+    from mpcourse.experiment import FLOORS
+
+    folders = _folder_graph()
+    mine = sorted(f for f in folders if f.startswith("mpcourse.experiment."))
+    unplaced = [f for f in mine if f.rpartition(".")[2] not in FLOORS]
+    assert not unplaced, f"give each experiment folder a floor in mpcourse.experiment.FLOORS: {unplaced}"
+    floor = {f: FLOORS[f.rpartition(".")[2]] for f in mine}
+    up = [f"{a} (floor {floor[a]}) imports {b} (floor {floor[b]})"
+          for a in mine for b in sorted(folders[a]) if b in floor and floor[b] >= floor[a]]
+    assert not up, "imports that run back up (or across a floor):\n" + "\n".join(up)

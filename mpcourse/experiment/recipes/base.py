@@ -201,9 +201,9 @@ class TrainingRecipe:
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (weights, grads, master, optimizer, extra), each storage counted once;
-        counted by ``mpcourse.experiment.measure.memory`` (the one place that does). Call after ``step()`` and before
+        counted by ``recipes.held`` (the one counter, which ``mpcourse.experiment.measure.memory`` uses too). Call after ``step()`` and before
         ``zero_grad()``; ``memory.measure_step`` adds activations and the peak of a step."""
-        from mpcourse.experiment.measure.memory import count_bytes, state_tensors
+        from .held import count_bytes, state_tensors
 
         return count_bytes(state_tensors(self))
 

@@ -2,7 +2,7 @@
 
 ``Trainer`` runs one recipe; ``train`` is the one-call form; ``train_inspected`` the same with the numerics
 inspector. ``Trainer.train_step`` runs the one training step of the project, ``training_step`` (module
-``mpcourse.experiment.training.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
+``mpcourse.experiment.recipes.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
 inside ``memory.measure_step``, which counts its memory); the recipe decides the precision of each line
 (see ``mpcourse.experiment.recipes.base``)::
 
@@ -38,7 +38,7 @@ from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_chec
 from ..measure.memory import STATE_KINDS, measure_step
 from ..gpt.model import GPT, GPTConfig
 from ..measure.speed import flops_per_token
-from .step import training_step
+from ..recipes.step import training_step
 from ..recipes import OptimConfig, get_recipe
 
 
