@@ -44,7 +44,7 @@ from .rules.scaled import ScaledTensor
 from .rules.blockwise import block_quantize, quantize_fp32_scaled
 from .rules.mx import mx_shared_exponent, quantize_mx
 from .rules.nvfp4 import nvfp4_scales, quantize_nvfp4
-from .engine import OVERRIDABLE_BY_RECIPE, quantizers
+from .engine import quantizers
 from .layers.module_filter import (all_of, block_containers, block_index, check_filter, edge_blocks_filter, is_small_gemm,
                             small_gemm_filter, split_by_filter)
 from .rules.tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, compute_scale, fp8_dtype, fp8_format_name,
@@ -53,7 +53,7 @@ from .rules.tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, com
 __all__ = [
     "FP8_DTYPES", "FP32_MAX", "Float8Tensor", "compute_amax", "compute_scale", "fp8_dtype", "fp8_format_name",
     "fp8_max", "quantize", "quantize_current", "to_float8", "round_down_to_power_of_2",
-    "Recipe", "BlockRecipe", "quantizers", "OVERRIDABLE_BY_RECIPE", "block_quantize", "nvfp4_scales",
+    "Recipe", "BlockRecipe", "quantizers", "block_quantize", "nvfp4_scales",
     "Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "DelayedScalingState",
     "amax_and_scale_update", "fp8_format_for", "ROLES",
     "fp8_gemm", "check_fp8_gemm_supported", "fp8_gemm_support_error",

@@ -1,13 +1,14 @@
 """The one place that builds quantizers and chooses every kernel: for a recipe, a layer and a tensor role (TE's
 ``RecipeState.create``).
 
-``quantizers(recipe, layer_key, device, functions, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
+``quantizers(recipe, layer_key, device, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
 and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Every
 step a quantizer or a layer's GEMM runs is bound once, here, at construction, to one of three functions:
 
-* the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
-  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE_BY_RECIPE``
-  says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
+* the learner's function, when the recipe carries one (``recipe.functions``, checked where the recipe was made; the
+  exercise's function name: ``compute_scale``, ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``,
+  ``nvfp4_scales``; the recipe's class ``TAKES`` says which), wrapped so ``mpcourse.core.learner_table.returned``
+  checks what it returns;
 * the kernel (``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled passes) where kernels
   are on: the same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``,
   ``tests/core/quant/kernels/test_quant_fused.py``);
@@ -58,7 +59,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from .. import kernels_switch
-from ..learner_table import CheckedFunctions, check_overrides, exercise_names, returned
+from ..learner_table import returned
 from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from .kernels import fastpath
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
@@ -69,47 +70,6 @@ from .recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe,
 from .region import schedule_update
 from .rules.scaled import ScaledTensor, check_floating, resolve_block
 from .rules.tensor import Float8Tensor, fp8_max
-
-#: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
-#: a TrainingRecipe built on one of these recipes states its own from this (``mpcourse.experiment.recipes.fp8``)
-OVERRIDABLE_BY_RECIPE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
-               DelayedScaling: exercise_names("quantize", "update"), Float8RowwiseScaling: (),
-               Float8BlockScaling: exercise_names("block_quantize"),
-               MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
-               NVFP4BlockScaling: exercise_names("nvfp4_scales")}
-
-
-def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
-    """Why the learner's ``name``, which ``recipe``'s class takes, cannot follow this ``recipe``'s fields (the
-    lesson's rule is one setting of them), or None: ``check_overrides``' ``refuse``."""
-    if name == "update" and (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo):
-        return ("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's scale "
-                "rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
-    if name == "block_quantize" and not (recipe.power_2_scales and recipe.amax_epsilon == 0.0):
-        return ("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
-                "power_2_scales=True and amax_epsilon=0.0")
-    if name == "mx_shared_exponent" and recipe.scale_rule != "floor":
-        return "mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the mxfp8-floor recipe)"
-    return None
-
-
-def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
-    """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
-    ``OVERRIDABLE_BY_RECIPE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
-    ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
-    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once. Its record
-    says which recipe, not that the check was this one: it is taken only where every name is one the recipe's
-    class takes and ``rule_refusal`` refuses none (a check of another list of names, e.g. a TrainingRecipe's
-    ``OVERRIDABLE`` that names a function its quantization recipe does not take, is checked again here)."""
-    takes = OVERRIDABLE_BY_RECIPE.get(type(recipe), ())
-    if (isinstance(functions, CheckedFunctions) and functions.checked_for == recipe
-            and all(name in takes and rule_refusal(recipe, name) is None for name in functions)):
-        return functions
-    return check_overrides(functions, takes, type(recipe).__name__,
-                           refuse=lambda name: rule_refusal(recipe, name),
-                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE_BY_RECIPE.items() if name in names],
-                           checked_for=recipe)
-
 
 # ------------------------------------------------------------------------------------------------ the steps
 #: every step a quantizer or a GEMM runs: (the rule, the kernel that equals it bit for bit and names it)
@@ -169,31 +129,22 @@ def table_row(recipe) -> Row:
     return row
 
 
-def quantizers(recipe: Recipe, layer_key: str = "", device=None,
-               functions: Optional[Mapping[str, Callable]] = None, kernels: Optional[bool] = None) -> dict:
-    """{role: quantizer} for one layer under ``recipe``, with the learner's ``functions`` in place of the library's
-    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives;
-    ``kernels``: True binds the kernels, False the rules, None follows ``kernels_switch``)."""
+def quantizers(recipe: Recipe, layer_key: str = "", device=None, kernels: Optional[bool] = None) -> dict:
+    """{role: quantizer} for one layer under ``recipe``, with the learner's functions the recipe carries
+    (``recipe.functions``) in place of the library's (``layer_key`` names the layer in the amax all-reduce;
+    ``device``: where delayed scaling's state lives; ``kernels``: True binds the kernels, False the rules, None
+    follows ``kernels_switch``)."""
     if recipe is None:
         raise TypeError(f"recipe must be one of {recipe_names()}, got None")
     check_recipe(recipe, "recipe")
-    functions = check_functions(recipe, functions)
-    return table_row(recipe).quantizer.for_layer(recipe, layer_key, device, functions,
-                                                 kernels_switch.enabled(kernels))
+    return table_row(recipe).quantizer.for_layer(recipe, layer_key, device, kernels_switch.enabled(kernels))
 
 
-def quantizer(recipe: Recipe, role: str, functions: Optional[Mapping[str, Callable]] = None,
-              kernels: Optional[bool] = None, layer_key: str = "", device=None):
+def quantizer(recipe: Recipe, role: str, kernels: Optional[bool] = None, layer_key: str = "", device=None):
     """One role's quantizer under a single-format ``recipe``: its row's class with its row's steps bound (a
     ``PerDirectionBlockScaling`` has none of its own: ``quantizers`` builds its roles' from its direction recipes)."""
-    return build(recipe, role, check_functions(recipe, functions), kernels, layer_key, device)
-
-
-def build(recipe: Recipe, role: str, functions: dict, kernels: Optional[bool] = None, layer_key: str = "",
-          device=None):
-    """``quantizer`` with ``functions`` already checked (``check_functions``, once for the whole layer)."""
     row = table_row(recipe)
-    return row.quantizer(recipe, role, bind(row.steps, kernels), functions, layer_key, device)
+    return row.quantizer(recipe, role, bind(row.steps, kernels), layer_key, device)
 
 
 # ------------------------------------------------------------------------------------------------ per tensor
@@ -203,15 +154,15 @@ class PerTensorQuantizer:
     per_tensor = True
     state = None
 
-    def __init__(self, recipe: Recipe, role: str, binding: Binding, functions: Optional[dict] = None):
-        functions = functions or {}
+    def __init__(self, recipe: Recipe, role: str, binding: Binding):
+        functions = recipe.functions
         self.recipe, self.fmt, self.binding = recipe, fp8_format_for(recipe, role), binding
         self.amax = binding.amax
         self.cast = learner_cast(functions["quantize"]) if "quantize" in functions else binding.cast
 
     @classmethod
-    def for_layer(cls, recipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
-        return {role: build(recipe, role, functions, kernels, layer_key, device) for role in ROLES}
+    def for_layer(cls, recipe, layer_key: str, device, kernels: bool) -> dict:
+        return {role: quantizer(recipe, role, kernels, layer_key, device) for role in ROLES}
 
 
 def learner_cast(fn: Callable) -> Callable:
@@ -226,10 +177,9 @@ def learner_cast(fn: Callable) -> Callable:
 class Float8CurrentScalingQuantizer(PerTensorQuantizer):
     """Current per-tensor scaling of one role (TE ``Float8CurrentScalingQuantizer``): ``tensor.quantize_current``."""
 
-    def __init__(self, recipe: CurrentScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
-        fn, p2 = (functions or {}).get("compute_scale"), recipe.use_power_2_scales
+    def __init__(self, recipe: CurrentScaling, role: str, binding: Binding, key: str = "", device=None):
+        super().__init__(recipe, role, binding)
+        fn, p2 = recipe.functions.get("compute_scale"), recipe.use_power_2_scales
         if fn is None:
             self.scale = lambda amax, top: tensor.compute_scale(amax, top, 0, None, p2)
         else:
@@ -256,10 +206,9 @@ def learner_update(fn: Callable) -> Callable:
 class Float8Quantizer(PerTensorQuantizer):
     """Delayed per-tensor scaling of one role (TE ``Float8Quantizer`` with its amax history)."""
 
-    def __init__(self, recipe: DelayedScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
-        update = (functions or {}).get("update")
+    def __init__(self, recipe: DelayedScaling, role: str, binding: Binding, key: str = "", device=None):
+        super().__init__(recipe, role, binding)
+        update = recipe.functions.get("update")
         self.state = DelayedScalingState(recipe.amax_history_len, device,
                                          None if update is None else learner_update(update))
         # The key lets the amax all-reduce check that every rank ran the same layers in the same order.
@@ -312,8 +261,7 @@ class BlockQuantizer:
     state = None
     rht = None          # NVFP4's random Hadamard transform of the weight-gradient GEMM's operands, where applied
 
-    def __init__(self, recipe: BlockRecipe, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
+    def __init__(self, recipe: BlockRecipe, role: str, binding: Binding, key: str = "", device=None):
         if type(self) is BlockQuantizer:
             raise TypeError(f"{type(recipe).__name__} has no quantizer of its own: each role's comes from the "
                             "recipe direction_recipe(recipe, role, axis) names")
@@ -321,14 +269,14 @@ class BlockQuantizer:
         self.blocks = (block_for(recipe, role, 0), block_for(recipe, role, 1))    # along axis 0, along axis 1
 
     @classmethod
-    def for_layer(cls, recipe: BlockRecipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
+    def for_layer(cls, recipe: BlockRecipe, layer_key: str, device, kernels: bool) -> dict:
         """{role: quantizer} of a block recipe, plus "wgrad_input" (x as the weight-gradient GEMM reads it) and
         "dgrad_weight" (W as the input-gradient GEMM reads it); each from ``direction_recipe``: a single-format
         recipe's are all its own, a ``PerDirectionBlockScaling``'s forward roles (x, W) take its forward recipe
         and dy and the backward copies its backward recipe."""
-        q = {role: build(direction_recipe(recipe, role, 1), role, functions, kernels) for role in ROLES}
+        q = {role: quantizer(direction_recipe(recipe, role, 1), role, kernels) for role in ROLES}
         for key, (role, axis) in BACKWARD_COPIES.items():
-            q[key] = build(direction_recipe(recipe, role, axis), role, functions, kernels)
+            q[key] = quantizer(direction_recipe(recipe, role, axis), role, kernels)
         return q
 
     def __call__(self, x: torch.Tensor, axis: int, wgrad: bool = False,
@@ -351,11 +299,10 @@ class Float8BlockQuantizer(BlockQuantizer):
     """FP32 scales per block (TE ``Float8BlockQuantizer``; ``Float8BlockScaling``): ``blockwise.quantize_fp32_scaled``
     in E4M3, or a learner's lesson 09 ``block_quantize``."""
 
-    def __init__(self, recipe: Float8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: Float8BlockScaling, role: str, binding: Binding, key: str = "", device=None):
+        super().__init__(recipe, role, binding)
         self.power_2_scale, self.amax_epsilon = self.scale_fields(recipe)
-        fn = (functions or {}).get("block_quantize")
+        fn = recipe.functions.get("block_quantize")
         if fn is not None:
             self.encode = self._learner_block_quantize(fn)
 
@@ -389,11 +336,10 @@ class MXFP8Quantizer(BlockQuantizer):
     """OCP MX (TE ``MXFP8Quantizer``; ``MXFP8BlockScaling``): ``mx.quantize_mx``, an E8M0 scale per 32 elements
     (E4M3 elements, E5M2 gradients under HYBRID), or the scales from a learner's lesson 09 ``mx_shared_exponent``."""
 
-    def __init__(self, recipe: MXFP8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: MXFP8BlockScaling, role: str, binding: Binding, key: str = "", device=None):
+        super().__init__(recipe, role, binding)
         self.elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
-        self.shared_exponent = (functions or {}).get("mx_shared_exponent")
+        self.shared_exponent = recipe.functions.get("mx_shared_exponent")
         if self.shared_exponent is not None:
             self.encode = self._learner_mx
 
@@ -416,13 +362,12 @@ class NVFP4Quantizer(BlockQuantizer):
     through the random Hadamard transform, unless the recipe turns them off), or the scales from a learner's
     lesson 09 ``nvfp4_scales``."""
 
-    def __init__(self, recipe: NVFP4BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: NVFP4BlockScaling, role: str, binding: Binding, key: str = "", device=None):
+        super().__init__(recipe, role, binding)
         stochastic = role == "grad_output" and not recipe.disable_stochastic_rounding
         self.rounding = "stochastic" if stochastic else "nearest"
         self.rht = None if recipe.disable_rht or role == "weight" else binding.rht
-        self.scales = (functions or {}).get("nvfp4_scales")
+        self.scales = recipe.functions.get("nvfp4_scales")
         if self.scales is not None:
             self.encode = self._learner_nvfp4
 

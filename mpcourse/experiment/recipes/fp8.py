@@ -60,7 +60,6 @@ import torch.nn as nn
 
 from mpcourse.core import quant
 from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
-from mpcourse.core.quant.engine import rule_refusal
 from mpcourse.core.quant.layers.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
@@ -89,23 +88,25 @@ keep_linear_in_fp8.check_model = _check_high_precision_modules
 class QuantizedRecipe(TrainingRecipe):
     """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
     NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
-    (the engine's ``mpcourse.core.quant.OVERRIDABLE_BY_RECIPE`` for its recipe's class), handed to the engine by name."""
+    (its quantization recipe's class ``TAKES``), which ride in that recipe (``quantization()``) to every layer."""
 
     fp8_recipe: quant.Recipe
     gemm_dtype = "fp8"
 
     def checked_overrides(self, overrides):
-        """``TrainingRecipe.checked_overrides`` with the engine's refusal of a function this recipe's
-        ``fp8_recipe`` fields do not follow (``engine.rule_refusal``), checked for that ``fp8_recipe``: the
-        engine's quantizers take the result as it is (``engine.check_functions``)."""
-        return super().checked_overrides(overrides, refuse=lambda name: rule_refusal(self.fp8_recipe, name),
-                                         checked_for=self.fp8_recipe)
+        """``TrainingRecipe.checked_overrides`` with the refusal of a function this recipe's ``fp8_recipe`` fields
+        do not follow (``fp8_recipe.refusal``), checked for that ``fp8_recipe``: the quantization recipe that
+        carries them takes the result as it is (``quant.recipe.check_functions``)."""
+        return super().checked_overrides(overrides, refuse=self.fp8_recipe.refusal, checked_for=self.fp8_recipe)
+
+    def quantization(self) -> quant.Recipe:
+        """The quantization recipe the layers are built with: ``fp8_recipe`` carrying the learner's functions."""
+        return self.fp8_recipe.with_functions(self.overrides)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
         # steps them and the head stays tied to tok_emb.
-        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe,
-                                          functions=self.overrides)
+        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.quantization())
 
     def forward_context(self):
         return quant.autocast(enabled=True, recipe=self.fp8_recipe)   # TE's FP8 region (older name: fp8_autocast)
@@ -126,7 +127,7 @@ class FP8Current(QuantizedRecipe):
     name = "fp8-current"
     description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
     fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lesson 07: compute_scale, quantize
+    OVERRIDABLE = fp8_recipe.TAKES  # lesson 07: compute_scale, quantize
 
 
 @register
@@ -134,4 +135,4 @@ class FP8Delayed(QuantizedRecipe):
     name = "fp8-delayed"
     description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
     fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lessons 07 and 08: quantize, update
+    OVERRIDABLE = fp8_recipe.TAKES  # lessons 07 and 08: quantize, update

@@ -1,7 +1,8 @@
 """A quantized TrainingRecipe checks the learner's functions once, where it is built (``checked_overrides``): the
-names, the signatures and the quant engine's refusal for the recipe's fields (``engine.rule_refusal``). Its
-quantizers take what that check returned (``learner_table.CheckedFunctions``) as it is: one check across building
-the recipe and training it, with the learner's functions run by every step."""
+names, the signatures and the quantization recipe's refusal for its fields (``Recipe.refusal``). The quantization
+recipe that carries them to every layer (``QuantizedRecipe.quantization()``) takes what that check returned
+(``learner_table.CheckedFunctions``) as it is: one check across building the recipe and training it, with the
+learner's functions run by every step."""
 import functools
 
 import pytest
@@ -39,7 +40,7 @@ def solutions():
 def checks(monkeypatch):
     """The ``who`` of every call of ``learner_table.check_overrides``, wherever a module imported it."""
     calls, patched = count_check_overrides(monkeypatch)
-    assert {"mpcourse.core.quant.engine", "mpcourse.experiment.recipes.base"} <= patched
+    assert {"mpcourse.core.quant.recipe", "mpcourse.experiment.recipes.base"} <= patched
     return calls
 
 
@@ -63,7 +64,7 @@ def test_a_quantized_recipe_checks_the_learners_functions_once_across_building_a
                               overrides=overrides)
     assert checks == [f"recipe {name!r}"]                  # built: checked once, by the recipe, for all its layers
     layers = [m for m in recipe.model.modules() if isinstance(m, Float8Linear)]
-    assert layers and all(layer.functions is recipe.overrides for layer in layers)
+    assert layers and all(layer.recipe.functions is recipe.overrides for layer in layers)
     assert isinstance(recipe.overrides, CheckedFunctions) and recipe.overrides.checked_for == recipe.fp8_recipe
     run_steps(recipe, corpus, torch.Generator().manual_seed(0), 3, block_size=cfg.block_size, batch_size=B)
     assert checks == [f"recipe {name!r}"]                  # and never again while it trains

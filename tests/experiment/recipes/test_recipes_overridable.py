@@ -27,7 +27,7 @@ def test_every_recipes_names_are_exercise_functions_the_library_checks():
         for parallel in ("ddp", "fsdp"):
             assert set(overridable(cls, parallel)) <= set(cls.OVERRIDABLE)
         if issubclass(cls, QuantizedRecipe):                 # a quant recipe takes what its engine recipe takes
-            assert set(cls.OVERRIDABLE) <= set(quant.OVERRIDABLE_BY_RECIPE.get(type(cls.fp8_recipe), ())), name
+            assert set(cls.OVERRIDABLE) <= set(type(cls.fp8_recipe).TAKES), name
         taken |= set(cls.OVERRIDABLE)
     assert set(ShardedMasterRecipe.OVERRIDABLE) <= taken
     checked = {n for n, e in EXERCISE_FUNCTIONS.items() if e.returned is not None}

@@ -104,7 +104,7 @@ class Float8WeightLinear(Float8Linear):
             raise TypeError(f"the layer's weight must be FP32, BF16 or FP16, got {layer.weight.dtype}")
         with torch.device("meta"):  # no second high-precision weight is ever allocated
             new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, recipe=layer.recipe,
-                      pad_inner_dim=layer.pad_inner_dim, functions=layer.functions)
+                      pad_inner_dim=layer.pad_inner_dim)
         device = layer.weight.device
         new.bias = layer.bias
         new.quantizers, new.scaling_state = layer.quantizers, layer.scaling_state      # the scaling state goes on

@@ -60,7 +60,7 @@ from ..region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from ..block_recipes import backward_operand
-from ..engine import check_functions, quantizers
+from ..engine import quantizers
 from .module_filter import check_filter
 from ..recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from ..rules.tensor import Float8Tensor
@@ -117,36 +117,34 @@ class Float8Linear(nn.Linear):
               out_features or the number of tokens is not a multiple of 16; exact). Without it such
               shapes raise ValueError on CUDA. CPUs take any shape.
     Input (..., in_features) float32/bfloat16/float16 -> output (..., out_features) (see module doc).
-      functions: a learner's functions in place of the library's, by the exercise's names (``engine``).
+      (A learner's functions in place of the library's ride in the recipe: ``recipe.with_functions(...)``.)
     ``quantizers``: {role: quantizer} built by ``engine.quantizers``; ``scaling_state``: {role: DelayedScalingState} of
     those that keep one (empty for the other recipes).
     Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe=None, pad_inner_dim: bool = False, functions=None):
+                 recipe=None, pad_inner_dim: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
-        # the learner's functions checked once, here (as they are if already checked for this recipe: a
-        # TrainingRecipe's, convert_to_float8_training's); every quantizer built for the layer takes them as they are
-        self.recipe, self.functions = recipe, check_functions(recipe, functions)
+        self.recipe = recipe            # with the learner's functions, if any (``recipe.functions``, checked once)
         self.pad_inner_dim = pad_inner_dim
         self._reset_scaling_state()
 
     def _reset_scaling_state(self) -> None:
         # One quantizer per role, built by the engine; delayed scaling's hold their state.
         key = f"Float8Linear({self.in_features}, {self.out_features})"
-        self.quantizers = quantizers(self.recipe, key, self.weight.device, self.functions)
+        self.quantizers = quantizers(self.recipe, key, self.weight.device)
         self.scaling_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False, functions=None) -> "Float8Linear":
+    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
         with torch.device("meta"):  # build without allocating or initialising a second weight
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      recipe=recipe, pad_inner_dim=pad_inner_dim, functions=functions)
+                      recipe=recipe, pad_inner_dim=pad_inner_dim)
         new.weight, new.bias = linear.weight, linear.bias
         new._reset_scaling_state()  # now on the weight's device
         new.train(linear.training)
@@ -298,7 +296,7 @@ def _resolve_config(config, recipe, pad_inner_dim):
 def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
                                config: Optional[Float8LinearConfig] = None,
-                               recipe=None, pad_inner_dim: Optional[bool] = None, functions=None) -> nn.Module:
+                               recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
 
     Args:
@@ -309,9 +307,9 @@ def convert_to_float8_training(module: nn.Module, *,
               out, e.g. ``lambda m, fqn: fqn != "lm_head"``.
       config: torchao's spelling, a ``Float8LinearConfig``: without ``recipe`` it means current scaling
               (torchao's tensorwise default) and sets ``pad_inner_dim``.
-      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers.
+      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers;
+              a learner's functions ride in it (``recipe.with_functions({"quantize": quantize})``).
       pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
-      functions: a learner's functions, {exercise's name: function}, for every swapped layer (``engine``).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
     Raises TypeError for a config of another type, ValueError where config and keywords disagree, ValueError
@@ -320,8 +318,6 @@ def convert_to_float8_training(module: nn.Module, *,
     """
     recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
     check_filter(module_filter_fn, module)
-    if isinstance(recipe, Recipe):    # checked once for every layer (None: each layer checks for its default recipe)
-        functions = check_functions(recipe, functions)
 
     def wanted(m: nn.Module, fqn: str) -> bool:
         return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
@@ -332,8 +328,7 @@ def convert_to_float8_training(module: nn.Module, *,
             raise ValueError(f"cannot convert a root nn.Linear that has child modules ({list(module._modules)}): "
                              "its children would be lost. Convert the children separately, or wrap the layer in a "
                              "parent module (e.g. nn.Sequential) and keep it out with module_filter_fn")
-        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim,
-                                         functions=functions)
+        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
     slots: list[tuple[nn.Module, str, int]] = []   # (parent, name, id(old linear)): set only once all are built
 
@@ -343,8 +338,7 @@ def convert_to_float8_training(module: nn.Module, *,
             if id(child) in swapped:
                 slots.append((parent, name, id(child)))
             elif wanted(child, fqn):
-                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim,
-                                                              functions=functions)
+                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
                 slots.append((parent, name, id(child)))
             else:
                 visit(child, fqn)

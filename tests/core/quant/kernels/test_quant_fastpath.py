@@ -21,7 +21,7 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def quantize_role(recipe, role, x, axis, wgrad=False, keep_fp32=False, functions=None):
     """``role``'s tensor x under ``recipe``, quantized along ``axis`` by the engine's quantizer with the kernels
     bound (whatever MPCOURSE_FUSED says: the kept FP32 copy is theirs)."""
-    return engine.quantizer(recipe, role, functions, kernels=True)(x, axis, wgrad, keep_fp32)
+    return engine.quantizer(recipe.with_functions(functions), role, kernels=True)(x, axis, wgrad, keep_fp32)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
