@@ -6,7 +6,7 @@ functions the named recipes accept (their ``OVERRIDABLE``: ``round_to_bf16``, ``
 trains each recipe twice on the same short, seeded run of the course's GPT (``YOURS_CONFIG``: a
 2-layer, width-64 model, 20 steps of 8 x 32 characters, about a second per row on a laptop CPU), once
 with the library's own code and once with yours (the row ``NAME [yours]``,
-``mpcourse.experiment.compare.learner_rows.train_overrides``), and prints a small table and one verdict line
+``mpcourse.experiment.compare.learner_rows.train_yours_row``), and prints a small table and one verdict line
 per recipe::
 
     the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
@@ -51,7 +51,7 @@ import torch
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.learner_table import learner_functions
-from mpcourse.experiment.compare.learner_rows import first_difference, train_overrides, yours
+from mpcourse.experiment.compare.learner_rows import first_difference, train_yours_row, yours
 from mpcourse.experiment.gpt.data import Corpus, load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe
@@ -248,7 +248,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
                 stats = statistics_for(overrides, name)    # the library's rules for the learner's statistics
                 key = "+".join([name, *stats])
                 if library_runs is None or key not in library_runs:
-                    run = train(name, corpus, cfg, progress=False, overrides=stats or None)
+                    run = train(get_recipe(name).with_functions(stats), corpus, cfg, progress=False)
                     if library_runs is not None:
                         library_runs[key] = run
                 else:
@@ -272,7 +272,7 @@ def _compare_one(name: str, library: RunResult, functions: dict[str, Callable], 
         return Comparison(name, used, library, None, f"{name}: {why}")
     lines: list[str] = []
     try:
-        mine = train_overrides(name, corpus, cfg, functions, echo=lines.append)
+        mine = train_yours_row(get_recipe(name).with_functions(functions), corpus, cfg, echo=lines.append)
     except Exception as e:                                 # anything else a wrong function provoked downstream
         first = str(e).splitlines()[0] if str(e) else ""
         lines.append(f"{yours(name)}: training with your {', '.join(used)} failed: {type(e).__name__}: {first}")
