@@ -149,15 +149,15 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_layers_never_import_a_kernel():
     """``mpcourse.core.quant.layers`` takes rule or kernel from what the engine bound (each quantizer's
-    ``binding``), never from ``mpcourse.core.quant.kernels`` directly, not even through another module."""
+    ``backend``), never from ``mpcourse.core.quant.kernels`` directly."""
     graph = _graph()
     layers = sorted(m for m in MODULES if m.startswith("mpcourse.core.quant.layers."))
     assert layers
     direct = [f"{m} imports {t}" for m in layers for t in sorted(graph[m])
               if t.startswith("mpcourse.core.quant.kernels")]
     assert not direct, "\n".join(direct)
-    # the graph sees a layer's relative imports (gemm's `from ..engine import ...`), so a kernel's would show too
-    assert "mpcourse.core.quant.engine" in graph["mpcourse.core.quant.layers.gemm"]
+    # the graph sees a layer's relative imports (gemm's `from ..backend import ...`), so a kernel's would show too
+    assert "mpcourse.core.quant.backend" in graph["mpcourse.core.quant.layers.gemm"]
 
 
 # (rule module, kernel module): the kernel imports the rule it equals, never the other way round (not even

@@ -14,8 +14,10 @@ Configuration and the engine:
 * ``block_recipes``: ``BlockRecipe``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``,
   ``MXFP8BlockScaling``, ``NVFP4BlockScaling`` (TE's names and defaults); ``PerDirectionBlockScaling``: one of
   them for the forward GEMM, another for the backward GEMMs.
-* ``engine``: builds the quantizers of a recipe, a layer and a role, binding each step to the learner's function,
-  a kernel or the rule.
+* ``backend``: ``Backend``, every step of the quantizers and GEMMs by name, the rules (``RULES``) or the kernels
+  (``KERNELS``); ``choose(kernels)`` is the one place the choice is made.
+* ``engine``: builds the quantizers of a recipe, a layer and a role, each running the learner's function where the
+  recipe carries one, else its backend's step.
 The layers and GEMMs:
 * ``gemm``: one FP8 GEMM through ``torch._scaled_mm`` with its layout/shape/device rules.
 * ``region``: the FP8 region, TE's ``autocast`` (older spelling ``fp8_autocast``), and when delayed

@@ -61,7 +61,7 @@ class _StoredWeightFunction(_FP8LinearFunction):
         x8 = layer._quantize("input", x, record)  # (M, K) E4M3, row-major
         w8 = layer.fp8_weight()  # (N, K) E4M3 as stored: no cast of the weight here
         y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
-                     binding=layer.quantizers["input"].binding)  # (M, N)
+                     backend=layer.quantizers["input"].backend)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The weight's data is a parameter (saved: version-checked at backward); its scale_inv is layer state that

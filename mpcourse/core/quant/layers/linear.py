@@ -9,7 +9,7 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
 
 Scales come from the recipe, through one quantizer per role ("input", "weight", "grad_output") that the
 engine builds from the recipe (``engine.quantizers(...)``; the layer never asks which recipe it holds), and the
-GEMMs' CPU functions from what the engine bound with them (each quantizer's ``binding``: rule or kernel):
+GEMMs' CPU functions from what the engine bound with them (each quantizer's ``backend``: rules or kernels):
 ``DelayedScaling``'s keep a ``DelayedScalingState`` (scale, amax_history) each and use scales from earlier
 steps (see ``recipe.py`` and, for when they update, ``region.py``); ``CurrentScaling``'s compute each scale
 from the tensor itself. The finer-grained recipes (``block_recipes.py``: rowwise, 1x128/128x128, MXFP8,
@@ -79,7 +79,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
         # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
         y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
-                     binding=layer.quantizers["input"].binding)  # (M, N)
+                     backend=layer.quantizers["input"].backend)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
@@ -100,7 +100,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         dx, dw = fp8_linear_backward_gemms(g8, Float8Tensor(w_data, w_scale_inv), Float8Tensor(x_data, x_scale_inv),
                                            x_dtype, w_dtype, need_dx=ctx.needs_input_grad[0],
                                            need_dw=ctx.needs_input_grad[1], pad_inner_dim=pad,
-                                           binding=layer.quantizers["grad_output"].binding)
+                                           backend=layer.quantizers["grad_output"].backend)
         db = None
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(b_dtype)  # (N,) summed in fp32
