@@ -1,7 +1,7 @@
 """The one place that builds quantizers: for a recipe, a layer and a tensor role (TE's ``RecipeState.create``).
 
 ``quantizers(recipe, layer_key, device, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
-and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Each
+and "grad_output"; ``QuantizedLinear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Each
 quantizer runs, for each of its steps, one of:
 
 * the learner's function, when the recipe carries one (``recipe.functions``, checked where the recipe was made; the
@@ -47,7 +47,7 @@ import torch
 
 from ..learner_table import returned
 from .backend import Backend, choose
-from .rules import tensor
+from .rules import mx, tensor
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling, PerDirectionBlockScaling, block_for, check_role_axis,
                             direction_recipe)

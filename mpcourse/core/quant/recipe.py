@@ -65,8 +65,10 @@ def _check_format(fp8_format) -> None:
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """Base of every quantization recipe (TE ``Recipe``): a frozen dataclass of fields, no behaviour.
+class QuantizationRecipe:
+    """Base of every quantization recipe (TE ``Recipe``, the alias below): a frozen dataclass of fields, no behaviour.
+    (The other recipe of the course, ``mpcourse.experiment.recipes.TrainingRecipe``, is a whole training run's
+    precision: it may hold one of these for its linear layers.)
 
     ``functions``: a learner's functions, {exercise's name: function}, that this recipe's quantizers call in place of
     the library's rules (keyword only, default none). They ride in the recipe as Transformer Engine's recipes hold
@@ -95,9 +97,12 @@ class Recipe:
         return dataclasses.replace(self, functions=functions)
 
 
+Recipe = QuantizationRecipe   # Transformer Engine's name
+
+
 def recipe_classes() -> list[type]:
     """Every dataclass subclass of ``Recipe`` defined so far, in definition order (``BlockRecipe`` is a base)."""
-    seen, todo = [], list(Recipe.__subclasses__())
+    seen, todo = [], list(QuantizationRecipe.__subclasses__())
     while todo:
         cls = todo.pop(0)
         if not cls.__name__.startswith("_") and cls not in seen and "__dataclass_fields__" in vars(cls):

@@ -40,7 +40,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..recipes.held import KINDS, STATE_KINDS, count_bytes, state_tensors, storage_of, tensors_in
+from ..recipes.held import KINDS, STATE_KINDS, state_tensors, storage_of, tensors_in
 from ..recipes.step import training_step
 
 
@@ -148,9 +148,9 @@ class StepMemory:
 @contextlib.contextmanager
 def _mark_fp8_weight_copies(model, saved: SavedTensors):
     """Record the storages of the FP8 weight copies that FP8 layers quantize in this region."""
-    from mpcourse.core.quant import Float8Linear
+    from mpcourse.core.quant import QuantizedLinear
 
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
 
     def wrap(layer):
         inner = type(layer)._quantize.__get__(layer)

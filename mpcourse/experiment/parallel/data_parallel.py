@@ -301,7 +301,7 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim,
     all-gathers), an optimizer rebuilt over the sharded parameters and ``recipe.all_gather_log`` (an
     ``AllGatherLog``). Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``, or one ``fp8_all_gather`` refuses.
     """
-    from mpcourse.core.quant import Float8Linear
+    from mpcourse.core.quant import QuantizedLinear
     from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -323,7 +323,7 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim,
         enable_fp8_all_gather(recipe.model)             # before fully_shard: the shards keep the wrapper
     log = recipe.all_gather_log = AllGatherLog(recipe.model)
     for m in recipe.model.modules():
-        if isinstance(m, Float8Linear):
+        if isinstance(m, QuantizedLinear):
             m.all_gather_record = log.fp8_pending
     for block in recipe.model.blocks:
         fully_shard(block, mp_policy=policy)

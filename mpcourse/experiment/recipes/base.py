@@ -1,7 +1,9 @@
 """The precision-recipe interface and its registry.
 
-A *recipe* decides, for one training run, how each of the four parts of a step is done in which
-precision:
+A *training recipe* (``TrainingRecipe``) decides, for one training run, how each of the four parts of a step is
+done in which precision (a *quantization recipe*, ``mpcourse.core.quant.QuantizationRecipe``, Transformer Engine's
+``Recipe``, says only how a quantized linear layer's tensors are scaled; the quantized training recipes hold one as
+``fp8_recipe``, TE's name for it):
 
     model      ``prepare_model``    what dtype the parameters live in (FP32, FP16, BF16, FP8 layers)
     forward    ``forward_context``  a region the forward pass runs in (autocast, FP8 autocast, none)

@@ -6,7 +6,7 @@
   of earlier steps (``mpcourse.core.quant.DelayedScaling``).
 
 Both use ``Format.HYBRID`` (E4M3 for activations and weights, E5M2 for gradients; TE's default) and
-``mpcourse.core.quant.convert_to_float8_training`` to swap linear layers for ``Float8Linear``, whose three GEMMs
+``mpcourse.core.quant.convert_to_float8_training`` to swap linear layers for ``QuantizedLinear``, whose three GEMMs
 (forward, input gradient, weight gradient) run through ``torch._scaled_mm``.
 
 What is FP8 and what is not (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3.1: the
@@ -31,7 +31,7 @@ as TE is usually run on GPUs (BF16 activations around FP8 GEMMs)? So that the ga
 ``fp32`` is the effect of FP8 alone: everything that is not one of the four FP8 GEMMs per block runs
 exactly as in the ``fp32`` row, and the ``torch-amp-bf16`` row shows the BF16 effect on its own. (It also
 avoids emulated BF16 matmuls on CPUs without BF16 units.) To run as TE usually does on a GPU, put
-``torch.autocast(dtype=torch.bfloat16)`` around ``quant.autocast``: ``Float8Linear`` then returns BF16.
+``torch.autocast(dtype=torch.bfloat16)`` around ``quant.autocast``: ``QuantizedLinear`` then returns BF16.
 
 Delayed scaling uses TE's ``DelayedScaling`` defaults except ``amax_history_len=16`` (default 1024),
 the value of TE's own examples (``docs/examples/quickstart.ipynb``, "Enabling FP8":
@@ -49,7 +49,7 @@ backward (``loss.backward()``) runs after the region has exited, as TE requires;
 quantizes its output gradient with the layer's own recipe and updates that state right after using it.
 Under ``torch.no_grad()`` (evaluation) the layers use their scales and record nothing.
 
-Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra state, so
+Checkpoints: the scales and amax histories are in each ``QuantizedLinear``'s extra state, so
 ``model.state_dict()`` (part of ``TrainingRecipe.state_dict``) carries them and a run resumes bit for bit.
 ``memory()['extra']`` counts that state: per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
 """
@@ -59,7 +59,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from mpcourse.core import quant
-from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, QuantizedLinear, Format, convert_to_float8_training
 from mpcourse.core.quant.layers.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
@@ -86,7 +86,7 @@ keep_linear_in_fp8.check_model = _check_high_precision_modules
 
 
 class QuantizedRecipe(TrainingRecipe):
-    """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
+    """FP32 model whose linear layers (not the head) are ``QuantizedLinear`` under a quantization recipe (FP8, MXFP8 or
     NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
     (its quantization recipe's class ``TAKES``), which ride in that recipe (``quantization()``) to every layer."""
 
@@ -111,9 +111,9 @@ class QuantizedRecipe(TrainingRecipe):
     def forward_context(self):
         return quant.autocast(enabled=True, recipe=self.fp8_recipe)   # TE's FP8 region (older name: fp8_autocast)
 
-    def fp8_layers(self) -> dict[str, Float8Linear]:
+    def fp8_layers(self) -> dict[str, QuantizedLinear]:
         """The model's FP8 layers by fully qualified name."""
-        return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, QuantizedLinear)}
 
     def memory_tensors(self):
         """FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; none for current scaling,

@@ -140,7 +140,7 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
     if misaligned and device.type == "cuda" and not pad_inner_dim:
         raise ValueError(f"torch._scaled_mm on CUDA needs K and N divisible by 16, got (M, K, N) = {(M, K, N)}. "
                          "Pad the batch/sequence/feature sizes to multiples of 16, or pass pad_inner_dim=True "
-                         "(Float8Linear(..., pad_inner_dim=True)) to zero-pad inside the GEMM.")
+                         "(QuantizedLinear(..., pad_inner_dim=True)) to zero-pad inside the GEMM.")
     if pad_inner_dim and (misaligned or M % ALIGN):
         # Zero rows/columns contribute zero products: the sliced result is unchanged.
         a_data = _pad_to(a_data, _round_up(M), _round_up(K))  # (M', K') row-major

@@ -1,4 +1,6 @@
-"""An FP8 linear layer: its three GEMMs run in FP8 through ``torch._scaled_mm``.
+"""The quantized linear layer, ``QuantizedLinear`` (``Float8Linear``, torchao's name, is the same class): its three
+GEMMs run in the format of its quantization recipe (per-tensor FP8 through ``torch._scaled_mm``; rowwise, 1x128 /
+128x128 blocks, MXFP8 and NVFP4 through the block-scaled GEMMs).
 
 For y = x @ W^T + b with x (M, K), W (N, K), the layer quantizes three tensors, each with its own
 per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/float8_linear.py``):
@@ -40,7 +42,7 @@ precision: there is nothing to quantize); a wrong feature size or device raises 
 A meta input gives a meta output of the right shape and dtype (nothing is recorded).
 
 ``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
-for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
+for ``QuantizedLinear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
 torchao's ``config=Float8LinearConfig(...)`` keyword works too (the fields of torchao's
 ``torchao/float8/config.py`` this layer supports).
 Not supported: activation checkpointing (the recomputed forward would record amaxes twice).
@@ -107,8 +109,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose GEMMs run in FP8 (E4M3 / E5M2 with per-tensor scales) via ``torch._scaled_mm``.
+class QuantizedLinear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run quantized under its recipe: FP8 (E4M3 / E5M2 with per-tensor scales) via
+    ``torch._scaled_mm``, or a finer-grained recipe's blocks (``Float8Linear`` is the same class, torchao's name).
 
     Args (besides nn.Linear's in_features, out_features, bias, device, dtype):
       recipe: ``DelayedScaling`` (default ``DelayedScaling()``: HYBRID, history 1024, "max", margin 0,
@@ -135,13 +138,13 @@ class Float8Linear(nn.Linear):
 
     def _reset_scaling_state(self) -> None:
         # One quantizer per role, built by the engine; delayed scaling's hold their state.
-        key = f"Float8Linear({self.in_features}, {self.out_features})"
+        key = f"QuantizedLinear({self.in_features}, {self.out_features})"
         self.quantizers = quantizers(self.recipe, key, self.weight.device)
         self.scaling_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "Float8Linear":
-        """A Float8Linear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
+    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "QuantizedLinear":
+        """A QuantizedLinear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
         with torch.device("meta"):  # build without allocating or initialising a second weight
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                       recipe=recipe, pad_inner_dim=pad_inner_dim)
@@ -159,9 +162,9 @@ class Float8Linear(nn.Linear):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HIGH_PRECISION:
-            raise TypeError(f"Float8Linear takes float32/bfloat16/float16 inputs, got {x.dtype}")
+            raise TypeError(f"QuantizedLinear takes float32/bfloat16/float16 inputs, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"Float8Linear(in_features={self.in_features}) takes inputs of shape "
+            raise ValueError(f"QuantizedLinear(in_features={self.in_features}) takes inputs of shape "
                              f"(..., {self.in_features}), got {tuple(x.shape)}: reshape the input or build the "
                              "layer with the input's last dimension as in_features")
         if x.device != self.weight.device:
@@ -255,6 +258,10 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+#: torchao's and the lessons' name for the layer (it carries every quantized recipe: FP8, MXFP8, NVFP4)
+Float8Linear = QuantizedLinear
+
+
 @dataclass(frozen=True)
 class Float8LinearConfig:
     """torchao's ``Float8LinearConfig`` (``torchao/float8/config.py``), the fields this library supports.
@@ -297,7 +304,7 @@ def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
                                config: Optional[Float8LinearConfig] = None,
                                recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
+    """Swap every ``nn.Linear`` in ``module`` for a ``QuantizedLinear`` (torchao's function of this name).
 
     Args:
       module: the model; changed in place (a bare ``nn.Linear`` is returned converted instead; one with
@@ -309,7 +316,7 @@ def convert_to_float8_training(module: nn.Module, *,
               (torchao's tensorwise default) and sets ``pad_inner_dim``.
       recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers;
               a learner's functions ride in it (``recipe.with_functions({"quantize": quantize})``).
-      pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
+      pad_inner_dim: passed to every ``QuantizedLinear`` (default False, or the config's).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
     Raises TypeError for a config of another type, ValueError where config and keywords disagree, ValueError
@@ -320,7 +327,7 @@ def convert_to_float8_training(module: nn.Module, *,
     check_filter(module_filter_fn, module)
 
     def wanted(m: nn.Module, fqn: str) -> bool:
-        return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
+        return (isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
                 and (module_filter_fn is None or module_filter_fn(m, fqn)))
 
     if wanted(module, ""):
@@ -328,7 +335,7 @@ def convert_to_float8_training(module: nn.Module, *,
             raise ValueError(f"cannot convert a root nn.Linear that has child modules ({list(module._modules)}): "
                              "its children would be lost. Convert the children separately, or wrap the layer in a "
                              "parent module (e.g. nn.Sequential) and keep it out with module_filter_fn")
-        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
+        return QuantizedLinear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
     slots: list[tuple[nn.Module, str, int]] = []   # (parent, name, id(old linear)): set only once all are built
 
@@ -338,7 +345,7 @@ def convert_to_float8_training(module: nn.Module, *,
             if id(child) in swapped:
                 slots.append((parent, name, id(child)))
             elif wanted(child, fqn):
-                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
+                swapped[id(child)] = QuantizedLinear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
                 slots.append((parent, name, id(child)))
             else:
                 visit(child, fqn)
