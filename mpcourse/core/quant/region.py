@@ -35,7 +35,10 @@ Policies of this library (documented differences from TE):
   and formats, with MAX and with MIN through negation), and if any rank differs every rank raises the
   same RuntimeError. So ranks that ran different FP8 layers never combine unrelated amaxes and never
   block in all-reduces of different sizes. (One small extra collective per update; a rank that makes
-  *fewer* updates than the others still blocks until the process group's timeout, as in any collective.)
+  *fewer* updates than the others still blocks until the process group's timeout, as in any collective.
+  A rank with no data makes as many: a layer whose input is empty still records, amax 0, and updates,
+  ``layers.linear``.) The amaxes are reduced by ``distributed.all_reduce_max_``: a NaN on any rank is a NaN on
+  every rank, as in one process on the union of the ranks' tensors, so every rank keeps its scale alike.
 """
 from __future__ import annotations
 

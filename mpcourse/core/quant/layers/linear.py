@@ -37,8 +37,16 @@ loads into the converted model, ``strict=True`` included: its layers then start 
 (scale 1, empty history), as a newly converted model does.
 
 Inputs. Any shape (..., in_features) that ``nn.Linear`` takes, transposed or non-contiguous ones too
-(they are made contiguous first, one copy), empty batches and zero features (computed exactly in high
-precision: there is nothing to quantize); a wrong feature size or device raises ValueError naming the fix.
+(they are made contiguous first, one copy), empty batches and zero features; a wrong feature size or device
+raises ValueError naming the fix. An empty input (an expert that received no token, an empty micro-batch) is
+computed exactly: in high precision where the recipe keeps no state, and under delayed scaling through the FP8
+path, whose quantizers record the amax of nothing, 0 (as in one process: each forward and backward records
+and updates whatever its data). So a rank with no rows still enters the amax all-reduces the other ranks enter
+(``region``), and its scales and histories are those of one process on the union of the ranks' rows (the
+MAX with 0 changes no amax). Skipping it would leave that rank out of a collective: the others wait until the
+timeout (pytorch/ao PR #933: a rank left out of the amax all-reduce; experts with zero tokens hung torchtitan,
+PR #1166), or, worse, pair it with the rank's next collective and go on with wrong amaxes. Transformer Engine
+asks every module to run on every rank for the same reason.
 A meta input gives a meta output of the right shape and dtype (nothing is recorded).
 
 ``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
@@ -50,6 +58,7 @@ Not supported: activation checkpointing (the recomputed forward would record ama
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -187,11 +196,12 @@ class QuantizedLinear(nn.Linear):
         if device == "meta":  # shapes only: the FP8 path's output shape and dtype, nothing recorded
             return self._high_precision(x, x.dtype)
         out_dtype = autocast_dtype_in_effect(device) or x.dtype  # torch's or mpcourse's autocast
-        if x.numel() == 0 or self.out_features == 0:
-            # Nothing to quantize (an empty batch, zero features): the exact result is empty or the bias.
+        if (x.numel() == 0 or self.out_features == 0) and not self.scaling_state:
+            # Nothing to quantize (an empty batch, zero features) and no state to update: the exact result is
+            # empty or the bias. Delayed scaling goes on below: its amaxes (0 for an empty tensor) take part.
             return self._high_precision(x, out_dtype)
         # (M, K), M = all leading dims; _scaled_mm needs a row-major A, so a transposed input is copied once.
-        x2d = x.reshape(-1, self.in_features).contiguous()
+        x2d = x.reshape(math.prod(x.shape[:-1]), self.in_features).contiguous()
         # with no autocast on nothing is cast: no region, whose Python mode would see each of the quantizers' ops
         region = no_autocast(device) if any_autocast_enabled(device) else contextlib.nullcontext()
         with region:
