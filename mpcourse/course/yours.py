@@ -227,10 +227,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         ValueError: ``recipes`` is empty, or is a single string instead of a list.
         Nothing the learner's functions do raises: that is the ``message`` of the comparison.
     """
-    if isinstance(recipes, str) or not recipes:
-        raise ValueError(f"recipes must be a non-empty list of recipe names, e.g. ['bf16-pure'], got {recipes!r}")
-    for name in recipes:
-        get_recipe(name)                                   # unknown names fail before anything trains
+    _check_recipes(recipes)
     cfg = cfg or YOURS_CONFIG
     corpus = corpus or _default_corpus()
     if nproc > 1:
@@ -238,6 +235,23 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         if echo is not None:
             echo(describe(cfg, comparisons) + f" ({parallel} over {nproc} processes)\n" + format_rows(comparisons))
         return comparisons
+    comparisons = _compare_in_process(namespace, recipes, cfg, corpus, library_runs)
+    if echo is not None:
+        echo(describe(cfg, comparisons) + "\n" + format_rows(comparisons))
+    return comparisons
+
+
+def _check_recipes(recipes: Sequence[str]) -> None:
+    """A non-empty list of known recipe names, checked before anything trains."""
+    if isinstance(recipes, str) or not recipes:
+        raise ValueError(f"recipes must be a non-empty list of recipe names, e.g. ['bf16-pure'], got {recipes!r}")
+    for name in recipes:
+        get_recipe(name)                                   # unknown names fail before anything trains
+
+
+def _compare_in_process(namespace: Mapping[str, object], recipes: Sequence[str], cfg: TrainConfig, corpus: Corpus,
+                        library_runs: dict[str, RunResult] | None) -> list[Comparison]:
+    """Both rows of every recipe trained here, on one thread with tensor-core emulation on."""
     threads = torch.get_num_threads()
     comparisons = []
     try:
@@ -245,20 +259,24 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         with tensor_cores(True):                           # and whatever its BF16/FP16 units
             for name in recipes:
                 overrides = learner_functions(namespace, get_recipe(name).OVERRIDABLE)   # the learner's, for it
-                stats = statistics_for(overrides, name)    # the library's rules for the learner's statistics
-                key = "+".join([name, *stats])
-                if library_runs is None or key not in library_runs:
-                    run = train(get_recipe(name).with_functions(stats), corpus, cfg, progress=False)
-                    if library_runs is not None:
-                        library_runs[key] = run
-                else:
-                    run = library_runs[key]
+                run = _library_run(name, statistics_for(overrides, name), cfg, corpus, library_runs)
                 comparisons.append(_compare_one(name, run, overrides, cfg, corpus))
     finally:
         torch.set_num_threads(threads)
-    if echo is not None:
-        echo(describe(cfg, comparisons) + "\n" + format_rows(comparisons))
     return comparisons
+
+
+def _library_run(name: str, stats: dict[str, Callable], cfg: TrainConfig, corpus: Corpus,
+                 library_runs: dict[str, RunResult] | None) -> RunResult:
+    """The library's run of recipe ``name`` with ``stats`` (the library's rules for the learner's statistics),
+    from ``library_runs`` when it holds one, else trained (and added to it)."""
+    key = "+".join([name, *stats])
+    if library_runs is None or key not in library_runs:
+        run = train(get_recipe(name).with_functions(stats), corpus, cfg, progress=False)
+        if library_runs is not None:
+            library_runs[key] = run
+        return run
+    return library_runs[key]
 
 
 def _compare_one(name: str, library: RunResult, functions: dict[str, Callable], cfg: TrainConfig,
