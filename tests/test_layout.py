@@ -1,5 +1,6 @@
 """The package's three layers import one way: the library (``mpcourse.core``) never imports the
-experiment or the course tooling. Read from the source, so a lazy import inside a function counts."""
+experiment or the course tooling. Read from the source, so a lazy import inside a function counts. No function in
+the package is over 60 lines."""
 import ast
 from pathlib import Path
 
@@ -269,3 +270,65 @@ def test_experiment_folders_import_only_downward():
     up = [f"{a} (floor {floor[a]}) imports {b} (floor {floor[b]})"
           for a in mine for b in sorted(folders[a]) if b in floor and floor[b] >= floor[a]]
     assert not up, "imports that run back up (or across a floor):\n" + "\n".join(up)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No function over 60 lines (def line to last line, docstring included), read from the source
+# ----------------------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 60
+#: functions still over the limit while they are being split; the list must name only functions that are still
+#: long (``test_the_long_function_allow_list_is_not_stale``), so it empties as they are split
+LONG_FUNCTIONS_BEING_SPLIT = {
+    "mpcourse.course.site:stage",
+    "mpcourse.experiment.cli.compare:_compare_here",
+    "mpcourse.experiment.compare.run:run_compare",
+}
+
+
+def _function_lengths(source: str, module: str) -> dict[str, int]:
+    """``module:qualname`` -> lines (``end_lineno - lineno + 1``) of every function in ``source``, nested ones
+    and methods included (``Class.method``, ``outer.inner``); the longest where a name is defined twice."""
+    out: dict[str, int] = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    key = f"{module}:{qualname}"
+                    out[key] = max(out.get(key, 0), child.end_lineno - child.lineno + 1)
+                visit(child, qualname + ".")
+            else:
+                visit(child, prefix)                  # a def inside an if/try/with keeps its enclosing name
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def _long_functions() -> dict[str, int]:
+    """Every function of the package over ``MAX_FUNCTION_LINES``, with its length."""
+    lengths = {k: n for name, path in MODULES.items() for k, n in _function_lengths(path.read_text(), name).items()}
+    return {k: n for k, n in lengths.items() if n > MAX_FUNCTION_LINES}
+
+
+def test_no_function_over_60_lines():
+    offenders = [f"{k}: {n} lines" for k, n in sorted(_long_functions().items(), key=lambda kv: -kv[1])
+                 if k not in LONG_FUNCTIONS_BEING_SPLIT]
+    assert not offenders, (f"functions over {MAX_FUNCTION_LINES} lines (split them into small, named helpers):\n"
+                           + "\n".join(offenders))
+
+
+def test_the_long_function_allow_list_is_not_stale():
+    done = sorted(LONG_FUNCTIONS_BEING_SPLIT - set(_long_functions()))
+    assert not done, (f"no longer over {MAX_FUNCTION_LINES} lines (or gone): remove them from "
+                      "LONG_FUNCTIONS_BEING_SPLIT:\n" + "\n".join(done))
+
+
+def test_the_length_check_counts_nested_functions_and_methods():
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    source = (f"def short():\n{body}"                                       # 60 lines: allowed
+              f"class C:\n    def method(self):\n{body.replace('    ', '        ')}        return 1\n"
+              f"if True:\n    def outer():\n        def inner():\n{body.replace('    ', '            ')}"
+              f"            return 2\n        return inner\n")
+    lengths = _function_lengths(source, "m")
+    assert lengths == {"m:short": 60, "m:C.method": 61, "m:outer.inner": 61, "m:outer": 63}
