@@ -1,5 +1,6 @@
 """The package's three layers import one way: the library (``mpcourse.core``) never imports the
-experiment or the course tooling. Read from the source, so a lazy import inside a function counts."""
+experiment or the course tooling. Read from the source, so a lazy import inside a function counts. No function in
+the package is over 60 lines."""
 import ast
 from pathlib import Path
 
@@ -149,15 +150,15 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_layers_never_import_a_kernel():
     """``mpcourse.core.quant.layers`` takes rule or kernel from what the engine bound (each quantizer's
-    ``binding``), never from ``mpcourse.core.quant.kernels`` directly, not even through another module."""
+    ``backend``), never from ``mpcourse.core.quant.kernels`` directly."""
     graph = _graph()
     layers = sorted(m for m in MODULES if m.startswith("mpcourse.core.quant.layers."))
     assert layers
     direct = [f"{m} imports {t}" for m in layers for t in sorted(graph[m])
               if t.startswith("mpcourse.core.quant.kernels")]
     assert not direct, "\n".join(direct)
-    # the graph sees a layer's relative imports (gemm's `from ..engine import ...`), so a kernel's would show too
-    assert "mpcourse.core.quant.engine" in graph["mpcourse.core.quant.layers.gemm"]
+    # the graph sees a layer's relative imports (gemm's `from ..backend import ...`), so a kernel's would show too
+    assert "mpcourse.core.quant.backend" in graph["mpcourse.core.quant.layers.gemm"]
 
 
 # (rule module, kernel module): the kernel imports the rule it equals, never the other way round (not even
@@ -225,3 +226,109 @@ def test_rules_are_plain_functions(qualname):
     assert 0 < len(code) <= 30, f"{qualname}: {len(code)} lines of body, at most 30"
     named = [w for w in KERNEL_WORDS if w in "\n".join(src).lower()]
     assert not named, f"{qualname} names {named}: a rule holds no kernel, fast path or hook"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Folders as well as modules: no cycle between folders; the experiment's folders import only downward
+# ----------------------------------------------------------------------------------------------------------
+def _folder(module: str) -> str:
+    """The room a module stands in at folder scale: ``mpcourse.<layer>.<folder or top-level module>``."""
+    parts = module.split(".")
+    return ".".join(parts[:3])
+
+
+def _folder_graph(graph=None) -> dict[str, set[str]]:
+    graph = _graph() if graph is None else graph
+    out: dict[str, set[str]] = {_folder(m): set() for m in graph}
+    for m, targets in graph.items():
+        out[_folder(m)] |= {_folder(t) for t in targets if _folder(t) != _folder(m)}
+    return out
+
+
+def test_no_import_cycle_between_folders():
+    cycles = _cycles(_folder_graph())
+    assert not cycles, "folders that import each other (through any of their modules):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_folder_check_finds_a_cycle_the_module_check_misses():
+    # two modules in two folders, each importing a module of the other folder that imports nothing back
+    graph = {"mpcourse.experiment.a.x": {"mpcourse.experiment.b.y"}, "mpcourse.experiment.b.y": set(),
+             "mpcourse.experiment.b.z": {"mpcourse.experiment.a.w"}, "mpcourse.experiment.a.w": set()}
+    assert not _cycles(graph)
+    assert _cycles(_folder_graph(graph)) == [["mpcourse.experiment.a", "mpcourse.experiment.b"]]
+
+
+def test_experiment_folders_import_only_downward():
+    from mpcourse.experiment import FLOORS
+
+    folders = _folder_graph()
+    mine = sorted(f for f in folders if f.startswith("mpcourse.experiment."))
+    unplaced = [f for f in mine if f.rpartition(".")[2] not in FLOORS]
+    assert not unplaced, f"give each experiment folder a floor in mpcourse.experiment.FLOORS: {unplaced}"
+    floor = {f: FLOORS[f.rpartition(".")[2]] for f in mine}
+    up = [f"{a} (floor {floor[a]}) imports {b} (floor {floor[b]})"
+          for a in mine for b in sorted(folders[a]) if b in floor and floor[b] >= floor[a]]
+    assert not up, "imports that run back up (or across a floor):\n" + "\n".join(up)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No function over 60 lines (def line to last line, docstring included), read from the source
+# ----------------------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 60
+#: functions still over the limit while they are being split; the list must name only functions that are still
+#: long (``test_the_long_function_allow_list_is_not_stale``), so it empties as they are split
+LONG_FUNCTIONS_BEING_SPLIT = {
+    "mpcourse.course.site:stage",
+    "mpcourse.experiment.cli.compare:_compare_here",
+    "mpcourse.experiment.compare.run:run_compare",
+}
+
+
+def _function_lengths(source: str, module: str) -> dict[str, int]:
+    """``module:qualname`` -> lines (``end_lineno - lineno + 1``) of every function in ``source``, nested ones
+    and methods included (``Class.method``, ``outer.inner``); the longest where a name is defined twice."""
+    out: dict[str, int] = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    key = f"{module}:{qualname}"
+                    out[key] = max(out.get(key, 0), child.end_lineno - child.lineno + 1)
+                visit(child, qualname + ".")
+            else:
+                visit(child, prefix)                  # a def inside an if/try/with keeps its enclosing name
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def _long_functions() -> dict[str, int]:
+    """Every function of the package over ``MAX_FUNCTION_LINES``, with its length."""
+    lengths = {k: n for name, path in MODULES.items() for k, n in _function_lengths(path.read_text(), name).items()}
+    return {k: n for k, n in lengths.items() if n > MAX_FUNCTION_LINES}
+
+
+def test_no_function_over_60_lines():
+    offenders = [f"{k}: {n} lines" for k, n in sorted(_long_functions().items(), key=lambda kv: -kv[1])
+                 if k not in LONG_FUNCTIONS_BEING_SPLIT]
+    assert not offenders, (f"functions over {MAX_FUNCTION_LINES} lines (split them into small, named helpers):\n"
+                           + "\n".join(offenders))
+
+
+def test_the_long_function_allow_list_is_not_stale():
+    done = sorted(LONG_FUNCTIONS_BEING_SPLIT - set(_long_functions()))
+    assert not done, (f"no longer over {MAX_FUNCTION_LINES} lines (or gone): remove them from "
+                      "LONG_FUNCTIONS_BEING_SPLIT:\n" + "\n".join(done))
+
+
+def test_the_length_check_counts_nested_functions_and_methods():
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    source = (f"def short():\n{body}"                                       # 60 lines: allowed
+              f"class C:\n    def method(self):\n{body.replace('    ', '        ')}        return 1\n"
+              f"if True:\n    def outer():\n        def inner():\n{body.replace('    ', '            ')}"
+              f"            return 2\n        return inner\n")
+    lengths = _function_lengths(source, "m")
+    assert lengths == {"m:short": 60, "m:C.method": 61, "m:outer.inner": 61, "m:outer": 63}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -252,6 +253,31 @@ def check_overrides(overrides: Optional[Mapping[str, Callable]], accepts: Sequen
         if why:
             raise OverrideRefused(why)
     return _checked(overrides, who, checked_for)
+
+
+class OverrideError(RuntimeError):
+    """A learner's function raised while the library ran it: the message names it and what it raised."""
+
+    def __init__(self, name: str, error: BaseException):
+        what = "is not implemented yet (it raises NotImplementedError)" if isinstance(error, NotImplementedError) \
+            else f"raised {type(error).__name__}: {error}"
+        super().__init__(f"your {name} {what}")
+        self.name, self.error = name, error
+
+
+def guarded(name: str, fn: Callable) -> Callable:
+    """``fn`` whose exceptions become one ``OverrideError`` naming ``name`` (no traceback from deep inside): what
+    a recipe wraps each of a learner's functions in, where it is built (``CheckedFunctions.wrapped``), so the step
+    that calls it goes from the library to the learner's code and back, and nowhere else."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OverrideError:
+            raise
+        except Exception as e:                                        # the learner's bug, whatever it is
+            raise OverrideError(name, e) from None
+    return call
 
 
 def returned(name: str, *args, **kwargs):

@@ -17,7 +17,7 @@ Workers (each a few collectives on tensors of a few kilobytes):
   relative to the mean and relative to the mean of the magnitudes (the quantity the rounding bound is about).
 * ``sharding``: one AdamW step of a small MLP in ZeRO's mixed-precision Adam (BF16 working weights and gradients,
   FP32 master and moments) under DDP, ZeRO-1, ZeRO-2 and FSDP2; the bytes each rank holds after the step, by
-  kind, counted from the live tensors by ``mpcourse.experiment.measure.memory.count_bytes`` (the course's one counter).
+  kind, counted from the live tensors by ``mpcourse.experiment.recipes.held.count_bytes`` (the course's one counter).
 
 The FP8 all-gather of section 5 trains a small FSDP2 model; its worker is in ``fp8_all_gather_demo``.
 """
@@ -162,7 +162,7 @@ def sharding(layouts=LAYOUTS, width: int = 64, depth: int = 4) -> dict:
     once), ``n_params``, and the BF16 ``weights`` after the step, flat (n_params,). No biases, and 64 rows over
     2 or 4 ranks pad no shard, so the counts are exact. Sources: Rajbhandari et al. 2020, "ZeRO", §3.1
     (16 B per parameter) and §5 (the stages)."""
-    from mpcourse.experiment.measure.memory import count_bytes
+    from mpcourse.experiment.recipes.held import count_bytes
 
     unknown = [layout for layout in layouts if layout not in LAYOUTS]
     if unknown:

@@ -6,7 +6,7 @@ functions the named recipes accept (their ``OVERRIDABLE``: ``round_to_bf16``, ``
 trains each recipe twice on the same short, seeded run of the course's GPT (``YOURS_CONFIG``: a
 2-layer, width-64 model, 20 steps of 8 x 32 characters, about a second per row on a laptop CPU), once
 with the library's own code and once with yours (the row ``NAME [yours]``,
-``mpcourse.experiment.compare.learner_rows.train_overrides``), and prints a small table and one verdict line
+``mpcourse.experiment.compare.learner_rows.train_yours_row``), and prints a small table and one verdict line
 per recipe::
 
     the course's GPT (2 layers, width 64), 20 steps of 8 x 32 characters, seed 0; [yours]: with your round_to_bf16
@@ -51,7 +51,7 @@ import torch
 
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.learner_table import learner_functions
-from mpcourse.experiment.compare.learner_rows import first_difference, train_overrides, yours
+from mpcourse.experiment.compare.learner_rows import first_difference, train_yours_row, yours
 from mpcourse.experiment.gpt.data import Corpus, load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.recipes import get_recipe
@@ -227,10 +227,7 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         ValueError: ``recipes`` is empty, or is a single string instead of a list.
         Nothing the learner's functions do raises: that is the ``message`` of the comparison.
     """
-    if isinstance(recipes, str) or not recipes:
-        raise ValueError(f"recipes must be a non-empty list of recipe names, e.g. ['bf16-pure'], got {recipes!r}")
-    for name in recipes:
-        get_recipe(name)                                   # unknown names fail before anything trains
+    _check_recipes(recipes)
     cfg = cfg or YOURS_CONFIG
     corpus = corpus or _default_corpus()
     if nproc > 1:
@@ -238,6 +235,23 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         if echo is not None:
             echo(describe(cfg, comparisons) + f" ({parallel} over {nproc} processes)\n" + format_rows(comparisons))
         return comparisons
+    comparisons = _compare_in_process(namespace, recipes, cfg, corpus, library_runs)
+    if echo is not None:
+        echo(describe(cfg, comparisons) + "\n" + format_rows(comparisons))
+    return comparisons
+
+
+def _check_recipes(recipes: Sequence[str]) -> None:
+    """A non-empty list of known recipe names, checked before anything trains."""
+    if isinstance(recipes, str) or not recipes:
+        raise ValueError(f"recipes must be a non-empty list of recipe names, e.g. ['bf16-pure'], got {recipes!r}")
+    for name in recipes:
+        get_recipe(name)                                   # unknown names fail before anything trains
+
+
+def _compare_in_process(namespace: Mapping[str, object], recipes: Sequence[str], cfg: TrainConfig, corpus: Corpus,
+                        library_runs: dict[str, RunResult] | None) -> list[Comparison]:
+    """Both rows of every recipe trained here, on one thread with tensor-core emulation on."""
     threads = torch.get_num_threads()
     comparisons = []
     try:
@@ -245,20 +259,24 @@ def train_yours(namespace: Mapping[str, object], recipes: Sequence[str], *, cfg:
         with tensor_cores(True):                           # and whatever its BF16/FP16 units
             for name in recipes:
                 overrides = learner_functions(namespace, get_recipe(name).OVERRIDABLE)   # the learner's, for it
-                stats = statistics_for(overrides, name)    # the library's rules for the learner's statistics
-                key = "+".join([name, *stats])
-                if library_runs is None or key not in library_runs:
-                    run = train(name, corpus, cfg, progress=False, overrides=stats or None)
-                    if library_runs is not None:
-                        library_runs[key] = run
-                else:
-                    run = library_runs[key]
+                run = _library_run(name, statistics_for(overrides, name), cfg, corpus, library_runs)
                 comparisons.append(_compare_one(name, run, overrides, cfg, corpus))
     finally:
         torch.set_num_threads(threads)
-    if echo is not None:
-        echo(describe(cfg, comparisons) + "\n" + format_rows(comparisons))
     return comparisons
+
+
+def _library_run(name: str, stats: dict[str, Callable], cfg: TrainConfig, corpus: Corpus,
+                 library_runs: dict[str, RunResult] | None) -> RunResult:
+    """The library's run of recipe ``name`` with ``stats`` (the library's rules for the learner's statistics),
+    from ``library_runs`` when it holds one, else trained (and added to it)."""
+    key = "+".join([name, *stats])
+    if library_runs is None or key not in library_runs:
+        run = train(get_recipe(name).with_functions(stats), corpus, cfg, progress=False)
+        if library_runs is not None:
+            library_runs[key] = run
+        return run
+    return library_runs[key]
 
 
 def _compare_one(name: str, library: RunResult, functions: dict[str, Callable], cfg: TrainConfig,
@@ -272,7 +290,7 @@ def _compare_one(name: str, library: RunResult, functions: dict[str, Callable], 
         return Comparison(name, used, library, None, f"{name}: {why}")
     lines: list[str] = []
     try:
-        mine = train_overrides(name, corpus, cfg, functions, echo=lines.append)
+        mine = train_yours_row(get_recipe(name).with_functions(functions), corpus, cfg, echo=lines.append)
     except Exception as e:                                 # anything else a wrong function provoked downstream
         first = str(e).splitlines()[0] if str(e) else ""
         lines.append(f"{yours(name)}: training with your {', '.join(used)} failed: {type(e).__name__}: {first}")

@@ -56,8 +56,8 @@ def test_quantizers_and_scalers_bind_from_the_switch(on):
     with kernels_switch.flags(enabled=on):
         q = engine.quantizers(MXFP8BlockScaling())
         dyn, static = DynamicLossScaler(), StaticLossScaler(2.0 ** 8)
-    assert all(quantizer.binding.kernels is on for quantizer in q.values())
-    assert engine.quantizers(MXFP8BlockScaling(), kernels=on)["input"].binding.kernels is on
+    assert all(quantizer.backend.kernels is on for quantizer in q.values())
+    assert engine.quantizers(MXFP8BlockScaling(), kernels=on)["input"].backend.kernels is on
     unscale = fused.check_and_unscale_ if on and fused.HAS_FUSED_UNSCALE else check.check_and_unscale_
     update = dynamic._by_kernel if on and fused.HAS_FUSED_UPDATE else dynamic._by_rule
     assert dyn._check_and_unscale_ is unscale and static._check_and_unscale_ is unscale
@@ -88,7 +88,7 @@ s = DynamicLossScaler()
 print(json.dumps({
     "enabled": kernels_switch.ENABLED, "numba": "numba" in sys.modules, "available": fused.AVAILABLE,
     "compiled": fastpath.COMPILED,
-    "quantizers": [q.binding.kernels for r in (CurrentScaling(), NVFP4BlockScaling())
+    "quantizers": [q.backend.kernels for r in (CurrentScaling(), NVFP4BlockScaling())
                    for q in engine.quantizers(r).values()],
     "unscale_rule": s._check_and_unscale_ is check.check_and_unscale_,
 }))

@@ -13,7 +13,7 @@ import torch
 from mpcourse.core import seams
 from mpcourse.core.learner_table import (EXERCISE_FUNCTIONS, CheckedFunctions, OverrideRefused, check_overrides,
                                          check_signature, exercise_names, learner_functions, returned)
-from mpcourse.core.quant import OVERRIDABLE_BY_RECIPE
+from mpcourse.core.quant.recipe import recipe_classes
 from mpcourse.core.seams import SeamError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,8 +91,8 @@ def test_each_generated_exercise_states_the_tables_signatures(path):
 
 
 def test_each_function_the_library_calls_has_a_check_on_what_it_returns():
-    for names in OVERRIDABLE_BY_RECIPE.values():
-        for name in names:
+    for cls in recipe_classes():
+        for name in cls.TAKES:
             assert EXERCISE_FUNCTIONS[name].returned is not None, name
     for entry in EXERCISE_FUNCTIONS.values():
         check = entry.returned

@@ -13,6 +13,7 @@ import torch
 from mpcourse.core.lost_updates import is_update_lost, lost_update_fraction
 from mpcourse.core.seams import SeamError
 from mpcourse.experiment.gpt.data import load_corpus
+from mpcourse.experiment.recipes import get_recipe
 from mpcourse.experiment.training.train import TrainConfig, train
 from mpcourse.experiment.gpt.model import GPTConfig
 
@@ -56,7 +57,8 @@ TINY = TrainConfig(steps=3, batch_size=2, eval_interval=3, eval_batches=1, seed=
 def test_a_default_run_computes_no_statistic_and_the_rule_adds_one_without_changing_training():
     corpus = load_corpus()
     plain = train("fp16-master", corpus, TINY, progress=False)
-    measured = train("fp16-master", corpus, TINY, progress=False, overrides={"is_update_lost": is_update_lost})
+    measured = train(get_recipe("fp16-master").with_functions({"is_update_lost": is_update_lost}), corpus, TINY,
+                     progress=False)
     assert all("lost_updates" not in h for h in plain.history)
     assert all(0.0 <= h["lost_updates"] <= 1.0 for h in measured.history)
     assert [h["loss"] for h in plain.history] == [h["loss"] for h in measured.history]   # it only looks

@@ -215,7 +215,7 @@ def test_runs_without_low_precision_matmuls_drop_the_emulation_after_one_step_sa
 def test_one_training_step_the_memory_measurement_wraps_it(corpus, monkeypatch):
     """The first step's memory is measured around the trainer's own step function, not a copy of it: every step,
     measured or timed, is one call of ``step.training_step`` (the measured one through ``memory.measure_step``)."""
-    from mpcourse.experiment.training import step
+    from mpcourse.experiment.recipes import step
     from mpcourse.experiment.training import train as train_mod
     from mpcourse.experiment.measure import memory
     from mpcourse.experiment.training.train import Trainer

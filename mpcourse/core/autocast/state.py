@@ -91,7 +91,7 @@ def autocast_dtype_in_effect(device_type: str) -> torch.dtype | None:
     """The lower-precision dtype of whichever autocast is enabled for ``device_type``, else None.
 
     Either ``torch.autocast`` or this package's ``autocast``: code that must behave the same under
-    both (``mpcourse.core.quant.Float8Linear``'s output dtype) asks here. ``torch.is_autocast_enabled``
+    both (``mpcourse.core.quant.QuantizedLinear``'s output dtype) asks here. ``torch.is_autocast_enabled``
     cannot answer for this package: its flag switches on torch's own casting, so it stays False inside
     ``mpcourse.core.autocast.autocast`` (a test pins this).
     """
@@ -103,7 +103,7 @@ def autocast_dtype_in_effect(device_type: str) -> torch.dtype | None:
 
 def any_autocast_enabled(device_type: str) -> bool:
     """Whether ``torch.autocast(device_type)`` or an enabled region of this package's autocast (for any device)
-    is on in this thread. Where neither is, no op is cast: code that only computes (``Float8Linear``'s
+    is on in this thread. Where neither is, no op is cast: code that only computes (``QuantizedLinear``'s
     quantizers and GEMMs) can then skip ``no_autocast``, whose disabled region would still send each of its ops
     through the package's Python mode. ValueError for a device type other than "cpu" or "cuda"."""
     _check_device_type(device_type)

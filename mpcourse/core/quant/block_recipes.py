@@ -25,7 +25,9 @@ technical report (arXiv 2412.19437) section 3.3; OCP MX v1.0; NVIDIA, "Pretraini
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from ..learner_table import exercise_names
 from .recipe import ROLES, Format, Recipe
 
 
@@ -57,6 +59,7 @@ class Float8RowwiseScaling(BlockRecipe):
     def __post_init__(self):
         if self.fp8_format is not Format.E4M3:
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
+        super().__post_init__()
 
 @dataclass(frozen=True)
 class Float8BlockScaling(BlockRecipe):
@@ -67,8 +70,10 @@ class Float8BlockScaling(BlockRecipe):
     grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
     amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
     attention; so does this class. Every dimension a block runs along must be a multiple of 128.
-    A learner's lesson 09 ``block_quantize`` goes to the engine (only with power_2_scales=True, amax_epsilon=0.0).
+    A learner's lesson 09 ``block_quantize`` rides in ``functions`` (only with power_2_scales=True, amax_epsilon=0.0).
     """
+
+    TAKES = exercise_names("block_quantize")   # lesson 09
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
@@ -98,6 +103,13 @@ class Float8BlockScaling(BlockRecipe):
         if self.fp8_dpa or self.fp8_mha:
             raise ValueError("FP8 attention is not supported with Float8BlockScaling (as in Transformer Engine): "
                              "keep fp8_dpa=False and fp8_mha=False")
+        super().__post_init__()
+
+    def refusal(self, name: str) -> Optional[str]:
+        if name == "block_quantize" and not (self.power_2_scales and self.amax_epsilon == 0.0):
+            return ("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
+                    "power_2_scales=True and amax_epsilon=0.0")
+        return None
 
 @dataclass(frozen=True)
 class MXFP8BlockScaling(BlockRecipe):
@@ -110,8 +122,10 @@ class MXFP8BlockScaling(BlockRecipe):
     (k = ceil(log2(amax / elem_max)), torchao ``ScaleCalculationMode.RCEIL``, what TE's and cuBLAS' MXFP8
     quantizers compute), so no block max ever exceeds the element max. "floor" is the OCP spec's rule
     (k = floor(log2 amax) - emax_elem), under which a block max up to 2x the element max saturates.
-    A learner's lesson 09 ``mx_shared_exponent`` (the floor rule) goes to the engine (only with scale_rule="floor").
+    A learner's lesson 09 ``mx_shared_exponent`` (the floor rule) rides in ``functions`` (only with scale_rule="floor").
     """
+
+    TAKES = exercise_names("mx_shared_exponent")   # lesson 09
 
     margin: int = 0
     fp8_format: Format = Format.E4M3
@@ -127,6 +141,12 @@ class MXFP8BlockScaling(BlockRecipe):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
         if self.block_len != 32 or isinstance(self.block_len, bool):
             raise ValueError(f"MX blocks are 32 elements by the OCP MX v1.0 spec: block_len must be 32, got {self.block_len!r}")
+        super().__post_init__()
+
+    def refusal(self, name: str) -> Optional[str]:
+        if name == "mx_shared_exponent" and self.scale_rule != "floor":
+            return "mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the mxfp8-floor recipe)"
+        return None
 
 @dataclass(frozen=True)
 class NVFP4BlockScaling(BlockRecipe):
@@ -141,9 +161,11 @@ class NVFP4BlockScaling(BlockRecipe):
       disable_2d_quantization: False quantizes weights in 16x16 blocks, so forward and backward use the same
           FP4 weight; True uses 1x16 blocks along each GEMM's contraction dimension.
     Keep some layers in BF16 (NVIDIA's 12B run kept about 16% of its linear layers, arXiv 2509.25149).
-    A learner's lesson 09 ``nvfp4_scales`` goes to the engine (``engine.nvfp4_scales_from`` applies it to 16x1 and
+    A learner's lesson 09 ``nvfp4_scales`` rides in ``functions`` (``engine.nvfp4_scales_from`` applies it to 16x1 and
     16x16 blocks too).
     """
+
+    TAKES = exercise_names("nvfp4_scales")   # lesson 09
 
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
@@ -158,6 +180,7 @@ class NVFP4BlockScaling(BlockRecipe):
         if self.fp8_format is not Format.E4M3:
             raise ValueError("NVFP4's block scales are E4M3 (TE fixes it): fp8_format must be Format.E4M3, "
                              f"got {self.fp8_format!r}")
+        super().__post_init__()
 
 
 BACKWARD_OPERANDS = ("source", "dequantized")
@@ -198,6 +221,7 @@ class PerDirectionBlockScaling(BlockRecipe):
             raise ValueError(f"backward_operand must be 'source' (re-quantize W and x from the high-precision "
                              f"tensors) or 'dequantized' (from the forward's dequantized copies), "
                              f"got {self.backward_operand!r}")
+        super().__post_init__()
 
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)

@@ -1,39 +1,27 @@
-"""The one place that builds quantizers and chooses every kernel: for a recipe, a layer and a tensor role (TE's
-``RecipeState.create``).
+"""The one place that builds quantizers: for a recipe, a layer and a tensor role (TE's ``RecipeState.create``).
 
-``quantizers(recipe, layer_key, device, functions, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
-and "grad_output"; ``Float8Linear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Every
-step a quantizer or a layer's GEMM runs is bound once, here, at construction, to one of three functions:
+``quantizers(recipe, layer_key, device, kernels)`` returns ``{role: quantizer}`` for "input", "weight"
+and "grad_output"; ``QuantizedLinear`` calls ``quantizers[role](...)`` and never asks which recipe it holds. Each
+quantizer runs, for each of its steps, one of:
 
-* the learner's function, when ``functions`` names one (the exercise's function name: ``compute_scale``,
-  ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``, ``nvfp4_scales``; ``OVERRIDABLE_BY_RECIPE``
-  says which a recipe takes), wrapped so ``mpcourse.core.learner_table.returned`` checks what it returns;
-* the kernel (``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled passes) where kernels
-  are on: the same bits as the rule, faster (``tests/core/quant/kernels/test_quant_fastpath.py``,
-  ``tests/core/quant/kernels/test_quant_fused.py``);
-* the library's rule (``rules``: ``tensor``, ``blockwise``, ``mx``, ``nvfp4``, ``hadamard``, ``scaled``) where
-  they are off: then every step is the rule, the GEMMs' included.
+* the learner's function, when the recipe carries one (``recipe.functions``, checked where the recipe was made; the
+  exercise's function name: ``compute_scale``, ``quantize``, ``update``, ``block_quantize``, ``mx_shared_exponent``,
+  ``nvfp4_scales``; the recipe's class ``TAKES`` says which), its result checked by
+  ``mpcourse.core.learner_table.returned``;
+* else the step of its ``backend`` (``backend.Backend``: the library's rules, or the kernels that equal them bit for
+  bit), chosen once per layer (``backend.choose(kernels)``: ``kernels`` if given, else the library's switch) and
+  held as ``quantizer.backend``; the layers hand it to their GEMMs (``fp8_gemm(..., backend=)``).
 
-Kernels are on unless the library's switch is off (``mpcourse.core.kernels_switch``: ``MPCOURSE_FUSED=0``, read
-once at import; ``kernels_switch.flags(enabled=...)``) or the caller says ``kernels=False`` / ``True``.
+``QUANTIZERS`` gives each recipe class its quantizer class, one per scaling kind as Transformer Engine has::
 
-The table. ``STEPS`` names each step's (rule, kernel) pair, the kernel named after the rule it equals bit for bit;
-``KERNEL_TABLE`` gives each recipe class its quantizer class (one per scaling kind, as Transformer Engine has
-``Float8Quantizer``, ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``, ``MXFP8Quantizer``,
-``NVFP4Quantizer``) and the steps it binds; ``Binding`` holds what was bound (``quantizer.binding``)::
-
-    recipe class              quantizer class                 steps (rule | kernel)
-    DelayedScaling            Float8Quantizer                 amax, cast, scaled_mm, fp8_to_float32
-    CurrentScaling            Float8CurrentScalingQuantizer   amax, cast, scaled_mm, fp8_to_float32
-    Float8RowwiseScaling      Float8RowwiseQuantizer          quantize_fp32_scaled, dequantize
-    Float8BlockScaling        Float8BlockQuantizer            quantize_fp32_scaled, dequantize
-    MXFP8BlockScaling         MXFP8Quantizer                  quantize_mx, block_amax, encode_mx, dequantize
-    NVFP4BlockScaling         NVFP4Quantizer                  quantize_nvfp4, encode_nvfp4, rht, dequantize
-    PerDirectionBlockScaling  (its direction recipes' rows)   dequantize
-
-``scaled_mm`` and ``fp8_to_float32`` are the per-tensor FP8 GEMM on a CPU (``layers.gemm``: what
-``torch._scaled_mm`` computes there), ``dequantize`` the block-scaled GEMM's emulation (``layers.block_gemm``):
-the layers take them from their quantizers' ``binding``, never from ``kernels`` (the engine imports no layer).
+    recipe class              quantizer class                 steps of the backend it runs
+    DelayedScaling            Float8Quantizer                 amax, cast; its GEMMs scaled_mm, fp8_to_float32
+    CurrentScaling            Float8CurrentScalingQuantizer   amax, cast; its GEMMs scaled_mm, fp8_to_float32
+    Float8RowwiseScaling      Float8RowwiseQuantizer          quantize_fp32_scaled; its GEMMs dequantize
+    Float8BlockScaling        Float8BlockQuantizer            quantize_fp32_scaled; its GEMMs dequantize
+    MXFP8BlockScaling         MXFP8Quantizer                  quantize_mx, block_amax, encode_mx; dequantize
+    NVFP4BlockScaling         NVFP4Quantizer                  quantize_nvfp4, encode_nvfp4, rht; dequantize
+    PerDirectionBlockScaling  (its direction recipes')        dequantize
 
 The quantizers:
 
@@ -53,14 +41,13 @@ along each GEMM's contraction dimension (``block_linear``).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 
-from .. import kernels_switch
-from ..learner_table import CheckedFunctions, check_overrides, exercise_names, returned
-from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
-from .kernels import fastpath
+from ..learner_table import returned
+from .backend import Backend, choose
+from .rules import mx, tensor
 from .block_recipes import (BlockRecipe, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling, PerDirectionBlockScaling, block_for, check_role_axis,
                             direction_recipe)
@@ -70,130 +57,30 @@ from .region import schedule_update
 from .rules.scaled import ScaledTensor, check_floating, resolve_block
 from .rules.tensor import Float8Tensor, fp8_max
 
-#: the learner's functions each recipe takes (names from ``mpcourse.core.learner_table``: lessons 07, 08 and 09);
-#: a TrainingRecipe built on one of these recipes states its own from this (``mpcourse.experiment.recipes.fp8``)
-OVERRIDABLE_BY_RECIPE = {CurrentScaling: exercise_names("compute_scale", "quantize"),
-               DelayedScaling: exercise_names("quantize", "update"), Float8RowwiseScaling: (),
-               Float8BlockScaling: exercise_names("block_quantize"),
-               MXFP8BlockScaling: exercise_names("mx_shared_exponent"),
-               NVFP4BlockScaling: exercise_names("nvfp4_scales")}
-
-
-def rule_refusal(recipe: Recipe, name: str) -> Optional[str]:
-    """Why the learner's ``name``, which ``recipe``'s class takes, cannot follow this ``recipe``'s fields (the
-    lesson's rule is one setting of them), or None: ``check_overrides``' ``refuse``."""
-    if name == "update" and (callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo):
-        return ("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's scale "
-                "rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
-    if name == "block_quantize" and not (recipe.power_2_scales and recipe.amax_epsilon == 0.0):
-        return ("block_quantize is lesson 09's rule (power-of-two scales, no amax epsilon): keep "
-                "power_2_scales=True and amax_epsilon=0.0")
-    if name == "mx_shared_exponent" and recipe.scale_rule != "floor":
-        return "mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the mxfp8-floor recipe)"
-    return None
-
-
-def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
-    """The learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names
-    ``OVERRIDABLE_BY_RECIPE`` gives the recipe's class, their signatures, ``rule_refusal``): ``OverrideRefused``, a
-    ValueError, naming the fix. A ``CheckedFunctions`` already checked for this ``recipe`` (a layer's, or a
-    TrainingRecipe's: ``checked_overrides``) is returned as it is: the functions are checked once. Its record
-    says which recipe, not that the check was this one: it is taken only where every name is one the recipe's
-    class takes and ``rule_refusal`` refuses none (a check of another list of names, e.g. a TrainingRecipe's
-    ``OVERRIDABLE`` that names a function its quantization recipe does not take, is checked again here)."""
-    takes = OVERRIDABLE_BY_RECIPE.get(type(recipe), ())
-    if (isinstance(functions, CheckedFunctions) and functions.checked_for == recipe
-            and all(name in takes and rule_refusal(recipe, name) is None for name in functions)):
-        return functions
-    return check_overrides(functions, takes, type(recipe).__name__,
-                           refuse=lambda name: rule_refusal(recipe, name),
-                           takers=lambda name: [c.__name__ for c, names in OVERRIDABLE_BY_RECIPE.items() if name in names],
-                           checked_for=recipe)
-
-
-# ------------------------------------------------------------------------------------------------ the steps
-#: every step a quantizer or a GEMM runs: (the rule, the kernel that equals it bit for bit and names it)
-STEPS: dict[str, tuple[Callable, Callable]] = {
-    "amax": (tensor.compute_amax, fastpath.compute_amax),
-    "cast": (tensor.to_float8, fastpath.to_float8),
-    "scaled_mm": (tensor.scaled_mm, fastpath.cpu_scaled_mm),               # the per-tensor FP8 GEMM on a CPU
-    "fp8_to_float32": (tensor.fp8_to_float32, fastpath.fp8_to_float32),    # its upcast (the backward GEMMs')
-    "quantize_fp32_scaled": (blockwise.quantize_fp32_scaled, fastpath.quantize_fp32_scaled),
-    "quantize_mx": (mx.quantize_mx, fastpath.quantize_mx),
-    "block_amax": (scaled.block_amax, fastpath.block_amax),
-    "encode_mx": (mx.encode_mx, fastpath.encode_mx_exponents),
-    "quantize_nvfp4": (nvfp4.quantize_nvfp4, fastpath.quantize_nvfp4),
-    "encode_nvfp4": (nvfp4.encode_nvfp4, fastpath.encode_nvfp4),
-    "rht": (hadamard.rht, fastpath.rht),
-    "dequantize": (ScaledTensor.dequantize, fastpath.dequantize),          # the block-scaled GEMM's emulation
-}
-#: the GEMMs' steps: per tensor (``layers.gemm``) and block-scaled (``layers.block_gemm``)
-PER_TENSOR_GEMM = ("scaled_mm", "fp8_to_float32")
-BLOCK_GEMM = ("dequantize",)
-
-
-class Binding:
-    """What the engine bound for one quantizer (and the GEMMs that read its copies): each of its steps as an
-    attribute (``binding.amax``, ``binding.scaled_mm``, ``binding.dequantize``, ...), the kernel where ``kernels``,
-    else the rule."""
-
-    def __init__(self, steps: Iterable[str], kernels: bool):
-        self.kernels, self.steps = bool(kernels), tuple(steps)
-        for step in self.steps:
-            rule, kernel = STEPS[step]
-            setattr(self, step, kernel if self.kernels else rule)
-
-    def __repr__(self) -> str:
-        bound = ", ".join(f"{s}={getattr(self, s).__module__.rpartition('.')[2]}.{getattr(self, s).__qualname__}"
-                          for s in self.steps)
-        return f"Binding({'kernels' if self.kernels else 'rules'}: {bound})"
-
-
-def bind(steps: Iterable[str], kernels: Optional[bool] = None) -> Binding:
-    """The ``steps`` bound now: kernels or rules as ``kernels`` says (None: ``kernels_switch.enabled()``)."""
-    return Binding(steps, kernels_switch.enabled(kernels))
-
-
-class Row(NamedTuple):
-    """One recipe class's row of ``KERNEL_TABLE``."""
-    quantizer: type             # each role's quantizer class
-    steps: tuple[str, ...]      # the steps it binds (``STEPS``)
-
-
-def table_row(recipe) -> Row:
-    """``recipe``'s row of ``KERNEL_TABLE`` (a recipe or its class; a subclass takes its base's row)."""
+def quantizer_class(recipe) -> type:
+    """``recipe``'s quantizer class (``QUANTIZERS``; a recipe or its class, a subclass takes its base's)."""
     cls = recipe if isinstance(recipe, type) else type(recipe)
-    row = next((KERNEL_TABLE[c] for c in cls.__mro__ if c in KERNEL_TABLE), None)
-    if row is None:
+    found = next((QUANTIZERS[c] for c in cls.__mro__ if c in QUANTIZERS), None)
+    if found is None:
         raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
-    return row
+    return found
 
 
-def quantizers(recipe: Recipe, layer_key: str = "", device=None,
-               functions: Optional[Mapping[str, Callable]] = None, kernels: Optional[bool] = None) -> dict:
-    """{role: quantizer} for one layer under ``recipe``, with the learner's ``functions`` in place of the library's
-    (``layer_key`` names the layer in the amax all-reduce; ``device``: where delayed scaling's state lives;
-    ``kernels``: True binds the kernels, False the rules, None follows ``kernels_switch``)."""
+def quantizers(recipe: Recipe, layer_key: str = "", device=None, kernels: Optional[bool] = None) -> dict:
+    """{role: quantizer} for one layer under ``recipe``, with the learner's functions the recipe carries
+    (``recipe.functions``) in place of the library's (``layer_key`` names the layer in the amax all-reduce;
+    ``device``: where delayed scaling's state lives; ``kernels``: True binds the kernels, False the rules, None
+    follows ``kernels_switch``)."""
     if recipe is None:
         raise TypeError(f"recipe must be one of {recipe_names()}, got None")
     check_recipe(recipe, "recipe")
-    functions = check_functions(recipe, functions)
-    return table_row(recipe).quantizer.for_layer(recipe, layer_key, device, functions,
-                                                 kernels_switch.enabled(kernels))
+    return quantizer_class(recipe).for_layer(recipe, layer_key, device, choose(kernels))
 
 
-def quantizer(recipe: Recipe, role: str, functions: Optional[Mapping[str, Callable]] = None,
-              kernels: Optional[bool] = None, layer_key: str = "", device=None):
-    """One role's quantizer under a single-format ``recipe``: its row's class with its row's steps bound (a
+def quantizer(recipe: Recipe, role: str, kernels: Optional[bool] = None, layer_key: str = "", device=None):
+    """One role's quantizer under a single-format ``recipe``, with the backend ``kernels`` chooses (a
     ``PerDirectionBlockScaling`` has none of its own: ``quantizers`` builds its roles' from its direction recipes)."""
-    return build(recipe, role, check_functions(recipe, functions), kernels, layer_key, device)
-
-
-def build(recipe: Recipe, role: str, functions: dict, kernels: Optional[bool] = None, layer_key: str = "",
-          device=None):
-    """``quantizer`` with ``functions`` already checked (``check_functions``, once for the whole layer)."""
-    row = table_row(recipe)
-    return row.quantizer(recipe, role, bind(row.steps, kernels), functions, layer_key, device)
+    return quantizer_class(recipe)(recipe, role, choose(kernels), layer_key, device)
 
 
 # ------------------------------------------------------------------------------------------------ per tensor
@@ -203,15 +90,15 @@ class PerTensorQuantizer:
     per_tensor = True
     state = None
 
-    def __init__(self, recipe: Recipe, role: str, binding: Binding, functions: Optional[dict] = None):
-        functions = functions or {}
-        self.recipe, self.fmt, self.binding = recipe, fp8_format_for(recipe, role), binding
-        self.amax = binding.amax
-        self.cast = learner_cast(functions["quantize"]) if "quantize" in functions else binding.cast
+    def __init__(self, recipe: Recipe, role: str, backend: Backend):
+        functions = recipe.functions
+        self.recipe, self.fmt, self.backend = recipe, fp8_format_for(recipe, role), backend
+        self.amax = backend.amax
+        self.cast = learner_cast(functions["quantize"]) if "quantize" in functions else backend.cast
 
     @classmethod
-    def for_layer(cls, recipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
-        return {role: build(recipe, role, functions, kernels, layer_key, device) for role in ROLES}
+    def for_layer(cls, recipe, layer_key: str, device, backend: Backend) -> dict:
+        return {role: cls(recipe, role, backend, layer_key, device) for role in ROLES}
 
 
 def learner_cast(fn: Callable) -> Callable:
@@ -226,10 +113,9 @@ def learner_cast(fn: Callable) -> Callable:
 class Float8CurrentScalingQuantizer(PerTensorQuantizer):
     """Current per-tensor scaling of one role (TE ``Float8CurrentScalingQuantizer``): ``tensor.quantize_current``."""
 
-    def __init__(self, recipe: CurrentScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
-        fn, p2 = (functions or {}).get("compute_scale"), recipe.use_power_2_scales
+    def __init__(self, recipe: CurrentScaling, role: str, backend: Backend, key: str = "", device=None):
+        super().__init__(recipe, role, backend)
+        fn, p2 = recipe.functions.get("compute_scale"), recipe.use_power_2_scales
         if fn is None:
             self.scale = lambda amax, top: tensor.compute_scale(amax, top, 0, None, p2)
         else:
@@ -256,10 +142,9 @@ def learner_update(fn: Callable) -> Callable:
 class Float8Quantizer(PerTensorQuantizer):
     """Delayed per-tensor scaling of one role (TE ``Float8Quantizer`` with its amax history)."""
 
-    def __init__(self, recipe: DelayedScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
-        update = (functions or {}).get("update")
+    def __init__(self, recipe: DelayedScaling, role: str, backend: Backend, key: str = "", device=None):
+        super().__init__(recipe, role, backend)
+        update = recipe.functions.get("update")
         self.state = DelayedScalingState(recipe.amax_history_len, device,
                                          None if update is None else learner_update(update))
         # The key lets the amax all-reduce check that every rank ran the same layers in the same order.
@@ -312,23 +197,24 @@ class BlockQuantizer:
     state = None
     rht = None          # NVFP4's random Hadamard transform of the weight-gradient GEMM's operands, where applied
 
-    def __init__(self, recipe: BlockRecipe, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
+    def __init__(self, recipe: BlockRecipe, role: str, backend: Backend, key: str = "", device=None):
         if type(self) is BlockQuantizer:
             raise TypeError(f"{type(recipe).__name__} has no quantizer of its own: each role's comes from the "
                             "recipe direction_recipe(recipe, role, axis) names")
-        self.recipe, self.role, self.binding = recipe, role, binding
+        self.recipe, self.role, self.backend = recipe, role, backend
         self.blocks = (block_for(recipe, role, 0), block_for(recipe, role, 1))    # along axis 0, along axis 1
 
     @classmethod
-    def for_layer(cls, recipe: BlockRecipe, layer_key: str, device, functions: dict, kernels: bool) -> dict:
+    def for_layer(cls, recipe: BlockRecipe, layer_key: str, device, backend: Backend) -> dict:
         """{role: quantizer} of a block recipe, plus "wgrad_input" (x as the weight-gradient GEMM reads it) and
         "dgrad_weight" (W as the input-gradient GEMM reads it); each from ``direction_recipe``: a single-format
         recipe's are all its own, a ``PerDirectionBlockScaling``'s forward roles (x, W) take its forward recipe
         and dy and the backward copies its backward recipe."""
-        q = {role: build(direction_recipe(recipe, role, 1), role, functions, kernels) for role in ROLES}
+        def build(r: BlockRecipe, role: str):
+            return quantizer_class(r)(r, role, backend)
+        q = {role: build(direction_recipe(recipe, role, 1), role) for role in ROLES}
         for key, (role, axis) in BACKWARD_COPIES.items():
-            q[key] = build(direction_recipe(recipe, role, axis), role, functions, kernels)
+            q[key] = build(direction_recipe(recipe, role, axis), role)
         return q
 
     def __call__(self, x: torch.Tensor, axis: int, wgrad: bool = False,
@@ -341,7 +227,7 @@ class BlockQuantizer:
         if wgrad and self.rht is not None:
             x = self.rht(x, self.recipe.rht_seed)
         keep = x.device.type == "cpu" if keep_fp32 is None else keep_fp32
-        return self.encode(x, self.blocks[axis], self.binding.kernels and keep)
+        return self.encode(x, self.blocks[axis], self.backend.kernels and keep)
 
     def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
         raise NotImplementedError
@@ -351,11 +237,10 @@ class Float8BlockQuantizer(BlockQuantizer):
     """FP32 scales per block (TE ``Float8BlockQuantizer``; ``Float8BlockScaling``): ``blockwise.quantize_fp32_scaled``
     in E4M3, or a learner's lesson 09 ``block_quantize``."""
 
-    def __init__(self, recipe: Float8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: Float8BlockScaling, role: str, backend: Backend, key: str = "", device=None):
+        super().__init__(recipe, role, backend)
         self.power_2_scale, self.amax_epsilon = self.scale_fields(recipe)
-        fn = (functions or {}).get("block_quantize")
+        fn = recipe.functions.get("block_quantize")
         if fn is not None:
             self.encode = self._learner_block_quantize(fn)
 
@@ -364,7 +249,7 @@ class Float8BlockQuantizer(BlockQuantizer):
         return recipe.power_2_scales, recipe.amax_epsilon
 
     def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
-        return self.binding.quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scale,
+        return self.backend.quantize_fp32_scaled(x, block, "e4m3", power_2_scale=self.power_2_scale,
                                                  amax_epsilon=self.amax_epsilon, **_kept(keep))
 
     @staticmethod
@@ -389,25 +274,24 @@ class MXFP8Quantizer(BlockQuantizer):
     """OCP MX (TE ``MXFP8Quantizer``; ``MXFP8BlockScaling``): ``mx.quantize_mx``, an E8M0 scale per 32 elements
     (E4M3 elements, E5M2 gradients under HYBRID), or the scales from a learner's lesson 09 ``mx_shared_exponent``."""
 
-    def __init__(self, recipe: MXFP8BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: MXFP8BlockScaling, role: str, backend: Backend, key: str = "", device=None):
+        super().__init__(recipe, role, backend)
         self.elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
-        self.shared_exponent = (functions or {}).get("mx_shared_exponent")
+        self.shared_exponent = recipe.functions.get("mx_shared_exponent")
         if self.shared_exponent is not None:
             self.encode = self._learner_mx
 
     def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
-        return self.binding.quantize_mx(x, block, self.elem, self.recipe.scale_rule, **_kept(keep))
+        return self.backend.quantize_mx(x, block, self.elem, self.recipe.scale_rule, **_kept(keep))
 
     def _learner_mx(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
         mx.mx_element_format(self.elem)
         b = resolve_block(x.shape, block)
-        amax = self.binding.block_amax(x, b)                    # (M/r, K/c) fp32
+        amax = self.backend.block_amax(x, b)                    # (M/r, K/c) fp32
         flat = amax.flatten()                                   # (n,) as the lesson's signature takes it
         k = returned("mx_shared_exponent", flat, self.shared_exponent(flat.clone(), self.elem))
         k = k.reshape(amax.shape)
-        return self.binding.encode_mx(x, b, self.elem, amax, k, **_kept(keep))
+        return self.backend.encode_mx(x, b, self.elem, amax, k, **_kept(keep))
 
 
 class NVFP4Quantizer(BlockQuantizer):
@@ -416,33 +300,32 @@ class NVFP4Quantizer(BlockQuantizer):
     through the random Hadamard transform, unless the recipe turns them off), or the scales from a learner's
     lesson 09 ``nvfp4_scales``."""
 
-    def __init__(self, recipe: NVFP4BlockScaling, role: str, binding: Binding, functions: Optional[dict] = None,
-                 key: str = "", device=None):
-        super().__init__(recipe, role, binding, functions)
+    def __init__(self, recipe: NVFP4BlockScaling, role: str, backend: Backend, key: str = "", device=None):
+        super().__init__(recipe, role, backend)
         stochastic = role == "grad_output" and not recipe.disable_stochastic_rounding
         self.rounding = "stochastic" if stochastic else "nearest"
-        self.rht = None if recipe.disable_rht or role == "weight" else binding.rht
-        self.scales = (functions or {}).get("nvfp4_scales")
+        self.rht = None if recipe.disable_rht or role == "weight" else backend.rht
+        self.scales = recipe.functions.get("nvfp4_scales")
         if self.scales is not None:
             self.encode = self._learner_nvfp4
 
     def encode(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
-        return self.binding.quantize_nvfp4(x, block, rounding=self.rounding, **_kept(keep))
+        return self.backend.quantize_nvfp4(x, block, rounding=self.rounding, **_kept(keep))
 
     def _learner_nvfp4(self, x: torch.Tensor, block: tuple[int, int], keep: bool) -> ScaledTensor:
         b = resolve_block(x.shape, block)
         t, s = nvfp4_scales_from(self.scales, x.detach().float(), b)
-        return self.binding.encode_nvfp4(x, b, t, s, self.rounding, None, **_kept(keep))
+        return self.backend.encode_nvfp4(x, b, t, s, self.rounding, None, **_kept(keep))
 
 
 # ------------------------------------------------------------------------------------------------ the table
-#: each recipe class: its quantizer class and the steps it binds (rules or kernels: ``STEPS``)
-KERNEL_TABLE: dict[type, Row] = {
-    DelayedScaling: Row(Float8Quantizer, ("amax", "cast") + PER_TENSOR_GEMM),
-    CurrentScaling: Row(Float8CurrentScalingQuantizer, ("amax", "cast") + PER_TENSOR_GEMM),
-    Float8RowwiseScaling: Row(Float8RowwiseQuantizer, ("quantize_fp32_scaled",) + BLOCK_GEMM),
-    Float8BlockScaling: Row(Float8BlockQuantizer, ("quantize_fp32_scaled",) + BLOCK_GEMM),
-    MXFP8BlockScaling: Row(MXFP8Quantizer, ("quantize_mx", "block_amax", "encode_mx") + BLOCK_GEMM),
-    NVFP4BlockScaling: Row(NVFP4Quantizer, ("quantize_nvfp4", "encode_nvfp4", "rht") + BLOCK_GEMM),
-    PerDirectionBlockScaling: Row(BlockQuantizer, BLOCK_GEMM),   # its roles' quantizers: its direction recipes' rows
+#: each recipe class's quantizer class (one per scaling kind, as Transformer Engine's ``Float8Quantizer``, ...)
+QUANTIZERS: dict[type, type] = {
+    DelayedScaling: Float8Quantizer,
+    CurrentScaling: Float8CurrentScalingQuantizer,
+    Float8RowwiseScaling: Float8RowwiseQuantizer,
+    Float8BlockScaling: Float8BlockQuantizer,
+    MXFP8BlockScaling: MXFP8Quantizer,
+    NVFP4BlockScaling: NVFP4Quantizer,
+    PerDirectionBlockScaling: BlockQuantizer,   # its roles' quantizers: its direction recipes' classes
 }

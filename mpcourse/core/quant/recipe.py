@@ -9,10 +9,12 @@ The finer-grained recipes (``BlockRecipe``) are in ``block_recipes``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, ClassVar, NamedTuple, Optional, Union
 
+from ..learner_table import CheckedFunctions, check_overrides, exercise_names
 from .rules.tensor import fp8_max
 
 
@@ -62,8 +64,71 @@ def _check_format(fp8_format) -> None:
                          "E5M2 gradients) or Format.E4M3.")
 
 
-class Recipe:
-    """Base of every quantization recipe (TE ``Recipe``): a frozen dataclass of fields, no behaviour."""
+@dataclass(frozen=True)
+class QuantizationRecipe:
+    """Base of every quantization recipe (TE ``Recipe``, the alias below): a frozen dataclass of fields, no behaviour.
+    (The other recipe of the course, ``mpcourse.experiment.recipes.TrainingRecipe``, is a whole training run's
+    precision: it may hold one of these for its linear layers.)
+
+    ``functions``: a learner's functions, {exercise's name: function}, that this recipe's quantizers call in place of
+    the library's rules (keyword only, default none). They ride in the recipe as Transformer Engine's recipes hold
+    their callables as fields (``CustomRecipe.qfactory``; ``DelayedScaling.amax_compute_algo``), so nothing else
+    carries them: a layer, ``convert_to_float8_training`` and the engine read ``recipe.functions``. They are
+    checked once, here, where the recipe is made (``check_functions``: the names its class ``TAKES``, their
+    signatures, ``refusal``); equality, hashing and ``repr`` ignore them (a recipe is its fields).
+    """
+
+    #: the learner's functions (names from ``mpcourse.core.learner_table``) a recipe of this class takes: the one
+    #: statement of it (a TrainingRecipe built on such a recipe takes the same, ``mpcourse.experiment.recipes``)
+    TAKES: ClassVar[tuple[str, ...]] = ()
+    functions: Mapping[str, Callable] = field(default=None, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self):
+        object.__setattr__(self, "functions", check_functions(self, self.functions))
+
+    def refusal(self, name: str) -> Optional[str]:
+        """Why the learner's ``name``, which this class ``TAKES``, cannot follow this recipe's fields (the lesson's
+        rule is one setting of them), or None."""
+        return None
+
+    def with_functions(self, functions: Optional[Mapping[str, Callable]]) -> "Recipe":
+        """This recipe with a learner's ``functions`` in place of the library's (checked: ``OverrideRefused``, a
+        ValueError naming the fix)."""
+        return dataclasses.replace(self, functions=functions)
+
+
+Recipe = QuantizationRecipe   # Transformer Engine's name
+
+
+def recipe_classes() -> list[type]:
+    """Every dataclass subclass of ``Recipe`` defined so far, in definition order (``BlockRecipe`` is a base)."""
+    seen, todo = [], list(QuantizationRecipe.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if not cls.__name__.startswith("_") and cls not in seen and "__dataclass_fields__" in vars(cls):
+            seen.append(cls)
+        todo.extend(cls.__subclasses__())
+    return seen
+
+
+#: a recipe's ``functions`` when it has none (checked: there is nothing to check)
+NO_FUNCTIONS = check_overrides(None, (), "a recipe")
+
+
+def check_functions(recipe: Recipe, functions: Optional[Mapping[str, Callable]]) -> CheckedFunctions:
+    """A learner's ``functions`` for ``recipe``, checked (``learner_table.check_overrides``: the names the recipe's
+    class ``TAKES``, their signatures, the recipe's ``refusal``): ``OverrideRefused``, a ValueError, naming the
+    fix. A ``CheckedFunctions`` already checked for an equal recipe (a TrainingRecipe's: ``checked_overrides``) is
+    taken as it is where every name is one this class takes and ``refusal`` refuses none: checked once."""
+    if not functions:                  # none: nothing to check (every recipe without a learner's functions)
+        return NO_FUNCTIONS
+    takes = type(recipe).TAKES
+    if (isinstance(functions, CheckedFunctions) and functions.checked_for == recipe
+            and all(name in takes and recipe.refusal(name) is None for name in functions)):
+        return functions
+    return check_overrides(functions, takes, type(recipe).__name__, refuse=recipe.refusal,
+                           takers=lambda name: [c.__name__ for c in recipe_classes() if name in c.TAKES],
+                           checked_for=recipe)
 
 
 def check_recipe(recipe, arg: str = "recipe") -> None:
@@ -77,13 +142,7 @@ def check_recipe(recipe, arg: str = "recipe") -> None:
 
 def recipe_names() -> str:
     """The recipes there are, for error messages: every dataclass subclass of ``Recipe`` defined so far."""
-    seen, todo = [], list(Recipe.__subclasses__())
-    while todo:
-        cls = todo.pop(0)
-        if not cls.__name__.startswith("_") and cls.__name__ not in seen and dataclasses.is_dataclass(cls):
-            seen.append(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return ", ".join(seen)
+    return ", ".join(cls.__name__ for cls in recipe_classes())
 
 
 @dataclass(frozen=True)
@@ -97,10 +156,11 @@ class DelayedScaling(Recipe):
       amax_compute_algo: "max" | "most_recent" | Callable[[history (L,)], amax ()] = "max"
       scaling_factor_compute_algo: None | Callable[[amax, scale, fp8_max, recipe], scale] = None
       reduce_amax: bool = True            all-reduce amaxes with MAX over ranks before each update
-    A learner's ``quantize`` (lesson 07) and ``update`` (lesson 08) go to the engine, not here
-    (``engine.quantizers(recipe, ..., functions=)``).
+    A learner's ``quantize`` (lesson 07) and ``update`` (lesson 08) ride in ``functions`` (``TAKES``).
     Raises ValueError / TypeError for values TE rejects.
     """
+
+    TAKES = exercise_names("quantize", "update")   # lessons 07 and 08
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
@@ -119,6 +179,13 @@ class DelayedScaling(Recipe):
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or a callable, "
                              f"got {self.amax_compute_algo!r}")
+        super().__post_init__()
+
+    def refusal(self, name: str) -> Optional[str]:
+        if name == "update" and (callable(self.amax_compute_algo) or self.scaling_factor_compute_algo):
+            return ("update is lesson 08's update (amax_compute_algo 'max' or 'most_recent', the library's scale "
+                    "rule): drop the callable amax_compute_algo / scaling_factor_compute_algo")
+        return None
 
 
 @dataclass(frozen=True)
@@ -129,8 +196,10 @@ class CurrentScaling(Recipe):
     tensorwise dynamic scaling. No state survives between steps.
     Fields: fp8_format (Format.HYBRID; Format.E5M2 raises ValueError), use_power_2_scales (False: round
     each scale down to a power of two), amax_epsilon (0.0: floor for the amax).
-    A learner's lesson 07 ``compute_scale`` and ``quantize`` go to the engine (``engine.quantizers``).
+    A learner's lesson 07 ``compute_scale`` and ``quantize`` ride in ``functions`` (``TAKES``).
     """
+
+    TAKES = exercise_names("compute_scale", "quantize")   # lesson 07
 
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
@@ -140,6 +209,7 @@ class CurrentScaling(Recipe):
         _check_format(self.fp8_format)
         if self.amax_epsilon < 0:
             raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+        super().__post_init__()
 
 
 Float8CurrentScaling = CurrentScaling  # Transformer Engine's name for the same recipe

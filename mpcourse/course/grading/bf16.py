@@ -73,6 +73,11 @@ def _rounded(name, fn, x, generator) -> torch.Tensor:
     return got.float()
 
 
+# value, roundings, sigmas: the first is the lesson's case (10,000 draws, 3 sigma), six more at 4 sigma
+UNBIASED_CASES = [(1 + 1e-3, 10_000, 3.0), (-1 - 3e-3, 100_000, 4.0), (0.1, 100_000, 4.0), (257.5, 100_000, 4.0),
+                  (1.00390625, 100_000, 4.0), (3e-39, 100_000, 4.0), (12345.678, 100_000, 4.0)]
+
+
 def check_stochastic_round_bf16(fn) -> None:
     """Grade ``fn(x: float32 tensor, generator: torch.Generator) -> bfloat16 tensor`` (stochastic rounding).
 
@@ -83,6 +88,18 @@ def check_stochastic_round_bf16(fn) -> None:
     Raises GradingError at the first wrong case.
     """
     name = "stochastic_round_bf16"
+    inputs = _check_neighbours(name, fn)
+    for k, (v, n, z) in enumerate(UNBIASED_CASES):
+        _check_unbiased(name, fn, torch.full((n,), v), z, torch.Generator().manual_seed(1 + k))
+    _check_nan_payloads(name, fn)
+    _check_generator(name, fn)
+    verdict(name, f"{inputs:,} inputs land on a BF16 neighbour (torch casts); NaN payloads stay NaN; the "
+                  f"generator drives the draws; 10,000 roundings of 1 + 1e-3 "
+                  f"average 1.001 within 3 sigma; {len(UNBIASED_CASES) - 1} more values unbiased within 4 sigma")
+
+
+def _check_neighbours(name, fn) -> int:
+    """Every graded input rounds to one of its two BF16 neighbours (NaN stays NaN). Returns how many inputs."""
     x = rounding_cases("bf16", n_random=5000)
     x = x[~(x.isfinite() & (x.abs() > 3.38e38))]                     # the overflow edge is not graded
     lo, hi = _neighbours(x)
@@ -96,30 +113,41 @@ def check_stochastic_round_bf16(fn) -> None:
             f"FAIL {name}: the result must be one of the two BF16 neighbours of the input.\n"
             f"  first wrong case: input {float(x[i])!r}, neighbours {float(lo[i])!r} and {float(hi[i])!r}, "
             f"got {float(got[i])!r}\n  hint: {_SR_HINT}")
-    cases = [(1 + 1e-3, 10_000, 3.0), (-1 - 3e-3, 100_000, 4.0), (0.1, 100_000, 4.0), (257.5, 100_000, 4.0),
-             (1.00390625, 100_000, 4.0), (3e-39, 100_000, 4.0), (12345.678, 100_000, 4.0)]
-    for k, (v, n, z) in enumerate(cases):
-        xs = torch.full((n,), v)                                       # float32
-        lo, hi = (float(t[0]) for t in _neighbours(xs[:1]))
-        p = (float(xs[0]) - lo) / (hi - lo)                            # probability of rounding to hi
-        r = _rounded(name, fn, xs, torch.Generator().manual_seed(1 + k)).double()
-        if not bool(((r == lo) | (r == hi)).all()):
-            raise GradingError(f"FAIL {name}: rounding {float(xs[0])!r} gave a value other than its neighbours "
-                               f"{lo!r} and {hi!r}.\n  hint: {_SR_HINT}")
-        sigma = (hi - lo) * math.sqrt(p * (1 - p) / n)
-        mean, up = float(r.mean()), float((r == hi).double().mean())
-        if abs(mean - float(xs[0])) > z * sigma:
-            raise GradingError(
-                f"FAIL {name}: biased. The mean of {n:,} roundings of {float(xs[0])!r} should be that value "
-                f"within {z:g} sigma ({z * sigma:.2e}); got {mean!r}.\n"
-                f"  It should round to {hi!r} with probability {p:.4f}; yours did {up:.4f} of the time.\n"
-                f"  hint: round away from zero with probability (distance to the lower-magnitude neighbour) / "
-                f"(gap between the neighbours), not always down, not half the time, not to nearest. {_SR_HINT}")
+    return x.numel()
+
+
+def _check_unbiased(name, fn, xs: torch.Tensor, z: float, generator: torch.Generator) -> None:
+    """``xs``: (n,) float32 copies of one value; their roundings average it within ``z`` sigma (binomial)."""
+    n = xs.numel()
+    lo, hi = (float(t[0]) for t in _neighbours(xs[:1]))
+    p = (float(xs[0]) - lo) / (hi - lo)                                # probability of rounding to hi
+    r = _rounded(name, fn, xs, generator).double()
+    if not bool(((r == lo) | (r == hi)).all()):
+        raise GradingError(f"FAIL {name}: rounding {float(xs[0])!r} gave a value other than its neighbours "
+                           f"{lo!r} and {hi!r}.\n  hint: {_SR_HINT}")
+    sigma = (hi - lo) * math.sqrt(p * (1 - p) / n)
+    mean, up = float(r.mean()), float((r == hi).double().mean())
+    if abs(mean - float(xs[0])) > z * sigma:
+        raise GradingError(
+            f"FAIL {name}: biased. The mean of {n:,} roundings of {float(xs[0])!r} should be that value "
+            f"within {z:g} sigma ({z * sigma:.2e}); got {mean!r}.\n"
+            f"  It should round to {hi!r} with probability {p:.4f}; yours did {up:.4f} of the time.\n"
+            f"  hint: round away from zero with probability (distance to the lower-magnitude neighbour) / "
+            f"(gap between the neighbours), not always down, not half the time, not to nearest. {_SR_HINT}")
+
+
+def _check_nan_payloads(name, fn) -> None:
+    """NaNs whose low bits a rounding add would carry into inf or 0 stay NaN."""
     payloads = nan_payloads()
     got = _rounded(name, fn, payloads, torch.Generator().manual_seed(0))
     if not bool(got.isnan().all()):
         i = int((~got.isnan()).nonzero()[0])
         _nan_fail(name, payloads[i:i + 1], got[i])
+
+
+def _check_generator(name, fn) -> None:
+    """The generator passed in drives the draws: same seed, same bits (whatever the global RNG did); other seed,
+    other bits."""
     probe = torch.full((4096,), 1 + 1e-3)
     first = _rounded(name, fn, probe, torch.Generator().manual_seed(7))
     torch.rand(1000)                                                   # move the global RNG in between
@@ -131,9 +159,6 @@ def check_stochastic_round_bf16(fn) -> None:
             f"roundings (got {'the same' if torch.equal(first, again) else 'different'} ones) and another seed "
             f"other roundings (got {'the same' if torch.equal(first, other) else 'different'} ones).\n"
             f"  hint: torch.randint(0, 2**16, x.shape, generator=generator, dtype=torch.int32). {_SR_HINT}")
-    verdict(name, f"{x.numel():,} inputs land on a BF16 neighbour (torch casts); NaN payloads stay NaN; the "
-                  f"generator drives the draws; 10,000 roundings of 1 + 1e-3 "
-                  f"average 1.001 within 3 sigma; {len(cases) - 1} more values unbiased within 4 sigma")
 
 
 def _kahan_sequences():

@@ -136,71 +136,107 @@ def synthetic_log(cause: str, rng: random.Random) -> dict:
            or cause in ("fp8_amax_spike", "spike_then_optimizer_state"))
     ref, log = _base(rng, n, scaled and cause not in ("fp8_amax_spike", "spike_then_optimizer_state"), fp8)
     start = rng.uniform(4.4, 4.7)
-    if cause in ("healthy", "zeros_but_healthy"):
-        final = ref * (1 + rng.uniform(-0.015, 0.015))
-        log["loss"] = _curve(rng, n, start, final)
-        if scaled:                                        # a dynamic scaler: 0-2 skips, each halving the scale
-            s = 2.0 ** 16
-            for k in sorted(rng.sample(range(5, n), rng.randint(0, 2))):
-                log["skipped"][k], log["grad_amax"][k] = True, None
-                for j in range(k + 1, n):
-                    log["loss_scale"][j] = s / 2
-                s /= 2
-        if cause == "zeros_but_healthy":                  # e.g. an untied embedding's rows of tokens not in the batch
-            log["grad_zero_fraction"] = [round(rng.uniform(0.3, 0.7), 6) for _ in range(n)]
-        log["final_train_loss"] = final
-    elif cause == "gap_without_zeros":                    # worse than FP32 for a reason that is not precision
-        final = ref * (1 + rng.uniform(0.08, 0.3))
-        log["loss"] = _curve(rng, n, start, final)
-        log["final_train_loss"] = final
-    elif cause == "gradient_underflow":
-        final = ref * (1 + rng.uniform(0.08, 0.3))
-        log["loss"] = _curve(rng, n, start, final)
-        log["loss_scale"] = [None] * n
-        log["grad_amax"] = [rng.uniform(1e-5, 1e-3) for _ in range(n)]
-        log["grad_zero_fraction"] = [round(rng.uniform(0.3, 0.95), 6) for _ in range(n)]
-        log["final_train_loss"] = final
-    elif cause in ("gradient_overflow", "optimizer_state", "forward_overflow", "skip_then_optimizer_state",
-                   "spike_then_optimizer_state"):
-        k = rng.randint(2, n - 3) if cause != "optimizer_state" else rng.randint(1, 6)
-        if cause == "spike_then_optimizer_state":
-            k = rng.randint(8, n - 3)
-        loss = _curve(rng, n, start, ref)[:k + 1]
-        _cut(log, k)
-        if cause != "skip_then_optimizer_state":
-            log["loss_scale"] = [None] * (k + 1)
-        else:                                             # one overflow skipped (scale halved) long before
-            j = rng.randint(0, k - 2)
-            log["skipped"][j], log["grad_amax"][j] = True, None
-            log["loss_scale"] = [2.0 ** 16 if i <= j else 2.0 ** 15 for i in range(k + 1)]
-        if cause == "spike_then_optimizer_state":         # an amax spike the run survived, long before it died
-            log["fp8_saturated"][rng.randint(1, k - 4)] = round(rng.uniform(0.05, 0.3), 6)
-        # step k: the inf/NaN loss's own backward and update are non-finite whatever the cause
-        log["grad_amax"][k] = log["weight_amax"][k] = None
-        if cause == "gradient_overflow":
-            log["grad_amax"][k - 1] = log["weight_amax"][k - 1] = None    # overflowed one step before, unskipped
-        elif cause != "forward_overflow":                 # the update broke finite weights one step before
-            log["weight_amax"][k - 1] = None
-        loss[k] = None
-        log["loss"], log["final_train_loss"] = loss, None
-    elif cause == "scale_too_high":
-        log["loss_scale"] = [2.0 ** rng.randint(22, 28)] * n
-        skips = set(rng.sample(range(n), int(n * rng.uniform(0.85, 1.0))))
-        log["skipped"] = [i in skips for i in range(n)]
-        log["grad_amax"] = [None if i in skips else rng.uniform(1e3, 6e4) for i in range(n)]
-        log["loss"] = [start + rng.uniform(-0.05, 0.05) for _ in range(n)]
-        log["final_train_loss"] = start
-    elif cause == "fp8_amax_spike":
-        final = ref * (1 + rng.uniform(-0.01, 0.02))
-        log["loss"] = _curve(rng, n, start, final)
-        k = rng.randint(n // 3, n - 5)                    # the amax jumps at step k; the scale is set by it after
-        log["fp8_saturated"][k] = round(rng.uniform(0.05, 0.6), 6)
-        if rng.random() < 0.5:                            # on the course's GPT the loss barely moves; it may jump
-            log["loss"][k] += rng.uniform(0.3, 1.5)
-        log["final_train_loss"] = final
-    else:
+    if cause not in _SYNTHETIC:
         raise ValueError(f"unknown cause {cause!r}; choose from {CAUSES + tuple(DISTRACTORS)}")
+    _SYNTHETIC[cause](cause, rng, log, n, start, ref, scaled)
     return log
+
+
+def _healthy_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """``healthy`` or ``zeros_but_healthy``: near the reference; a scaled run backs off 0-2 times."""
+    final = ref * (1 + rng.uniform(-0.015, 0.015))
+    log["loss"] = _curve(rng, n, start, final)
+    if scaled:
+        _back_off(rng, log, n)
+    if cause == "zeros_but_healthy":                      # e.g. an untied embedding's rows of tokens not in the batch
+        log["grad_zero_fraction"] = [round(rng.uniform(0.3, 0.7), 6) for _ in range(n)]
+    log["final_train_loss"] = final
+
+
+def _back_off(rng, log, n) -> None:
+    """A dynamic scaler: 0-2 skips, each halving the scale from the next step on."""
+    s = 2.0 ** 16
+    for k in sorted(rng.sample(range(5, n), rng.randint(0, 2))):
+        log["skipped"][k], log["grad_amax"][k] = True, None
+        for j in range(k + 1, n):
+            log["loss_scale"][j] = s / 2
+        s /= 2
+
+
+def _gap_without_zeros_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """Worse than FP32 for a reason that is not precision: a gap, no exact zeros."""
+    final = ref * (1 + rng.uniform(0.08, 0.3))
+    log["loss"] = _curve(rng, n, start, final)
+    log["final_train_loss"] = final
+
+
+def _underflow_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """A gap above the reference and many exact zeros, tiny gradients, no loss scaler."""
+    final = ref * (1 + rng.uniform(0.08, 0.3))
+    log["loss"] = _curve(rng, n, start, final)
+    log["loss_scale"] = [None] * n
+    log["grad_amax"] = [rng.uniform(1e-5, 1e-3) for _ in range(n)]
+    log["grad_zero_fraction"] = [round(rng.uniform(0.3, 0.95), 6) for _ in range(n)]
+    log["final_train_loss"] = final
+
+
+def _dying_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """A run that dies at step k of ``cause``, or of a distractor that dies of its optimizer state."""
+    k = rng.randint(2, n - 3) if cause != "optimizer_state" else rng.randint(1, 6)
+    if cause == "spike_then_optimizer_state":
+        k = rng.randint(8, n - 3)
+    loss = _curve(rng, n, start, ref)[:k + 1]
+    _cut(log, k)
+    if cause != "skip_then_optimizer_state":
+        log["loss_scale"] = [None] * (k + 1)
+    else:                                                 # one overflow skipped (scale halved) long before
+        j = rng.randint(0, k - 2)
+        log["skipped"][j], log["grad_amax"][j] = True, None
+        log["loss_scale"] = [2.0 ** 16 if i <= j else 2.0 ** 15 for i in range(k + 1)]
+    if cause == "spike_then_optimizer_state":             # an amax spike the run survived, long before it died
+        log["fp8_saturated"][rng.randint(1, k - 4)] = round(rng.uniform(0.05, 0.3), 6)
+    _break_at(cause, log, k)
+    loss[k] = None
+    log["loss"], log["final_train_loss"] = loss, None
+
+
+def _break_at(cause, log, k) -> None:
+    """The non-finite gradients and weights of a run that dies at step k of ``cause``."""
+    # step k: the inf/NaN loss's own backward and update are non-finite whatever the cause
+    log["grad_amax"][k] = log["weight_amax"][k] = None
+    if cause == "gradient_overflow":
+        log["grad_amax"][k - 1] = log["weight_amax"][k - 1] = None        # overflowed one step before, unskipped
+    elif cause != "forward_overflow":                     # the update broke finite weights one step before
+        log["weight_amax"][k - 1] = None
+
+
+def _scale_too_high_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """A static scale so high that 85-100% of the steps overflow and are skipped; the loss never moves."""
+    log["loss_scale"] = [2.0 ** rng.randint(22, 28)] * n
+    skips = set(rng.sample(range(n), int(n * rng.uniform(0.85, 1.0))))
+    log["skipped"] = [i in skips for i in range(n)]
+    log["grad_amax"] = [None if i in skips else rng.uniform(1e3, 6e4) for i in range(n)]
+    log["loss"] = [start + rng.uniform(-0.05, 0.05) for _ in range(n)]
+    log["final_train_loss"] = start
+
+
+def _amax_spike_run(cause, rng, log, n, start, ref, scaled) -> None:
+    """A finite FP8 run whose amax jumps at one step: a large share of the elements clamped there."""
+    final = ref * (1 + rng.uniform(-0.01, 0.02))
+    log["loss"] = _curve(rng, n, start, final)
+    k = rng.randint(n // 3, n - 5)                        # the amax jumps at step k; the scale is set by it after
+    log["fp8_saturated"][k] = round(rng.uniform(0.05, 0.6), 6)
+    if rng.random() < 0.5:                                # on the course's GPT the loss barely moves; it may jump
+        log["loss"][k] += rng.uniform(0.3, 1.5)
+    log["final_train_loss"] = final
+
+
+# cause or distractor -> the function that fills a log with it: (cause, rng, log, n, start, ref, scaled) -> None
+_SYNTHETIC = {"healthy": _healthy_run, "zeros_but_healthy": _healthy_run,
+              "gap_without_zeros": _gap_without_zeros_run, "gradient_underflow": _underflow_run,
+              **dict.fromkeys(("gradient_overflow", "optimizer_state", "forward_overflow",
+                               "skip_then_optimizer_state", "spike_then_optimizer_state"), _dying_run),
+              "scale_too_high": _scale_too_high_run, "fp8_amax_spike": _amax_spike_run}
 
 
 def synthetic_cases(per_cause: int = 8, seed: int = 0) -> list[tuple[str, dict, str]]:
@@ -284,9 +320,16 @@ def _before(k: int) -> str:
 def _hint(want: str, got: str, log: dict) -> str:
     """What the learner's rule missed: the (right, said) pair and the log name the fault; else what ``want`` looks
     like."""
-    n, k, gap = len(log["loss"]), dying_step(log), _gap(log)
-    zeros, sat = _mean_zeros(log), [s for s in log["fp8_saturated"] if s is not None]
-    skips = sum(log["skipped"])
+    for rule in (_skips_hint, _underflow_hint, _spike_hint, _death_hint):      # in this order: the first one says
+        hint = rule(want, got, log)
+        if hint is not None:
+            return hint
+    return _LOOKS_LIKE[want]
+
+
+def _skips_hint(want: str, got: str, log: dict) -> str | None:
+    """scale_too_high said or missed: count the skipped steps (more than half)."""
+    n, skips = len(log["loss"]), sum(log["skipped"])
     if got == "scale_too_high" and want != "scale_too_high" and log["loss_scale"][0] is not None:
         if skips * 2 == n:
             return f"{skips} of {n} steps skipped is exactly half: scale_too_high needs MORE than half"
@@ -297,31 +340,49 @@ def _hint(want: str, got: str, log: dict) -> str:
             return f"{skips} of {n} steps skipped is not more than half (sum(skipped) > n / 2)"
     if want == "scale_too_high":
         return f"{skips} of {n} steps skipped, with a loss scale: more than half (sum(skipped) > n / 2)"
+    return None
+
+
+def _underflow_hint(want: str, got: str, log: dict) -> str | None:
+    """gradient_underflow said of a healthy run, or missed: both symptoms, each read the right way."""
     if want == "healthy" and got == "gradient_underflow":
-        worst = max(log["grad_zero_fraction"])
-        if zeros > UNDERFLOW_ZEROS:
-            if gap < 0:
-                return (f"this run ends {-gap:.1%} BELOW its reference: only a gap above it counts "
-                        "(final_train_loss / reference_loss - 1 > 0.04), not its absolute value")
-            if gap > 0.02:
-                return (f"the gap is relative and read from final_train_loss: final_train_loss / reference_loss "
-                        f"- 1 = {gap:.1%}, not more than 4% (final - reference = "
-                        f"{log['final_train_loss'] - log['reference_loss']:.3f} is an absolute difference; the "
-                        f"last training loss is one batch)")
-            return ("many exact zeros alone are not underflow (an untied embedding's unused rows are exact zeros "
-                    "in any precision): this run ends near its reference_loss; underflow needs both symptoms")
-        if worst > UNDERFLOW_ZEROS:
-            return (f"the zero fraction counts as its mean over all {n} steps (sum / n = {zeros:.1%}), not its "
-                    f"worst step ({worst:.0%})")
-        if gap > UNDERFLOW_GAP:
-            return ("a final loss above the reference alone is not underflow: this run's gradients hold few exact "
-                    "zeros; underflow needs both symptoms")
-        return (f"neither symptom shows: a gap of {gap:+.2%} (not more than 4%) and a mean zero fraction of "
-                f"{zeros:.2%} (not more than 10%)")
+        return _not_underflow_hint(log)
     if want == "gradient_underflow" and got == "healthy":
+        n, gap, zeros = len(log["loss"]), _gap(log), _mean_zeros(log)
         return (f"final_train_loss / reference_loss - 1 = {gap:.2%} (more than 4%: divide by reference_loss, read "
                 f"final_train_loss, not the last training loss) and the mean zero fraction over all {n} steps is "
                 f"{zeros:.1%} (more than 10%; the last step alone holds {log['grad_zero_fraction'][-1]:.0%})")
+    return None
+
+
+def _not_underflow_hint(log: dict) -> str:
+    """Why a healthy run is not gradient_underflow: which of the two symptoms it lacks."""
+    n, gap, zeros = len(log["loss"]), _gap(log), _mean_zeros(log)
+    worst = max(log["grad_zero_fraction"])
+    if zeros > UNDERFLOW_ZEROS:
+        if gap < 0:
+            return (f"this run ends {-gap:.1%} BELOW its reference: only a gap above it counts "
+                    "(final_train_loss / reference_loss - 1 > 0.04), not its absolute value")
+        if gap > 0.02:
+            return (f"the gap is relative and read from final_train_loss: final_train_loss / reference_loss "
+                    f"- 1 = {gap:.1%}, not more than 4% (final - reference = "
+                    f"{log['final_train_loss'] - log['reference_loss']:.3f} is an absolute difference; the "
+                    f"last training loss is one batch)")
+        return ("many exact zeros alone are not underflow (an untied embedding's unused rows are exact zeros "
+                "in any precision): this run ends near its reference_loss; underflow needs both symptoms")
+    if worst > UNDERFLOW_ZEROS:
+        return (f"the zero fraction counts as its mean over all {n} steps (sum / n = {zeros:.1%}), not its "
+                f"worst step ({worst:.0%})")
+    if gap > UNDERFLOW_GAP:
+        return ("a final loss above the reference alone is not underflow: this run's gradients hold few exact "
+                "zeros; underflow needs both symptoms")
+    return (f"neither symptom shows: a gap of {gap:+.2%} (not more than 4%) and a mean zero fraction of "
+            f"{zeros:.2%} (not more than 10%)")
+
+
+def _spike_hint(want: str, got: str, log: dict) -> str | None:
+    """fp8_amax_spike said or missed: the largest step counts, more than 1%, and only in a run that survived."""
+    sat = [s for s in log["fp8_saturated"] if s is not None]
     if want == "healthy" and got == "fp8_amax_spike":
         if sat and max(sat) == SATURATED:
             return "exactly 1% saturated is not a spike: fp8_amax_spike needs MORE than 1% on one step"
@@ -330,9 +391,16 @@ def _hint(want: str, got: str, log: dict) -> str:
         return (f"read fp8_saturated: its largest step counts ({max(sat):.2%} on step "
                 f"{log['fp8_saturated'].index(max(sat))}, more than 1%), not its mean over the steps "
                 f"({sum(sat) / len(sat):.2%}): a spike is one step")
+    k = dying_step(log)
     if k is not None and got == "fp8_amax_spike":
         return (f"this run dies at step {k}: ask what broke before it ({_before(k)}) first; an amax spike "
                 "it survived did not kill it")
+    return None
+
+
+def _death_hint(want: str, got: str, log: dict) -> str | None:
+    """The cause of a run that died confused with another: read the steps before the dying step k."""
+    k = dying_step(log)
     if want == "optimizer_state" and got == "gradient_overflow":
         return ("an inf gradient on a SKIPPED step never reached the weights, and step k's own gradient (the inf "
                 "loss's backward) says nothing: only a non-finite gradient that was not skipped, before step k, is "
@@ -348,17 +416,21 @@ def _hint(want: str, got: str, log: dict) -> str:
         ends = "" if k == 1 else f", step 0 and step {k - 1} included"
         return (f"find a step with a non-finite gradient that was NOT skipped before the dying step {k} "
                 f"({_before(k)}{ends}): the inf went into the weights, which is why weight_amax is non-finite too")
-    return {
-        "healthy": "a finite run: read every symptom before naming a cause; none of them shows here",
-        "gradient_underflow": "compare the final loss with reference_loss, and look at grad_zero_fraction",
-        "gradient_overflow": "find the first step with a non-finite gradient that was NOT skipped, before the "
-                             "loss became non-finite",
-        "optimizer_state": "the steps before the first non-finite loss had finite gradients but left non-finite "
-                           "weights (weight_amax)",
-        "scale_too_high": "count the skipped steps of a run that has a loss_scale",
-        "forward_overflow": "gradients and weights finite before the first non-finite loss: the forward overflowed",
-        "fp8_amax_spike": "look at fp8_saturated: on one step a large share of the FP8 elements was clamped",
-    }[want]
+    return None
+
+
+# the hint where no (right, said) pair names the fault: what the right cause looks like in a log
+_LOOKS_LIKE = {
+    "healthy": "a finite run: read every symptom before naming a cause; none of them shows here",
+    "gradient_underflow": "compare the final loss with reference_loss, and look at grad_zero_fraction",
+    "gradient_overflow": "find the first step with a non-finite gradient that was NOT skipped, before the "
+                         "loss became non-finite",
+    "optimizer_state": "the steps before the first non-finite loss had finite gradients but left non-finite "
+                       "weights (weight_amax)",
+    "scale_too_high": "count the skipped steps of a run that has a loss_scale",
+    "forward_overflow": "gradients and weights finite before the first non-finite loss: the forward overflowed",
+    "fp8_amax_spike": "look at fp8_saturated: on one step a large share of the FP8 elements was clamped",
+}
 
 
 def _describe(log: dict) -> str:

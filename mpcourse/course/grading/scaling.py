@@ -163,74 +163,91 @@ def _unscale_oracle(grads, scale: float):
     return out, bool(found_inf.item())
 
 
+# what, seed of the gradient set, the special value planted in it (None: all finite), scale
+UNSCALE_CASES = [("finite gradients, scale 2**16", 0, None, 2.0 ** 16),
+                 ("finite gradients, scale 2**-3", 1, None, 2.0 ** -3),
+                 ("one +inf", 2, math.inf, 2.0 ** 16),
+                 ("one -inf", 3, -math.inf, 1024.0),
+                 ("one NaN", 4, math.nan, 2.0 ** 16),
+                 ("finite gradients, scale 3000 (not a power of two)", 5, None, 3000.0),
+                 ("finite gradients, scale 1000 (not a power of two)", 6, None, 1000.0)]
+
+
 def check_unscale_grads(fn) -> None:
     """Grade ``fn(grads: list of fp32 tensors, scale: float) -> bool``: grads multiplied in place by
     ``inv_scale = float32(1/scale)``, returns True if any element is inf or NaN; FP16/BF16 gradients raise
     ValueError and are left untouched. Oracle: ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernel
     of torch.amp.GradScaler.unscale_), bit for bit."""
     name = "unscale_grads_"
-    cases = [("finite gradients, scale 2**16", 0, None, 2.0 ** 16),
-             ("finite gradients, scale 2**-3", 1, None, 2.0 ** -3),
-             ("one +inf", 2, math.inf, 2.0 ** 16),
-             ("one -inf", 3, -math.inf, 1024.0),
-             ("one NaN", 4, math.nan, 2.0 ** 16),
-             ("finite gradients, scale 3000 (not a power of two)", 5, None, 3000.0),
-             ("finite gradients, scale 1000 (not a power of two)", 6, None, 1000.0)]
-    for what, seed, special, scale in cases:
-        grads = _grad_set(seed, special)
-        want, want_inf = _unscale_oracle(grads, scale)
-        mine = [t.clone() for t in grads]
-        ids = [id(t) for t in mine]
-        got_inf = call(name, fn, mine, scale)
-        if [id(t) for t in mine] != ids:
-            raise GradingError(f"FAIL {name}: work in place on the tensors of the list (grads[i].mul_(...)); "
-                               "the list itself must keep the same tensor objects.")
-        for k, (w, m) in enumerate(zip(want, mine)):
-            if m.dtype != torch.float32 or m.shape != w.shape:
-                raise GradingError(f"FAIL {name} ({what}): grads[{k}] became {m.dtype} {tuple(m.shape)}; keep "
-                                   "each gradient float32 and its shape (multiply in place).")
-            ok = same_bits(m, w)
-            if not bool(ok.all()):
-                j = int((~ok).flatten().nonzero()[0])
-                x = float(grads[k].flatten()[j])
-                inv = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
-                raise GradingError(
-                    f"FAIL {name} ({what}): {int((~ok).sum())} of {w.numel()} values of grads[{k}] differ from "
-                    f"torch.amp.GradScaler's unscale.\n  first wrong value: grad {x!r} with scale {scale!r}: "
-                    f"expected {float(w.flatten()[j])!r}, got {float(m.flatten()[j])!r}\n  hint: multiply by "
-                    f"inv_scale = 1/scale rounded once to float32 ({inv!r}), as GradScaler does, rather than "
-                    "dividing by scale; every gradient is unscaled, also when some are inf/NaN.")
-        try:
-            got_b = bool(got_inf)
-        except Exception:  # noqa: BLE001
-            raise GradingError(f"FAIL {name}: return found_inf as a bool, got {type(got_inf).__name__}.") from None
-        if got_inf is None or got_b != want_inf:
-            raise GradingError(
-                f"FAIL {name} ({what}): returned found_inf={got_inf!r}, expected {want_inf}.\n  hint: found_inf "
-                "is True when any element of any gradient is inf, -inf or NaN (torch.isfinite covers all "
-                "three; NaN == NaN is False, and isinf misses NaN).")
+    for what, seed, special, scale in UNSCALE_CASES:
+        _check_unscale_case(name, fn, what, _grad_set(seed, special), scale)
     for dtype in (torch.float16, torch.bfloat16):
-        grads = [t.to(dtype) for t in _grad_set(7)]
-        grads[0] = torch.randn(4, 8) * 1000                       # an fp32 one first: check every gradient
-        before = [t.clone() for t in grads]
-        try:
-            call(name, fn, grads, 2.0 ** 16)
-        except GradingError:
-            raise
-        except ValueError:
-            if not all(bool(same_bits(a, b).all()) for a, b in zip(grads, before)):
-                raise GradingError(f"FAIL {name}: {dtype} gradients were refused, but some gradients were "
-                                   "modified first: check every dtype before unscaling anything.") from None
-            continue
-        except Exception as e:  # noqa: BLE001
-            raise GradingError(f"FAIL {name}: {dtype} gradients should raise ValueError, got "
-                               f"{type(e).__name__}: {e}") from None
+        _check_refuses(name, fn, dtype)
+    verdict(name, f"{len(UNSCALE_CASES)} gradient sets unscaled bit for bit as torch.amp.GradScaler (inf, -inf, "
+                  "NaN detected); fp16 and bf16 gradients refused")
+
+
+def _check_unscale_case(name, fn, what: str, grads: list[torch.Tensor], scale: float) -> None:
+    """One gradient set: unscaled in place bit for bit as the oracle, and found_inf right."""
+    want, want_inf = _unscale_oracle(grads, scale)
+    mine = [t.clone() for t in grads]
+    ids = [id(t) for t in mine]
+    got_inf = call(name, fn, mine, scale)
+    if [id(t) for t in mine] != ids:
+        raise GradingError(f"FAIL {name}: work in place on the tensors of the list (grads[i].mul_(...)); "
+                           "the list itself must keep the same tensor objects.")
+    for k, (w, m) in enumerate(zip(want, mine)):
+        if m.dtype != torch.float32 or m.shape != w.shape:
+            raise GradingError(f"FAIL {name} ({what}): grads[{k}] became {m.dtype} {tuple(m.shape)}; keep "
+                               "each gradient float32 and its shape (multiply in place).")
+        ok = same_bits(m, w)
+        if not bool(ok.all()):
+            _unscaled_value_fail(name, what, k, grads[k], w, m, ok, scale)
+    try:
+        got_b = bool(got_inf)
+    except Exception:  # noqa: BLE001
+        raise GradingError(f"FAIL {name}: return found_inf as a bool, got {type(got_inf).__name__}.") from None
+    if got_inf is None or got_b != want_inf:
         raise GradingError(
-            f"FAIL {name}: {dtype} gradients were accepted; raise ValueError naming the fix.\n  hint: unscaling "
-            "must happen in FP32: an FP16 gradient divided by 2**16 underflows again (the value lesson 03 just "
-            "recovered). Copy gradients to FP32 master weights first, then unscale there.")
-    verdict(name, f"{len(cases)} gradient sets unscaled bit for bit as torch.amp.GradScaler (inf, -inf, NaN "
-                  "detected); fp16 and bf16 gradients refused")
+            f"FAIL {name} ({what}): returned found_inf={got_inf!r}, expected {want_inf}.\n  hint: found_inf "
+            "is True when any element of any gradient is inf, -inf or NaN (torch.isfinite covers all "
+            "three; NaN == NaN is False, and isinf misses NaN).")
+
+
+def _unscaled_value_fail(name, what, k, grad, want, mine, ok, scale) -> None:
+    """Raise naming the first value of ``grads[k]`` that differs from the oracle's (``ok``: where they agree)."""
+    j = int((~ok).flatten().nonzero()[0])
+    x = float(grad.flatten()[j])
+    inv = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+    raise GradingError(
+        f"FAIL {name} ({what}): {int((~ok).sum())} of {want.numel()} values of grads[{k}] differ from "
+        f"torch.amp.GradScaler's unscale.\n  first wrong value: grad {x!r} with scale {scale!r}: "
+        f"expected {float(want.flatten()[j])!r}, got {float(mine.flatten()[j])!r}\n  hint: multiply by "
+        f"inv_scale = 1/scale rounded once to float32 ({inv!r}), as GradScaler does, rather than "
+        "dividing by scale; every gradient is unscaled, also when some are inf/NaN.")
+
+
+def _check_refuses(name, fn, dtype: torch.dtype) -> None:
+    """Gradients of ``dtype`` (after an fp32 one) raise ValueError, and nothing was unscaled first."""
+    grads = [t.to(dtype) for t in _grad_set(7)]
+    grads[0] = torch.randn(4, 8) * 1000                           # an fp32 one first: check every gradient
+    before = [t.clone() for t in grads]
+    try:
+        call(name, fn, grads, 2.0 ** 16)
+    except GradingError:
+        raise
+    except ValueError:
+        if not all(bool(same_bits(a, b).all()) for a, b in zip(grads, before)):
+            raise GradingError(f"FAIL {name}: {dtype} gradients were refused, but some gradients were "
+                               "modified first: check every dtype before unscaling anything.") from None
+        return
+    except Exception as e:  # noqa: BLE001
+        raise GradingError(f"FAIL {name}: {dtype} gradients should raise ValueError, got "
+                           f"{type(e).__name__}: {e}") from None
+    raise GradingError(
+        f"FAIL {name}: {dtype} gradients were accepted; raise ValueError naming the fix.\n  hint: unscaling "
+        "must happen in FP32: an FP16 gradient divided by 2**16 underflows again (the value lesson 03 just "
+        "recovered). Copy gradients to FP32 master weights first, then unscale there.")
 
 
 # ----------------------------------------------------------------------------------------------------------

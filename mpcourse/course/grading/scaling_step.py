@@ -75,66 +75,91 @@ def check_scaled_step(fn) -> None:
     against torch.amp.GradScaler's loop over the runs of ``STEP_RUNS`` (see the module docstring)."""
     name = "scaled_step"
     total = skipped_total = 0
-    for label, init, gf, bf, gi, max_norm, x_scale, steps, inject in STEP_RUNS:
-        ref_model = _model()
-        mine_model = copy.deepcopy(ref_model)
-        ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-        mine_opt = torch.optim.AdamW(mine_model.parameters(), lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=gf, backoff_factor=bf,
-                                      growth_interval=gi)
-        state = {"scale": init, "growth_tracker": 0}
-        where = f"run '{label}'"
-        for t, (x, y) in enumerate(_batches(steps, x_scale, inject)):
-            # the oracle: torch.amp's documented loop
-            before = _steps_taken(ref_opt)
-            scaler.scale(F.mse_loss(ref_model(x), y)).backward()
-            scaler.unscale_(ref_opt)
-            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
-            scaler.step(ref_opt)
-            scaler.update()
-            ref_opt.zero_grad()
-            ref_skipped = _steps_taken(ref_opt) == before
-            want_state = (scaler.get_scale(), int(scaler.state_dict()["_growth_tracker"]))
-            # the learner's step
-            scale_in = state["scale"]
-            before = _steps_taken(mine_opt)
-            out = call(name, fn, F.mse_loss(mine_model(x), y), mine_opt, state, max_norm, gf, bf, gi)
-            mine_skipped = _steps_taken(mine_opt) == before
-            at = f"FAIL {name}: step {t} of {where} (scale {scale_in!r}"
-            at += ", an overflow: torch.amp.GradScaler skipped optimizer.step())" if ref_skipped else ", no overflow)"
-            if mine_skipped != ref_skipped:
-                if ref_skipped:
-                    raise GradingError(f"{at}: your function called optimizer.step(); skip it when any unscaled "
-                                       "gradient is inf or NaN (torch.isfinite over every gradient).")
-                raise GradingError(f"{at}: your function skipped optimizer.step(); step whenever every "
-                                   "gradient is finite.")
-            if not isinstance(out, bool) or out != ref_skipped:
-                raise GradingError(f"{at}: returned {out!r}; return True when the step was skipped, False "
-                                   "when the optimizer stepped (a bool).")
-            try:
-                got_state = (float(state["scale"]), int(state["growth_tracker"]))
-            except (KeyError, TypeError, ValueError):
-                raise GradingError(f"{at}: state must keep the keys 'scale' (a float) and 'growth_tracker' (an int), "
-                                   f"updated in place; got {state!r}.") from None
-            if got_state != want_state:
-                raise GradingError(f"{at}: after your step scale={got_state[0]!r}, growth_tracker={got_state[1]}; "
-                                   f"torch.amp.GradScaler has scale={want_state[0]!r}, growth_tracker="
-                                   f"{want_state[1]}: call update_scale(state['scale'], state['growth_tracker'], "
-                                   "found_inf, growth_factor, backoff_factor, growth_interval) once per step and "
-                                   "store both results in state.")
-            left = [p for p in _params(mine_opt) if p.grad is not None and bool((p.grad != 0).any())]
-            if left:
-                raise GradingError(f"{at}: gradients are left in .grad after your step; clear them every "
-                                   "iteration, skipped or not (optimizer.zero_grad()), or the next backward adds "
-                                   "to them.")
-            for k, (a, b) in enumerate(zip(_params(ref_opt), _params(mine_opt))):
-                if not bool(same_bits(a, b).all()):
-                    raise GradingError(
-                        f"{at}: parameter {k} differs from torch.amp.GradScaler's run bit for bit; backward "
-                        "(loss * scale), then multiply every gradient by inv_scale = float32(1/scale), then "
-                        "clip the unscaled gradients with torch.nn.utils.clip_grad_norm_(params, max_norm), "
-                        "then optimizer.step() (clipping before unscaling clips the scaled norm).")
-            skipped_total += ref_skipped
-        total += steps
+    for run in STEP_RUNS:
+        skipped_total += _grade_run(name, fn, *run)
+        total += run[7]                                                  # its steps
     verdict(name, f"{len(STEP_RUNS)} runs, {total} steps ({skipped_total} overflows skipped) identical to "
                   "torch.amp.GradScaler's loop: same skipped steps, scale trajectory and parameters bit for bit")
+
+
+def _grade_run(name, fn, label, init, gf, bf, gi, max_norm, x_scale, steps, inject) -> int:
+    """One run of ``STEP_RUNS``, the oracle and the learner's step side by side on two copies of one model;
+    raises at the first step that differs. Returns how many steps the oracle skipped."""
+    ref_model = _model()
+    mine_model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    mine_opt = torch.optim.AdamW(mine_model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=gf, backoff_factor=bf,
+                                  growth_interval=gi)
+    state = {"scale": init, "growth_tracker": 0}
+    skipped = 0
+    for t, (x, y) in enumerate(_batches(steps, x_scale, inject)):
+        ref_skipped, want_state = _oracle_step(scaler, ref_model, ref_opt, x, y, max_norm)
+        # the learner's step
+        scale_in = state["scale"]
+        before = _steps_taken(mine_opt)
+        out = call(name, fn, F.mse_loss(mine_model(x), y), mine_opt, state, max_norm, gf, bf, gi)
+        mine_skipped = _steps_taken(mine_opt) == before
+        at = f"FAIL {name}: step {t} of run '{label}' (scale {scale_in!r}"
+        at += ", an overflow: torch.amp.GradScaler skipped optimizer.step())" if ref_skipped else ", no overflow)"
+        _check_skip(at, ref_skipped, mine_skipped, out)
+        _check_state(at, state, want_state)
+        _check_grads_and_params(at, ref_opt, mine_opt)
+        skipped += ref_skipped
+    return skipped
+
+
+def _oracle_step(scaler, model, opt, x, y, max_norm) -> tuple[bool, tuple[float, int]]:
+    """torch.amp's documented loop, one step: (skipped, (scale, growth_tracker) after the update)."""
+    before = _steps_taken(opt)
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return _steps_taken(opt) == before, (scaler.get_scale(), int(scaler.state_dict()["_growth_tracker"]))
+
+
+def _check_skip(at: str, ref_skipped: bool, mine_skipped: bool, out) -> None:
+    """The learner's step stepped exactly when torch did, and said so (a bool)."""
+    if mine_skipped != ref_skipped:
+        if ref_skipped:
+            raise GradingError(f"{at}: your function called optimizer.step(); skip it when any unscaled "
+                               "gradient is inf or NaN (torch.isfinite over every gradient).")
+        raise GradingError(f"{at}: your function skipped optimizer.step(); step whenever every "
+                           "gradient is finite.")
+    if not isinstance(out, bool) or out != ref_skipped:
+        raise GradingError(f"{at}: returned {out!r}; return True when the step was skipped, False "
+                           "when the optimizer stepped (a bool).")
+
+
+def _check_state(at: str, state: dict, want_state: tuple[float, int]) -> None:
+    """The learner's state holds GradScaler's scale and growth tracker after the update."""
+    try:
+        got_state = (float(state["scale"]), int(state["growth_tracker"]))
+    except (KeyError, TypeError, ValueError):
+        raise GradingError(f"{at}: state must keep the keys 'scale' (a float) and 'growth_tracker' (an int), "
+                           f"updated in place; got {state!r}.") from None
+    if got_state != want_state:
+        raise GradingError(f"{at}: after your step scale={got_state[0]!r}, growth_tracker={got_state[1]}; "
+                           f"torch.amp.GradScaler has scale={want_state[0]!r}, growth_tracker="
+                           f"{want_state[1]}: call update_scale(state['scale'], state['growth_tracker'], "
+                           "found_inf, growth_factor, backoff_factor, growth_interval) once per step and "
+                           "store both results in state.")
+
+
+def _check_grads_and_params(at: str, ref_opt, mine_opt) -> None:
+    """The gradients are cleared and every parameter equals torch's run bit for bit."""
+    left = [p for p in _params(mine_opt) if p.grad is not None and bool((p.grad != 0).any())]
+    if left:
+        raise GradingError(f"{at}: gradients are left in .grad after your step; clear them every "
+                           "iteration, skipped or not (optimizer.zero_grad()), or the next backward adds "
+                           "to them.")
+    for k, (a, b) in enumerate(zip(_params(ref_opt), _params(mine_opt))):
+        if not bool(same_bits(a, b).all()):
+            raise GradingError(
+                f"{at}: parameter {k} differs from torch.amp.GradScaler's run bit for bit; backward "
+                "(loss * scale), then multiply every gradient by inv_scale = float32(1/scale), then "
+                "clip the unscaled gradients with torch.nn.utils.clip_grad_norm_(params, max_norm), "
+                "then optimizer.step() (clipping before unscaling clips the scaled norm).")

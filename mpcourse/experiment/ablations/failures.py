@@ -27,7 +27,7 @@ import math
 import torch
 from torch.nn.utils import parametrize
 
-from mpcourse.core.quant import Float8Linear
+from mpcourse.core.quant import QuantizedLinear
 from mpcourse.core.quant.rules.tensor import fp8_max
 from mpcourse.core.scaling import StaticLossScaler
 from mpcourse.experiment.recipes import get_recipe
@@ -133,7 +133,7 @@ class _Counted:
 class SaturationCounter:
     """The saturated fraction of a run's delayed-scaling FP8 casts, step by step.
 
-    Wraps every delayed-scaling quantizer of ``recipe``'s ``Float8Linear`` layers; counts, over the casts that
+    Wraps every delayed-scaling quantizer of ``recipe``'s ``QuantizedLinear`` layers; counts, over the casts that
     record an amax (the training casts: each layer's input and weight in the forward, its output gradient in the
     backward; not evaluation), the elements clamped at the format's max (``clamped``) and the elements cast.
     As ``run_one``'s ``probe`` (read after the backward): ``{"fp8_saturated": clamped / cast}`` since the last call
@@ -144,7 +144,7 @@ class SaturationCounter:
         self.clamped = self.cast = 0
         self.wrapped = 0
         for module in recipe.model.modules():
-            if isinstance(module, Float8Linear):
+            if isinstance(module, QuantizedLinear):
                 for role, q in module.quantizers.items():
                     if q.state is not None:                        # Float8Quantizer: the scale of earlier steps
                         module.quantizers[role] = _Counted(q, self)

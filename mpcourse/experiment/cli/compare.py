@@ -171,7 +171,8 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     learner = {}
     if args.with_notebooks:
         from mpcourse.core.learner_table import OverrideRefused
-        from ..learner import LearnerLoadError, exercise_functions
+        from ..learner import LearnerLoadError
+        from .with_notebooks import exercise_functions
         try:
             learner = exercise_functions(args.with_notebooks, recipes)
         except (LearnerLoadError, OverrideRefused) as e:

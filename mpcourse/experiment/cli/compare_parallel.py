@@ -26,7 +26,8 @@ def compare_parallel(args, corpus, cfg, recipes, side: bool = False) -> int:
         return 2
     if args.with_notebooks:                       # every rank loads them; check here that they load and fit
         from mpcourse.core.learner_table import OverrideRefused
-        from ..learner import LearnerLoadError, exercise_functions
+        from ..learner import LearnerLoadError
+        from .with_notebooks import exercise_functions
         try:
             exercise_functions(args.with_notebooks, recipes, args.parallel)
         except (LearnerLoadError, OverrideRefused) as e:

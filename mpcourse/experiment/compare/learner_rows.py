@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 
-from mpcourse.core.learner_table import OverrideRefused, learner_functions
+from mpcourse.core.learner_table import OverrideError, OverrideRefused, learner_functions
 from mpcourse.core.seams import SeamError
 
 from ..gpt.data import Corpus
 from ..recipes import get_recipe
-from ..recipes.base import OverrideError
+from ..recipes.base import TrainingRecipe
 from ..training.train import RunResult, TrainConfig, train
 
 
@@ -55,31 +55,32 @@ def train_with_learner(name: str, corpus: Corpus, cfg: TrainConfig, functions: d
     ``functions``: the learner's (a notebook's namespace, or the exercise functions ``compare --with`` loaded);
     the recipe takes those its ``OVERRIDABLE`` names (``mpcourse.core.learner_table.learner_functions``, the one
     filter). Returns None, after one line through ``echo``, when the recipe accepts none of them, or as
-    ``train_overrides`` does.
+    ``train_yours_row`` does.
     """
     recipe_cls = get_recipe(name)
-    overrides = learner_functions(functions, recipe_cls.OVERRIDABLE)
-    if not overrides:
+    mine = learner_functions(functions, recipe_cls.OVERRIDABLE)
+    if not mine:
         accepted = ", ".join(recipe_cls.OVERRIDABLE) or "none"
         echo(f"{name}: cannot use any of {', '.join(sorted(functions)) or 'no functions'} "
              f"(it accepts: {accepted})")
         return None
-    return train_overrides(name, corpus, cfg, overrides, progress=progress, echo=echo)
+    return train_yours_row(recipe_cls.with_functions(mine), corpus, cfg, progress=progress, echo=echo)
 
 
-def train_overrides(name: str, corpus: Corpus, cfg: TrainConfig, overrides: dict, *, progress: bool = False,
+def train_yours_row(recipe: type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, *, progress: bool = False,
                     echo=print) -> RunResult | None:
-    """Recipe ``name`` trained with the learner's ``overrides`` (its functions for this recipe, as
-    ``learner_functions`` picks them), as the row ``"name [yours]"``; the recipe checks them where it is built.
-    Returns None, after one line through ``echo``, when one of them is refused (a wrong signature) or fails (it
-    raised, e.g. NotImplementedError; it returned something the library cannot use): the line names the
-    function and why, never a traceback from inside the training step."""
+    """``recipe``, a recipe class carrying the learner's functions for it (``get_recipe(name).with_functions``),
+    trained as the row ``"name [yours]"``; the recipe checks them where it is built. Returns None, after one line
+    through ``echo``, when one of them is refused (a wrong signature) or fails (it raised, e.g.
+    NotImplementedError; it returned something the library cannot use): the line names the function and why,
+    never a traceback from inside the training step."""
+    row = yours(recipe.name)
     try:
-        return train(name, corpus, cfg, progress=progress, overrides=overrides, label=yours(name))
+        return train(recipe, corpus, cfg, progress=progress, label=row)
     except (OverrideRefused, OverrideError, SeamError) as e:
-        echo(f"{yours(name)}: {e}")
+        echo(f"{row}: {e}")
     except (TypeError, ValueError) as e:                  # a library check on what a function returned
-        echo(f"{yours(name)}: {', '.join(overrides)}: {e}")
+        echo(f"{row}: {', '.join(recipe.FUNCTIONS)}: {e}")
     return None
 
 

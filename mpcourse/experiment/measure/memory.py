@@ -1,7 +1,7 @@
 """Memory of one training step, counted from the live tensors: the one place that does it.
 
 For any recipe (``mpcourse.experiment.recipes``), ``measure_step`` wraps the training loop's own step
-(``mpcourse.experiment.training.step.training_step``, the call ``Trainer.train_step`` makes) and reports the bytes held,
+(``mpcourse.experiment.recipes.step.training_step``, the call ``Trainer.train_step`` makes) and reports the bytes held,
 by kind:
 
     weights       the model's parameters (a tied head counted once)
@@ -39,68 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from ..training.step import training_step
-
-KINDS = ("weights", "grads", "master", "optimizer", "extra", "fp8_cache", "activations")
-STATE_KINDS = ("weights", "grads", "master", "optimizer", "extra")
-
-
-def _storage(t: torch.Tensor):
-    """The tensor's untyped storage (a DTensor's local shard's, a wrapper subclass's first inner tensor's, e.g.
-    ``fsdp_fp8.FP8AllGatherWeight``'s FP32 weight), or None for an empty one / no storage."""
-    if type(t).__name__ == "DTensor":
-        t = t.to_local()
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        t = getattr(t, t.__tensor_flatten__()[0][0])
-    try:
-        st = t.untyped_storage()
-        return st if st.nbytes() and st.data_ptr() else None
-    except (RuntimeError, NotImplementedError):     # a wrapper without storage of its own
-        return None
-
-
-def _tensors(obj):
-    """Every tensor in a nested structure of lists, tuples and dicts."""
-    leaves, _ = tree_flatten(obj)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def state_tensors(recipe) -> dict[str, list[torch.Tensor]]:
-    """The live state of a recipe by kind (``STATE_KINDS``), as tensors (counted by ``count_bytes``)."""
-    model_params = list(recipe.model.parameters())
-    model_ids = {id(p) for p in model_params}
-    opt = recipe.optimizer
-    opt_params = [p for g in opt.param_groups for p in g["params"]]
-    own = recipe.memory_tensors()
-    unknown = set(own) - {"grads", "extra"}
-    if unknown:
-        raise ValueError(f"memory_tensors() kinds must be 'grads' or 'extra', got {sorted(unknown)}")
-    grads = [p.grad for p in model_params + opt_params if p.grad is not None]
-    return {
-        "weights": model_params,
-        "grads": grads + list(own.get("grads", [])),
-        "master": [p for p in opt_params if id(p) not in model_ids],
-        "optimizer": [v for s in opt.state.values() for v in _tensors(s) if v.dim() > 0],  # not step counters
-        "extra": list(own.get("extra", [])),
-    }
-
-
-def count_bytes(by_kind: dict[str, list[torch.Tensor]], seen: set | None = None) -> dict[str, int]:
-    """Bytes per kind, each distinct storage once, in the first kind (in ``KINDS`` order) that holds it.
-    ``seen`` (storage addresses already counted elsewhere) is updated."""
-    seen = set() if seen is None else seen
-    out = {}
-    for kind in [k for k in KINDS if k in by_kind] + [k for k in by_kind if k not in KINDS]:
-        total = 0
-        for t in by_kind[kind]:
-            st = _storage(t)
-            if st is not None and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        out[kind] = total
-    return out
+from ..recipes.held import KINDS, STATE_KINDS, state_tensors, storage_of, tensors_in
+from ..recipes.step import training_step
 
 
 class SavedTensors:
@@ -118,8 +59,8 @@ class SavedTensors:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
-        st = _storage(t)
-        params = {s.data_ptr() for s in map(_storage, self.model.parameters()) if s is not None}
+        st = storage_of(t)
+        params = {s.data_ptr() for s in map(storage_of, self.model.parameters()) if s is not None}
         if st is not None and st.data_ptr() not in params:
             self.storages[st.data_ptr()] = st.nbytes()
         return t
@@ -151,7 +92,7 @@ class PeakTracker(TorchDispatchMode):
 
     def _add(self, t) -> bool:
         """Follow t's storage; True if it was not followed yet (the live total grew)."""
-        st = _storage(t)
+        st = storage_of(t)
         if st is None:
             return False
         key = st.data_ptr()
@@ -170,7 +111,7 @@ class PeakTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         grew = False
-        for t in _tensors((args, kwargs, out)):
+        for t in tensors_in((args, kwargs, out)):
             grew |= self._add(t)
         if grew:   # between additions storages only die, so the peak is reached right after an addition
             self.peak = max(self.peak, self.live_bytes())
@@ -207,9 +148,9 @@ class StepMemory:
 @contextlib.contextmanager
 def _mark_fp8_weight_copies(model, saved: SavedTensors):
     """Record the storages of the FP8 weight copies that FP8 layers quantize in this region."""
-    from mpcourse.core.quant import Float8Linear
+    from mpcourse.core.quant import QuantizedLinear
 
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
 
     def wrap(layer):
         inner = type(layer)._quantize.__get__(layer)
@@ -217,7 +158,7 @@ def _mark_fp8_weight_copies(model, saved: SavedTensors):
         def quantize(role, x, record):
             q = inner(role, x, record)
             if role == "weight":
-                saved.fp8_weight_copies.update(st.data_ptr() for st in map(_storage, (q.data, q.scale_inv))
+                saved.fp8_weight_copies.update(st.data_ptr() for st in map(storage_of, (q.data, q.scale_inv))
                                                if st is not None)
             return q
         return quantize

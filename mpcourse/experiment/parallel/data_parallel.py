@@ -145,13 +145,14 @@ class ShardedMasterRecipe(TrainingRecipe):
     #: a learner's functions it can use: the loss scaler's (FSDP's casts replace the master -> model rounding)
     OVERRIDABLE = exercise_names("choose_loss_scale", "unscale_grads_", "update_scale", "all_reduce_found_inf_")
 
-    def __init__(self, base: type[MasterWeightsRecipe], model, optim=None, overrides=None):
+    def __init__(self, base: type[MasterWeightsRecipe], model, optim=None):
         self.OVERRIDABLE = overridable(base, "fsdp")   # what this instance takes: TrainingRecipe checks overrides by it
+        self.FUNCTIONS = base.FUNCTIONS                # the learner's functions the base recipe carries
         self.base = base
         self.name = base.name
         self.model_dtype = base.model_dtype
         self.description = base.description + "; FSDP2: FP32 master sharded, working copy all-gathered per block"
-        super().__init__(model, optim, overrides)
+        super().__init__(model, optim)
         make_scaler = getattr(base, "make_scaler", None)
         self.scaler = make_scaler(self) if make_scaler is not None else None
 
@@ -291,7 +292,7 @@ def counting_all_gather(log: AllGatherLog):
     return CountingAllGather()
 
 
-def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, overrides=None,
+def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim,
                  reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False) -> TrainingRecipe:
     """Build ``recipe_cls`` over ``model`` (FP32, the same init on every rank) and shard it with FSDP2.
 
@@ -300,7 +301,7 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
     all-gathers), an optimizer rebuilt over the sharded parameters and ``recipe.all_gather_log`` (an
     ``AllGatherLog``). Raises ValueError for a recipe in ``UNSUPPORTED['fsdp']``, or one ``fp8_all_gather`` refuses.
     """
-    from mpcourse.core.quant import Float8Linear
+    from mpcourse.core.quant import QuantizedLinear
     from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -310,10 +311,10 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
     if why:
         raise ValueError(f"recipe {recipe_cls.name!r} cannot run under FSDP2: {why}")
     if issubclass(recipe_cls, MasterWeightsRecipe):
-        recipe = ShardedMasterRecipe(recipe_cls, model, optim, overrides)
+        recipe = ShardedMasterRecipe(recipe_cls, model, optim)
         policy = MixedPrecisionPolicy(param_dtype=recipe.model_dtype, reduce_dtype=reduce_dtype or torch.float32)
     else:
-        recipe = recipe_cls(model, optim, overrides)
+        recipe = recipe_cls(model, optim)
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     if fp8_all_gather:
         why = fp8_all_gather_error(recipe_cls.name)
@@ -322,7 +323,7 @@ def shard_recipe(recipe_cls: type[TrainingRecipe], model: nn.Module, optim, over
         enable_fp8_all_gather(recipe.model)             # before fully_shard: the shards keep the wrapper
     log = recipe.all_gather_log = AllGatherLog(recipe.model)
     for m in recipe.model.modules():
-        if isinstance(m, Float8Linear):
+        if isinstance(m, QuantizedLinear):
             m.all_gather_record = log.fp8_pending
     for block in recipe.model.blocks:
         fully_shard(block, mp_policy=policy)

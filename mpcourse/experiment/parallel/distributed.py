@@ -58,14 +58,15 @@ class DataParallelTrainer(Trainer):
     under ``parallel``.
     """
 
-    def __init__(self, recipe_name, corpus, cfg: TrainConfig, parallel: str = "ddp",
-                 reduce_dtype: torch.dtype | None = None, overrides=None, fp8_all_gather: bool = False):
+    def __init__(self, recipe, corpus, cfg: TrainConfig, parallel: str = "ddp",
+                 reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("DataParallelTrainer needs torch.distributed initialized (run it through "
                                "mpcourse compare --nproc N or torchrun)")
-        why = unsupported(recipe_name, parallel)
+        name = recipe if isinstance(recipe, str) else recipe.name
+        why = unsupported(name, parallel)
         if why:
-            raise ValueError(f"recipe {recipe_name!r} cannot run under --parallel {parallel}: {why}")
+            raise ValueError(f"recipe {name!r} cannot run under --parallel {parallel}: {why}")
         if fp8_all_gather and parallel != "fsdp":
             raise ValueError("--fp8-all-gather needs --parallel fsdp (DDP gathers no parameters)")
         self.parallel, self.reduce_dtype, self.fp8_all_gather = parallel, reduce_dtype, fp8_all_gather
@@ -73,17 +74,17 @@ class DataParallelTrainer(Trainer):
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {self.world} ranks: each rank "
                              f"trains on batch_size / nproc sequences; pick a multiple of {self.world}")
-        super().__init__(recipe_name, corpus, cfg, overrides)
+        super().__init__(recipe, corpus, cfg)
 
-    def build_recipe(self, recipe_cls, model, overrides):
+    def build_recipe(self, recipe_cls, model):
         if self.parallel == "ddp":
-            recipe = recipe_cls(model, self.cfg.optim, overrides)
+            recipe = recipe_cls(model, self.cfg.optim)
             self.wrapped = wrap_ddp(recipe.model, self.reduce_dtype)    # grads all-reduced in backward
             master = getattr(recipe, "master", None)
             if master is not None:    # DDP's init broadcast wrote the (identical) params: not a model-only load
                 master._record_versions()
         else:
-            recipe = shard_recipe(recipe_cls, model, self.cfg.optim, overrides, self.reduce_dtype, self.fp8_all_gather)
+            recipe = shard_recipe(recipe_cls, model, self.cfg.optim, self.reduce_dtype, self.fp8_all_gather)
             self.wrapped = recipe.model                                  # the sharded module itself
         return recipe
 
@@ -166,17 +167,17 @@ def load_learner(job: Job) -> dict:
 def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
     """The row ``NAME [yours]`` under ``job.parallel`` with the learner's functions, or None after a line in
     ``job.messages``. Every rank calls the functions at the same points, so a failing one fails on every rank."""
-    from mpcourse.core.learner_table import OverrideRefused, learner_functions
+    from mpcourse.core.learner_table import OverrideError, OverrideRefused, learner_functions
     from mpcourse.core.seams import SeamError
     from ..compare.learner_rows import yours
     from ..recipes import get_recipe
-    from ..recipes.base import OverrideError
 
-    overrides = learner_functions(functions, overridable(get_recipe(name), job.parallel))
-    if not overrides:
+    recipe = get_recipe(name)
+    mine = learner_functions(functions, overridable(recipe, job.parallel))
+    if not mine:
         return None
     try:
-        trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype, overrides=overrides,
+        trainer = DataParallelTrainer(recipe.with_functions(mine), job.corpus, job.cfg, job.parallel, reduce_dtype,
                                       fp8_all_gather=job.fp8_all_gather)
         trainer.name = yours(name)
         trainer.run(progress=job.progress and rank == 0)

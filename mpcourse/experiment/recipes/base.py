@@ -1,7 +1,9 @@
 """The precision-recipe interface and its registry.
 
-A *recipe* decides, for one training run, how each of the four parts of a step is done in which
-precision:
+A *training recipe* (``TrainingRecipe``) decides, for one training run, how each of the four parts of a step is
+done in which precision (a *quantization recipe*, ``mpcourse.core.quant.QuantizationRecipe``, Transformer Engine's
+``Recipe``, says only how a quantized linear layer's tensors are scaled; the quantized training recipes hold one as
+``fp8_recipe``, TE's name for it):
 
     model      ``prepare_model``    what dtype the parameters live in (FP32, FP16, BF16, FP8 layers)
     forward    ``forward_context``  a region the forward pass runs in (autocast, FP8 autocast, none)
@@ -17,15 +19,15 @@ only precision differs. ``mpcourse recipes`` lists the registry.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
 
 from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
-from mpcourse.core.learner_table import CheckedFunctions, check_overrides, exercise_names
+from mpcourse.core.learner_table import CheckedFunctions, check_overrides, exercise_names, guarded
 from mpcourse.core.master import MasterWeights, cast_model
 
 RECIPES: dict[str, type["TrainingRecipe"]] = {}
@@ -46,29 +48,6 @@ def get_recipe(name: str) -> type["TrainingRecipe"]:
     except KeyError:
         raise KeyError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)} "
                        "(run `mpcourse recipes`)") from None
-
-
-class OverrideError(RuntimeError):
-    """A function given in ``overrides`` raised: the message names it and what it raised."""
-
-    def __init__(self, name: str, error: BaseException):
-        what = "is not implemented yet (it raises NotImplementedError)" if isinstance(error, NotImplementedError) \
-            else f"raised {type(error).__name__}: {error}"
-        super().__init__(f"your {name} {what}")
-        self.name, self.error = name, error
-
-
-def _guarded(name: str, fn: Callable) -> Callable:
-    """``fn`` whose exceptions become one ``OverrideError`` naming ``name`` (no traceback from deep inside)."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except OverrideError:
-            raise
-        except Exception as e:                                        # the learner's bug, whatever it is
-            raise OverrideError(name, e) from None
-    return call
 
 
 @dataclass
@@ -131,12 +110,25 @@ class TrainingRecipe:
     #: (``mpcourse.experiment.measure.speed.peak_key``); ``tests/experiment/test_compare_outputs.py`` checks it against the matmuls
     #: one step runs.
     gemm_dtype: str = "fp32"
+    #: a learner's functions this recipe class carries (``with_functions``); none for the library's own recipes
+    FUNCTIONS: Mapping[str, Callable] = MappingProxyType({})
 
-    def __init__(self, model: nn.Module, optim: OptimConfig | None = None,
-                 overrides: Mapping[str, Callable] | None = None):
-        # The one check of a learner's functions (``checked_overrides``): OverrideRefused, a ValueError naming the
-        # fix; then each is wrapped so that what it raises is one OverrideError naming it (still a CheckedFunctions).
-        self.overrides = self.checked_overrides(overrides).wrapped(_guarded)
+    @classmethod
+    def with_functions(cls, functions: Mapping[str, Callable] | None) -> type["TrainingRecipe"]:
+        """This recipe with a learner's ``functions`` in place of the library's: a subclass of the same name that
+        carries them (``FUNCTIONS``), as a quantization recipe carries its own (``mpcourse.core.quant.Recipe``),
+        so whatever builds and trains the recipe (``Trainer``, ``train``, the data-parallel trainers) takes one
+        recipe and no functions beside it. They are checked where the recipe is built (``checked_overrides``)."""
+        if not functions:
+            return cls
+        return type(cls.__name__, (cls,), {"FUNCTIONS": MappingProxyType(dict(functions)), "__doc__": cls.__doc__,
+                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+    def __init__(self, model: nn.Module, optim: OptimConfig | None = None):
+        # The one check of the learner's functions the class carries (``checked_overrides``): OverrideRefused, a
+        # ValueError naming the fix; then each is wrapped so that what it raises is one OverrideError naming it
+        # (``learner_table.guarded``; still a CheckedFunctions).
+        self.overrides = self.checked_overrides(self.FUNCTIONS).wrapped(guarded)
         self.optim = optim or OptimConfig()
         self.model = self.prepare_model(model)
         self.optimizer = self.make_optimizer(list(self.model.parameters()))
@@ -201,9 +193,9 @@ class TrainingRecipe:
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (weights, grads, master, optimizer, extra), each storage counted once;
-        counted by ``mpcourse.experiment.measure.memory`` (the one place that does). Call after ``step()`` and before
+        counted by ``recipes.held`` (the one counter, which ``mpcourse.experiment.measure.memory`` uses too). Call after ``step()`` and before
         ``zero_grad()``; ``memory.measure_step`` adds activations and the peak of a step."""
-        from mpcourse.experiment.measure.memory import count_bytes, state_tensors
+        from .held import count_bytes, state_tensors
 
         return count_bytes(state_tensors(self))
 

@@ -39,8 +39,8 @@ class TorchAmpFP16(TrainingRecipe):
     description = "PyTorch anchor: torch.autocast(float16) + torch.amp.GradScaler, FP32 weights"
     gemm_dtype = "fp16"
 
-    def __init__(self, model, optim=None, overrides=None):
-        super().__init__(model, optim, overrides)
+    def __init__(self, model, optim=None):
+        super().__init__(model, optim)
         self.scaler = torch.amp.GradScaler("cuda" if _on_cuda(self.model) else "cpu")
 
     def forward_context(self):

@@ -96,8 +96,8 @@ class FP16Master(MasterWeightsRecipe):
 class _ScaledFP16(FP16Master):
     """FP16 model + FP32 master weights + a loss scaler (``make_scaler``); the step order of the module docstring."""
 
-    def __init__(self, model, optim=None, overrides=None):
-        super().__init__(model, optim, overrides)
+    def __init__(self, model, optim=None):
+        super().__init__(model, optim)
         self.scaler = self.make_scaler()
 
     def make_scaler(self):

@@ -6,7 +6,7 @@
   of earlier steps (``mpcourse.core.quant.DelayedScaling``).
 
 Both use ``Format.HYBRID`` (E4M3 for activations and weights, E5M2 for gradients; TE's default) and
-``mpcourse.core.quant.convert_to_float8_training`` to swap linear layers for ``Float8Linear``, whose three GEMMs
+``mpcourse.core.quant.convert_to_float8_training`` to swap linear layers for ``QuantizedLinear``, whose three GEMMs
 (forward, input gradient, weight gradient) run through ``torch._scaled_mm``.
 
 What is FP8 and what is not (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3.1: the
@@ -31,7 +31,7 @@ as TE is usually run on GPUs (BF16 activations around FP8 GEMMs)? So that the ga
 ``fp32`` is the effect of FP8 alone: everything that is not one of the four FP8 GEMMs per block runs
 exactly as in the ``fp32`` row, and the ``torch-amp-bf16`` row shows the BF16 effect on its own. (It also
 avoids emulated BF16 matmuls on CPUs without BF16 units.) To run as TE usually does on a GPU, put
-``torch.autocast(dtype=torch.bfloat16)`` around ``quant.autocast``: ``Float8Linear`` then returns BF16.
+``torch.autocast(dtype=torch.bfloat16)`` around ``quant.autocast``: ``QuantizedLinear`` then returns BF16.
 
 Delayed scaling uses TE's ``DelayedScaling`` defaults except ``amax_history_len=16`` (default 1024),
 the value of TE's own examples (``docs/examples/quickstart.ipynb``, "Enabling FP8":
@@ -49,7 +49,7 @@ backward (``loss.backward()``) runs after the region has exited, as TE requires;
 quantizes its output gradient with the layer's own recipe and updates that state right after using it.
 Under ``torch.no_grad()`` (evaluation) the layers use their scales and record nothing.
 
-Checkpoints: the scales and amax histories are in each ``Float8Linear``'s extra state, so
+Checkpoints: the scales and amax histories are in each ``QuantizedLinear``'s extra state, so
 ``model.state_dict()`` (part of ``TrainingRecipe.state_dict``) carries them and a run resumes bit for bit.
 ``memory()['extra']`` counts that state: per FP8 layer, 3 tensors x (scale 4 B + history 4 B x L).
 """
@@ -59,8 +59,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from mpcourse.core import quant
-from mpcourse.core.quant import CurrentScaling, DelayedScaling, Float8Linear, Format, convert_to_float8_training
-from mpcourse.core.quant.engine import rule_refusal
+from mpcourse.core.quant import CurrentScaling, DelayedScaling, QuantizedLinear, Format, convert_to_float8_training
 from mpcourse.core.quant.layers.module_filter import linear_fqns, summarize_fqns
 from .base import TrainingRecipe, register
 
@@ -87,32 +86,34 @@ keep_linear_in_fp8.check_model = _check_high_precision_modules
 
 
 class QuantizedRecipe(TrainingRecipe):
-    """FP32 model whose linear layers (not the head) are ``Float8Linear`` under a quantization recipe (FP8, MXFP8 or
+    """FP32 model whose linear layers (not the head) are ``QuantizedLinear`` under a quantization recipe (FP8, MXFP8 or
     NVFP4); forward inside TE's ``autocast``. ``OVERRIDABLE``: the learner's functions the recipe's quantizers take
-    (the engine's ``mpcourse.core.quant.OVERRIDABLE_BY_RECIPE`` for its recipe's class), handed to the engine by name."""
+    (its quantization recipe's class ``TAKES``), which ride in that recipe (``quantization()``) to every layer."""
 
     fp8_recipe: quant.Recipe
     gemm_dtype = "fp8"
 
     def checked_overrides(self, overrides):
-        """``TrainingRecipe.checked_overrides`` with the engine's refusal of a function this recipe's
-        ``fp8_recipe`` fields do not follow (``engine.rule_refusal``), checked for that ``fp8_recipe``: the
-        engine's quantizers take the result as it is (``engine.check_functions``)."""
-        return super().checked_overrides(overrides, refuse=lambda name: rule_refusal(self.fp8_recipe, name),
-                                         checked_for=self.fp8_recipe)
+        """``TrainingRecipe.checked_overrides`` with the refusal of a function this recipe's ``fp8_recipe`` fields
+        do not follow (``fp8_recipe.refusal``), checked for that ``fp8_recipe``: the quantization recipe that
+        carries them takes the result as it is (``quant.recipe.check_functions``)."""
+        return super().checked_overrides(overrides, refuse=self.fp8_recipe.refusal, checked_for=self.fp8_recipe)
+
+    def quantization(self) -> quant.Recipe:
+        """The quantization recipe the layers are built with: ``fp8_recipe`` carrying the learner's functions."""
+        return self.fp8_recipe.with_functions(self.overrides)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         # Swaps modules in place; the weight and bias Parameters (FP32) are kept, so the optimizer built next
         # steps them and the head stays tied to tok_emb.
-        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.fp8_recipe,
-                                          functions=self.overrides)
+        return convert_to_float8_training(model, module_filter_fn=keep_linear_in_fp8, recipe=self.quantization())
 
     def forward_context(self):
         return quant.autocast(enabled=True, recipe=self.fp8_recipe)   # TE's FP8 region (older name: fp8_autocast)
 
-    def fp8_layers(self) -> dict[str, Float8Linear]:
+    def fp8_layers(self) -> dict[str, QuantizedLinear]:
         """The model's FP8 layers by fully qualified name."""
-        return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, QuantizedLinear)}
 
     def memory_tensors(self):
         """FP8 scaling state: every scale and amax history (FP32) of every FP8 layer; none for current scaling,
@@ -126,7 +127,7 @@ class FP8Current(QuantizedRecipe):
     name = "fp8-current"
     description = "FP8 linear layers (HYBRID, current per-tensor scaling), FP32 weights and the rest in FP32"
     fp8_recipe = CurrentScaling(fp8_format=FP8_FORMAT)
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lesson 07: compute_scale, quantize
+    OVERRIDABLE = fp8_recipe.TAKES  # lesson 07: compute_scale, quantize
 
 
 @register
@@ -134,4 +135,4 @@ class FP8Delayed(QuantizedRecipe):
     name = "fp8-delayed"
     description = "FP8 linear layers (HYBRID, delayed scaling, amax history 16), FP32 weights and the rest in FP32"
     fp8_recipe = DelayedScaling(fp8_format=FP8_FORMAT, amax_history_len=AMAX_HISTORY_LEN)
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]  # lessons 07 and 08: quantize, update
+    OVERRIDABLE = fp8_recipe.TAKES  # lessons 07 and 08: quantize, update

@@ -24,7 +24,6 @@ draws from torch's global generator, which the trainer's checkpoint saves).
 """
 from __future__ import annotations
 
-from mpcourse.core import quant
 from mpcourse.core.quant import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from .base import register
 from .fp8 import QuantizedRecipe
@@ -42,7 +41,7 @@ class FP8Block(QuantizedRecipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: block_quantize
+    OVERRIDABLE = fp8_recipe.TAKES   # lesson 09: block_quantize
 
 
 @register
@@ -57,7 +56,7 @@ class MXFP8Floor(QuantizedRecipe):
     name = "mxfp8-floor"
     description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
     fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: mx_shared_exponent
+    OVERRIDABLE = fp8_recipe.TAKES   # lesson 09: mx_shared_exponent
 
 
 @register
@@ -65,4 +64,4 @@ class NVFP4(QuantizedRecipe):
     name = "nvfp4"
     description = "NVFP4 linear layers (E2M1, E4M3 scale per 16 + FP32 per tensor, RHT, SR grads); emb/head FP32"
     fp8_recipe = NVFP4BlockScaling()
-    OVERRIDABLE = quant.OVERRIDABLE_BY_RECIPE[type(fp8_recipe)]   # lesson 09: nvfp4_scales
+    OVERRIDABLE = fp8_recipe.TAKES   # lesson 09: nvfp4_scales

@@ -49,7 +49,7 @@ class FP8DelayedFP8Weights(FP8Delayed):
     master_init = MASTER_INIT
 
     def prepare_model(self, model):
-        model = super().prepare_model(model)                          # Float8Linear layers, FP32 weights
+        model = super().prepare_model(model)                          # QuantizedLinear layers, FP32 weights
         self.masters = convert_to_fp8_weights(model, master_init=self.master_init)   # {fqn: (N, K) fp32}
         return model
 

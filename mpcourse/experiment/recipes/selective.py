@@ -40,5 +40,4 @@ class NVFP4Selective(NVFP4):
         return all_of(keep_linear_in_fp8, edge_blocks_filter(len(model.blocks), self.KEEP_FIRST, self.KEEP_LAST))
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        return convert_to_float8_training(model, module_filter_fn=self.module_filter(model), recipe=self.fp8_recipe,
-                                          functions=self.overrides)
+        return convert_to_float8_training(model, module_filter_fn=self.module_filter(model), recipe=self.quantization())

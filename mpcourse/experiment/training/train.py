@@ -2,7 +2,7 @@
 
 ``Trainer`` runs one recipe; ``train`` is the one-call form; ``train_inspected`` the same with the numerics
 inspector. ``Trainer.train_step`` runs the one training step of the project, ``training_step`` (module
-``mpcourse.experiment.training.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
+``mpcourse.experiment.recipes.step``; the tests' recipe loop and the benchmarks call it too; the first step runs it
 inside ``memory.measure_step``, which counts its memory); the recipe decides the precision of each line
 (see ``mpcourse.experiment.recipes.base``)::
 
@@ -38,8 +38,9 @@ from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_chec
 from ..measure.memory import STATE_KINDS, measure_step
 from ..gpt.model import GPT, GPTConfig
 from ..measure.speed import flops_per_token
-from .step import training_step
+from ..recipes.step import training_step
 from ..recipes import OptimConfig, get_recipe
+from ..recipes.base import TrainingRecipe
 
 
 @dataclass
@@ -146,8 +147,8 @@ class Trainer:
     generator, torch's global RNG, the step count and the history, so that
     ``Trainer(...).load_state_dict(sd)`` continues exactly where the saved run was.
 
-    ``overrides`` maps names in the recipe's ``OVERRIDABLE`` to a learner's functions that replace
-    the library's (checked where the recipe is built: ``mpcourse.core.learner_table.check_overrides``).
+    ``recipe``: a registered recipe's name, or a recipe class; a learner's functions in place of the library's
+    ride in the class (``get_recipe(name).with_functions(...)``), checked where the recipe is built.
 
     ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
     (``self.inspector.records``); its time is part of the step time.
@@ -161,15 +162,15 @@ class Trainer:
     #: (the same bits; the tests compare the two)
     fast_emulation = True
 
-    def __init__(self, recipe_name: str, corpus: Corpus, cfg: TrainConfig, overrides=None, inspect_every: int = 0):
-        recipe_cls = get_recipe(recipe_name)
+    def __init__(self, recipe: str | type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, inspect_every: int = 0):
+        recipe_cls = get_recipe(recipe) if isinstance(recipe, str) else recipe
         mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
         model = GPT(mcfg).to(cfg.device)                     # FP32 init, identical for every recipe
         with tensor_cores(fast=self.fast_emulation):
             self.cfg = cfg
-            recipe = self.build_recipe(recipe_cls, model, overrides)
-        self._setup(recipe_name, recipe, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
+            built = self.build_recipe(recipe_cls, model)
+        self._setup(recipe_cls.name, built, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
         self.inspect(inspect_every)
 
     @classmethod
@@ -212,9 +213,9 @@ class Trainer:
                                        loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
 
     # -- what a data-parallel trainer (mpcourse.experiment.parallel.distributed) replaces --------------------
-    def build_recipe(self, recipe_cls, model, overrides):
+    def build_recipe(self, recipe_cls, model):
         """The recipe that trains ``model`` (FP32, freshly initialised)."""
-        return recipe_cls(model, self.cfg.optim, overrides)
+        return recipe_cls(model, self.cfg.optim)
 
     def forward_loss(self, x, y) -> torch.Tensor:
         """The training loss of batch ``(x, y)`` (B, T) int64 as backward sees it: fp32 ()."""
@@ -385,18 +386,19 @@ def check_same_corpus(saved: dict | None, corpus: Corpus) -> None:
             "the same --data (no --data: the embedded corpus)")
 
 
-def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
-          position: int = 0, overrides=None, label: str | None = None) -> RunResult:
-    """Train a fresh GPT on ``corpus`` under recipe ``recipe_name`` and report the outcome.
+def train(recipe: str | type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
+          position: int = 0, label: str | None = None) -> RunResult:
+    """Train a fresh GPT on ``corpus`` under ``recipe`` (a name, or a recipe class, e.g. one carrying a learner's
+    functions: ``TrainingRecipe.with_functions``) and report the outcome.
 
     A run whose training loss becomes inf or NaN stops there (``diverged_at``), and its final
-    losses are NaN: nothing is silently averaged away. ``overrides``: a learner's functions in place
-    of the library's (see ``Trainer``); ``label``: the name of the result's row (default the recipe's).
+    losses are NaN: nothing is silently averaged away. ``label``: the name of the result's row (default the
+    recipe's).
 
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
     """
-    trainer = Trainer(recipe_name, corpus, cfg, overrides)
+    trainer = Trainer(recipe, corpus, cfg)
     if label is not None:
         trainer.name = label                                 # the row's name, e.g. "fp16-dynamic [yours]"
     return trainer.run(progress=progress, position=position).result()

@@ -1,10 +1,11 @@
-"""The engine's one table binds every step, the GEMMs' included: with kernels off no kernel runs, with them on the
-same bits come out.
+"""One backend, chosen once and passed, runs every step, the GEMMs' included: with kernels off no kernel runs, with
+them on the same bits come out.
 
-* ``engine.KERNEL_TABLE``: every quantized recipe class has a row; the quantizers ``engine.quantizers`` builds are
-  its row's class (a ``PerDirectionBlockScaling``'s, its direction recipes'), with its row's steps bound.
-* ``engine.STEPS``: each step a (rule, kernel) pair, the rule in ``rules/``, the kernel in ``kernels/`` naming its
-  rule in its docstring.
+* ``engine.QUANTIZERS``: every quantized recipe class has its quantizer class; the quantizers ``engine.quantizers``
+  builds are of that class (a ``PerDirectionBlockScaling``'s, its direction recipes'), all holding the one backend
+  ``backend.choose`` gave (``RULES`` or ``KERNELS``).
+* ``backend.RULES`` and ``backend.KERNELS``: each step by name, the rule in ``rules/``, the kernel in ``kernels/``
+  naming its rule in its docstring.
 * A training step (forward, backward, optimizer step, twice) of a small model under every quantized recipe, FP8
   weights included, built with kernels off (``kernels_switch.flags(enabled=False)``, what ``MPCOURSE_FUSED=0``
   binds) calls no function defined in ``mpcourse/core/quant/kernels/`` (watched with ``sys.setprofile``: every
@@ -24,7 +25,9 @@ import torch
 
 import mpcourse.core.quant as quant
 from mpcourse.core import kernels_switch
-from mpcourse.core.quant import engine
+import dataclasses
+
+from mpcourse.core.quant import backend, engine
 from mpcourse.core.quant.block_recipes import direction_recipe
 from mpcourse.core.quant.kernels import fastpath
 
@@ -58,7 +61,7 @@ def test_the_watch_sees_a_kernel_call_and_ignores_a_rule_call():
         quant.compute_amax(x)                                     # the rule
     assert seen == []
     with kernel_calls() as seen:
-        engine.STEPS["amax"][1](x)                               # its kernel, reached through the table
+        backend.KERNELS.amax(x)                                  # its kernel, reached through the backend
     assert "compute_amax" in seen
 
 
@@ -67,32 +70,39 @@ QUANTIZED = [quant.DelayedScaling, quant.CurrentScaling, quant.Float8RowwiseScal
              quant.MXFP8BlockScaling, quant.NVFP4BlockScaling, quant.PerDirectionBlockScaling]
 
 
-def test_every_quantized_recipe_class_has_a_row_and_no_other_class_does():
-    assert set(engine.KERNEL_TABLE) == set(QUANTIZED)
-    for cls, row in engine.KERNEL_TABLE.items():
-        assert set(row.steps) <= set(engine.STEPS), cls.__name__
-        assert set(row.steps) & set(engine.BLOCK_GEMM + engine.PER_TENSOR_GEMM), f"{cls.__name__} binds no GEMM"
+STEPS = [f.name for f in dataclasses.fields(backend.Backend) if f.name != "kernels"]
+
+
+def test_every_quantized_recipe_class_has_a_quantizer_class_and_no_other_class_does():
+    assert set(engine.QUANTIZERS) == set(QUANTIZED)
     with pytest.raises(TypeError, match="recipe must be one of"):
-        engine.table_row(quant.BlockRecipe())
+        engine.quantizer_class(quant.BlockRecipe())
 
 
 @pytest.mark.parametrize("cls", QUANTIZED, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("kernels", [True, False])
-def test_quantizers_are_their_rows_class_with_their_rows_steps_bound(cls, kernels):
+def test_quantizers_are_their_recipes_class_and_hold_the_one_backend(cls, kernels):
     recipe = cls(amax_history_len=4) if cls is quant.DelayedScaling else cls()
     q = engine.quantizers(recipe, kernels=kernels)
     for key, quantizer in q.items():
         role, axis = engine.BACKWARD_COPIES.get(key, (key, 1))
         r = direction_recipe(recipe, role, axis) if isinstance(recipe, quant.BlockRecipe) else recipe
-        row = engine.table_row(r)
-        assert type(quantizer) is row.quantizer and quantizer.recipe == r, key
-        assert quantizer.binding.kernels is kernels and quantizer.binding.steps == row.steps
-        for step in row.steps:
-            assert getattr(quantizer.binding, step) is engine.STEPS[step][kernels], (key, step)
+        assert type(quantizer) is engine.quantizer_class(r) and quantizer.recipe == r, key
+        assert quantizer.backend is (backend.KERNELS if kernels else backend.RULES), key
+
+
+def test_the_backend_is_chosen_in_one_place():
+    assert backend.choose(True) is backend.KERNELS and backend.choose(False) is backend.RULES
+    with kernels_switch.flags(enabled=False):
+        assert backend.choose() is backend.RULES
+    with kernels_switch.flags(enabled=True):
+        assert backend.choose() is backend.KERNELS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        backend.KERNELS.amax = None
 
 
 def test_quantizer_classes_bear_transformer_engines_names():
-    names = {cls.__name__: row.quantizer.__name__ for cls, row in engine.KERNEL_TABLE.items()}
+    names = {cls.__name__: q.__name__ for cls, q in engine.QUANTIZERS.items()}
     assert names["DelayedScaling"] == "Float8Quantizer"
     assert names["CurrentScaling"] == "Float8CurrentScalingQuantizer"
     assert names["Float8BlockScaling"] == "Float8BlockQuantizer"
@@ -101,9 +111,9 @@ def test_quantizer_classes_bear_transformer_engines_names():
         engine.quantizer(quant.PerDirectionBlockScaling(), "input")
 
 
-@pytest.mark.parametrize("step", sorted(engine.STEPS))
+@pytest.mark.parametrize("step", STEPS)
 def test_each_step_is_a_rule_and_a_kernel_that_names_it(step):
-    rule, kernel = engine.STEPS[step]
+    rule, kernel = getattr(backend.RULES, step), getattr(backend.KERNELS, step)
     assert inspect.getsourcefile(rule).startswith(RULES_DIR), f"{step}: rule {rule.__qualname__} is not in rules/"
     assert inspect.getsourcefile(kernel).startswith(KERNELS_DIR), f"{step}: kernel {kernel.__qualname__}"
     name = f"{rule.__module__.rpartition('.')[2]}.{rule.__qualname__}"    # e.g. tensor.scaled_mm
@@ -140,7 +150,7 @@ def _train(recipe, kernels: bool, fp8_weights: bool = False):
         if fp8_weights:
             masters = quant.convert_to_fp8_weights(model)
             params = [p for p in model.parameters() if p.requires_grad] + list(masters.values())
-    assert all(m.quantizers["input"].binding.kernels is kernels for m in model if hasattr(m, "quantizers"))
+    assert all(m.quantizers["input"].backend.kernels is kernels for m in model if hasattr(m, "quantizers"))
     opt = torch.optim.SGD(params, lr=0.1)
     bits, forward_calls, backward_calls = [], [], []
     for step in range(2):
@@ -190,19 +200,19 @@ def test_the_public_gemms_follow_the_switch():
         assert torch.equal(x.float().view(torch.int32), y.float().view(torch.int32))
 
 
-def test_the_public_gemms_take_a_binding_that_overrides_the_switch():
-    """``binding=`` (what a layer passes: its quantizers') is the one used, whatever the switch says; the same bits."""
+def test_the_public_gemms_take_a_backend_that_overrides_the_switch():
+    """``backend=`` (what a layer passes: its quantizers') is the one used, whatever the switch says; the same bits."""
     torch.manual_seed(4)
     a, w = torch.randn(64, 256), torch.randn(96, 256)
     a8, w8 = quant.quantize_current(a, "e4m3"), quant.quantize_current(w, "e4m3")
     am, wm = quant.quantize_mx(a, (1, 32), "e4m3", "rceil"), quant.quantize_mx(w, (1, 32), "e4m3", "rceil")
     outs = {}
     for kernels in (True, False):
-        per_tensor, block = engine.bind(engine.PER_TENSOR_GEMM, kernels), engine.bind(engine.BLOCK_GEMM, kernels)
+        chosen = backend.choose(kernels)
         with kernels_switch.flags(enabled=not kernels), kernel_calls() as seen:
-            outs[kernels] = (quant.fp8_gemm(a8, w8.t(), torch.float32, binding=per_tensor),
-                             quant.scaled_gemm(am, wm.t(), torch.bfloat16, binding=block),
-                             quant.emulated_gemm(am, wm.t(), binding=block))
+            outs[kernels] = (quant.fp8_gemm(a8, w8.t(), torch.float32, backend=chosen),
+                             quant.scaled_gemm(am, wm.t(), torch.bfloat16, backend=chosen),
+                             quant.emulated_gemm(am, wm.t(), backend=chosen))
         assert bool(seen) is kernels, sorted(set(seen))
     for x, y in zip(outs[True], outs[False]):
         assert torch.equal(x.float().view(torch.int32), y.float().view(torch.int32))

@@ -79,7 +79,7 @@ def test_every_quantizer_takes_empty_tensors(kernels, name, shape):
     for role in ("input", "weight", "grad_output"):
         for axis in (0, 1):
             q = engine.quantizers(recipe, kernels=kernels)[role]
-            assert q.binding.kernels is kernels
+            assert q.backend.kernels is kernels
             x = torch.zeros(shape)
             out = _quantize(q, x, axis)
             ref = _quantize(engine.quantizers(recipe, kernels=kernels)[role], torch.zeros(256, 256), axis)  # zeros

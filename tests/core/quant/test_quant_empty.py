@@ -215,7 +215,7 @@ def test_block_scaled_gemms_on_empty_operands(mkn, name):
     backends = ["auto", "emulate"] + (["native"] if name in ("tensorwise", "rowwise") else [])
     for out_dtype in (torch.float32, torch.bfloat16):
         for backend in backends:
-            y = scaled_gemm(a, b.t(), out_dtype, backend=backend)
+            y = scaled_gemm(a, b.t(), out_dtype, route=backend)
             assert tuple(y.shape) == (M, N) and y.dtype == out_dtype, backend
             assert K or not bool(y.any()), backend                # an empty contraction: zeros
         y = emulated_gemm(a, b.t(), out_dtype)
@@ -255,7 +255,7 @@ def test_float8_linear_trains_on_empty_shapes(mkn, name, kernels):
     torch.manual_seed(0)
     with kernels_switch.flags(enabled=kernels):           # the layer's quantizers and GEMMs: kernels or rules
         lin = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe=LAYER_RECIPES[name])
-    assert lin[0].quantizers["input"].binding.kernels is kernels
+    assert lin[0].quantizers["input"].backend.kernels is kernels
     x = torch.randn(M, K, requires_grad=True)
     y = lin(x)
     assert tuple(y.shape) == (M, N)

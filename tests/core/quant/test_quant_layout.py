@@ -7,7 +7,7 @@
 * The recipes are configuration: dataclass fields (TE's / torchao's), no ``*_fn`` fields, no quantizing methods.
 * The engine's quantizers give the same bits with kernels (the default) as with the rules (``kernels=False``, what
   ``MPCOURSE_FUSED=0`` binds) for every recipe, role and axis.
-* No layer imports a kernel: the engine binds them (``engine.STEPS``), and each kernel's docstring names its rule.
+* No layer imports a kernel: the layers run their quantizers' backend (``quant.backend``), and each kernel's docstring names its rule.
 """
 import ast
 import dataclasses
@@ -158,9 +158,11 @@ RECIPES = [quant.DelayedScaling, quant.Float8CurrentScaling, quant.Float8Rowwise
 def test_recipes_are_configuration(cls):
     assert issubclass(cls, quant.Recipe) and dataclasses.is_dataclass(cls)
     assert not [f.name for f in dataclasses.fields(cls) if f.name.endswith("_fn")]
+    # no behaviour: at most ``refusal``, which field settings the lesson's functions do not follow
     methods = {n for n, v in vars(cls).items() if callable(v) and not n.startswith("__")}
-    assert methods == set(), f"{cls.__name__} has methods {methods}"
-    for name in quant.OVERRIDABLE_BY_RECIPE.get(cls, ()):   # the exercise's names, the engine's keys
+    assert methods <= {"refusal"}, f"{cls.__name__} has methods {methods}"
+    assert [f.name for f in dataclasses.fields(cls) if f.kw_only] == ["functions"]   # the learner's, keyword only
+    for name in cls.TAKES:   # the exercise's names
         assert name in {"compute_scale", "quantize", "update", "block_quantize", "mx_shared_exponent", "nvfp4_scales"}
 
 
@@ -193,7 +195,7 @@ def _bits(st):
 @pytest.mark.parametrize("recipe", BLOCK, ids=repr)
 def test_block_kernels_equal_the_rules_through_the_engine(recipe):
     fast, rules = engine.quantizers(recipe, kernels=True), engine.quantizers(recipe, kernels=False)
-    assert not rules["input"].binding.kernels and fast["input"].binding.kernels
+    assert not rules["input"].backend.kernels and fast["input"].backend.kernels
     for x in (_spread((256, 256), 1), _spread((128, 384), 2).bfloat16()):
         for role in ("input", "weight", "grad_output"):
             for axis, wgrad in ((1, False), (0, True)):
@@ -214,7 +216,7 @@ def test_block_kernels_equal_the_rules_through_the_engine(recipe):
                                     quant.Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)], ids=repr)
 def test_per_tensor_kernels_equal_the_rules_through_the_engine(recipe):
     fast, rules = engine.quantizers(recipe, kernels=True), engine.quantizers(recipe, kernels=False)
-    assert not rules["input"].binding.kernels and fast["input"].binding.kernels
+    assert not rules["input"].backend.kernels and fast["input"].backend.kernels
     for x in (_spread((64, 256), 3), _spread((64, 256), 4).reshape(4, 16, 256), _spread((32, 64), 5).bfloat16()):
         for role in ("input", "grad_output"):
             for _ in range(2):                                  # delayed: a second cast with the updated scale

@@ -620,7 +620,7 @@ def test_float8_linear_on_a_tiny_input_gives_no_nan(scale, name, kernels_on):
     ref = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))   # a bias would hide the tiny product
     with kernels_switch.flags(enabled=kernels_on):        # the layer's quantizers and GEMMs: kernels or rules
         lin = convert_to_float8_training(copy.deepcopy(ref), recipe=LAYER_RECIPES[name])
-    assert lin[0].quantizers["input"].binding.kernels is kernels_on
+    assert lin[0].quantizers["input"].backend.kernels is kernels_on
     x = torch.randn(128, 256) * scale
     x[:32] = 0.0
     x[:, 64:96] = 0.0

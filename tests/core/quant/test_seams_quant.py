@@ -28,7 +28,7 @@ def _x(shape, seed=0):
 
 def _quantizer(recipe, role="input", functions=None):
     """The engine's quantizer of ``role`` under ``recipe`` with the learner's ``functions``."""
-    return quantizers(recipe, functions=functions)[role]
+    return quantizers(recipe.with_functions(functions))[role]
 
 
 def _state(recipe, functions=None):
@@ -73,7 +73,7 @@ def test_lesson_08_update_follows_the_library_state_through_zero_inf_and_nan(fns
         seen.append(float(lib_state.scale))
     assert len(set(seen)) >= 4                                            # the scale moved: the test can fail
     with pytest.raises(ValueError, match="update is lesson 08's update"):
-        quantizers(DelayedScaling(amax_compute_algo=lambda h: h.max()), functions={"update": fns["update"]})
+        DelayedScaling(amax_compute_algo=lambda h: h.max(), functions={"update": fns["update"]})
 
 
 ROLE_AXES = [("input", 1, False), ("weight", 1, False), ("grad_output", 1, False), ("weight", 0, False),
@@ -95,11 +95,11 @@ def test_lesson_10_functions_give_the_librarys_blocks_for_every_role_and_axis(fn
 
 def test_the_block_seams_refuse_recipes_whose_rule_is_not_the_lessons(fns):
     with pytest.raises(ValueError, match="power_2_scales"):
-        quantizers(Float8BlockScaling(power_2_scales=False), functions={"block_quantize": fns["block_quantize"]})
+        Float8BlockScaling(power_2_scales=False, functions={"block_quantize": fns["block_quantize"]})
     with pytest.raises(ValueError, match="floor"):
-        quantizers(MXFP8BlockScaling(), functions={"mx_shared_exponent": fns["mx_shared_exponent"]})   # rceil
+        MXFP8BlockScaling(functions={"mx_shared_exponent": fns["mx_shared_exponent"]})   # rceil
     with pytest.raises(ValueError, match="cannot use update: it takes compute_scale, quantize"):
-        quantizers(CurrentScaling(), functions={"update": fns["update"]})
+        CurrentScaling().with_functions({"update": fns["update"]})
 
 
 def _f32_quantize(x, scale, fp8_max):

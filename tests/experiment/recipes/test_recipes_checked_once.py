@@ -1,7 +1,8 @@
 """A quantized TrainingRecipe checks the learner's functions once, where it is built (``checked_overrides``): the
-names, the signatures and the quant engine's refusal for the recipe's fields (``engine.rule_refusal``). Its
-quantizers take what that check returned (``learner_table.CheckedFunctions``) as it is: one check across building
-the recipe and training it, with the learner's functions run by every step."""
+names, the signatures and the quantization recipe's refusal for its fields (``Recipe.refusal``). The quantization
+recipe that carries them to every layer (``QuantizedRecipe.quantization()``) takes what that check returned
+(``learner_table.CheckedFunctions``) as it is: one check across building the recipe and training it, with the
+learner's functions run by every step."""
 import functools
 
 import pytest
@@ -39,7 +40,7 @@ def solutions():
 def checks(monkeypatch):
     """The ``who`` of every call of ``learner_table.check_overrides``, wherever a module imported it."""
     calls, patched = count_check_overrides(monkeypatch)
-    assert {"mpcourse.core.quant.engine", "mpcourse.experiment.recipes.base"} <= patched
+    assert {"mpcourse.core.quant.recipe", "mpcourse.experiment.recipes.base"} <= patched
     return calls
 
 
@@ -59,11 +60,11 @@ def test_a_quantized_recipe_checks_the_learners_functions_once_across_building_a
     overrides = {fn: _counted(fn, solutions[fn], calls) for fn in TAKING[name]}
     cfg = WIDE if name == "fp8-block" else SMALL
     torch.manual_seed(0)
-    recipe = get_recipe(name)(GPT(GPTConfig(**{**cfg.__dict__, "vocab_size": corpus.vocab_size})), OptimConfig(),
-                              overrides=overrides)
+    recipe = get_recipe(name).with_functions(overrides)(
+        GPT(GPTConfig(**{**cfg.__dict__, "vocab_size": corpus.vocab_size})), OptimConfig())
     assert checks == [f"recipe {name!r}"]                  # built: checked once, by the recipe, for all its layers
     layers = [m for m in recipe.model.modules() if isinstance(m, Float8Linear)]
-    assert layers and all(layer.functions is recipe.overrides for layer in layers)
+    assert layers and all(layer.recipe.functions is recipe.overrides for layer in layers)
     assert isinstance(recipe.overrides, CheckedFunctions) and recipe.overrides.checked_for == recipe.fp8_recipe
     run_steps(recipe, corpus, torch.Generator().manual_seed(0), 3, block_size=cfg.block_size, batch_size=B)
     assert checks == [f"recipe {name!r}"]                  # and never again while it trains
@@ -87,7 +88,7 @@ class _RceilTakingTheFloorRule(QuantizedRecipe):
 def test_the_engines_refusal_for_the_recipes_fields_runs_where_the_recipe_is_built(checks):
     PREPARED.clear()
     with pytest.raises(OverrideRefused) as e:
-        _RceilTakingTheFloorRule(GPT(SMALL), overrides={"mx_shared_exponent": lambda amax, elem: amax})
+        _RceilTakingTheFloorRule.with_functions({"mx_shared_exponent": lambda amax, elem: amax})(GPT(SMALL))
     assert str(e.value) == ("mx_shared_exponent is lesson 09's floor rule: use it with scale_rule='floor' (the "
                             "mxfp8-floor recipe)")
     assert PREPARED == [] and checks == ["recipe 'mxfp8-rceil-floor-rule'"]     # refused before any layer is built
@@ -106,7 +107,7 @@ def test_a_function_the_quantization_recipe_does_not_take_is_refused_not_dropped
     the engine, which takes quantize and update for it, refuses it rather than building quantizers that would
     silently train the library's rule in its place."""
     with pytest.raises(OverrideRefused) as e:
-        _DelayedTakingCurrentScalingsRule(GPT(SMALL), overrides={"compute_scale": lambda amax, fp8_max, margin=0:
-                                                                 fp8_max / amax})
+        _DelayedTakingCurrentScalingsRule.with_functions({"compute_scale": lambda amax, fp8_max, margin=0:
+                                                          fp8_max / amax})(GPT(SMALL))
     assert str(e.value) == ("DelayedScaling cannot use compute_scale: it takes quantize, update; compute_scale "
                             "(lesson 07) goes to CurrentScaling")

@@ -90,9 +90,10 @@ def test_fp8_exactly_on_the_block_linears(name, corpus):
 def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatch):
     """Forward, input-gradient and weight-gradient GEMM of each FP8 layer take FP8 operands (E4M3 forward; an E5M2
     gradient operand in the backward, HYBRID) through torch._scaled_mm (on a CPU its bit-exact equivalent, the
-    step ``scaled_mm`` the engine binds: ``tensor.scaled_mm`` or its kernel; the CPU backward upcasts dy, W and x
+    step ``scaled_mm`` of the layers' backend: ``tensor.scaled_mm`` or its kernel; the CPU backward upcasts dy, W and x
     once each for both GEMMs, the same bits); the head does not. Evaluation runs the forward GEMMs only."""
-    from mpcourse.core.quant import engine
+    import dataclasses
+    from mpcourse.core.quant import backend
     calls, upcasts = [], []
 
     def spy_upcast(real):
@@ -108,9 +109,11 @@ def test_a_training_step_runs_three_fp8_gemms_per_layer(name, corpus, monkeypatc
         return spy
 
     monkeypatch.setattr(torch, "_scaled_mm", spying(torch._scaled_mm))
-    # the engine's table, rule and kernel alike: the layers built below bind the spies
-    monkeypatch.setitem(engine.STEPS, "scaled_mm", tuple(map(spying, engine.STEPS["scaled_mm"])))
-    monkeypatch.setitem(engine.STEPS, "fp8_to_float32", tuple(map(spy_upcast, engine.STEPS["fp8_to_float32"])))
+    # both backends, rules and kernels alike: the layers built below take the spies
+    for name_ in ("RULES", "KERNELS"):
+        b = getattr(backend, name_)
+        monkeypatch.setattr(backend, name_, dataclasses.replace(b, scaled_mm=spying(b.scaled_mm),
+                                                                fp8_to_float32=spy_upcast(b.fp8_to_float32)))
     r = make(name, corpus)
     run(r, corpus, torch.Generator().manual_seed(0), 1)
     n = len(FP8_LINEARS)

@@ -27,7 +27,7 @@ def test_every_recipes_names_are_exercise_functions_the_library_checks():
         for parallel in ("ddp", "fsdp"):
             assert set(overridable(cls, parallel)) <= set(cls.OVERRIDABLE)
         if issubclass(cls, QuantizedRecipe):                 # a quant recipe takes what its engine recipe takes
-            assert set(cls.OVERRIDABLE) <= set(quant.OVERRIDABLE_BY_RECIPE.get(type(cls.fp8_recipe), ())), name
+            assert set(cls.OVERRIDABLE) <= set(type(cls.fp8_recipe).TAKES), name
         taken |= set(cls.OVERRIDABLE)
     assert set(ShardedMasterRecipe.OVERRIDABLE) <= taken
     checked = {n for n, e in EXERCISE_FUNCTIONS.items() if e.returned is not None}
@@ -70,10 +70,10 @@ def _update_scale(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_f
 ])
 def test_a_wrong_function_is_one_line_where_the_recipe_is_built(recipe, overrides, words):
     with pytest.raises(OverrideRefused) as e:
-        get_recipe(recipe)(GPT(TINY), overrides=overrides)
+        get_recipe(recipe).with_functions(overrides)(GPT(TINY))
     assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)
 
 
 def test_a_right_function_is_taken_wrapped_and_named():
-    recipe = get_recipe("fp16-dynamic")(GPT(TINY), overrides={"update_scale": _update_scale})
+    recipe = get_recipe("fp16-dynamic").with_functions({"update_scale": _update_scale})(GPT(TINY))
     assert list(recipe.overrides) == ["update_scale"] and recipe.overrides["update_scale"].__wrapped__ is _update_scale

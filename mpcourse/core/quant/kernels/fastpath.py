@@ -42,8 +42,8 @@ every recipe's quantizers both ways): ``compute_amax`` (one ``aminmax`` pass), `
 pooling for 1x16 blocks), ``quantize_fp32_scaled``, ``quantize_mx``, ``quantize_nvfp4`` and their ``encode_*``
 steps (the FP32 copy kept with the quantization; NVFP4's scale levels and multipliers in ``nvfp4_block_scales``,
 one compiled pass, and its stochastic draws made inside ``fused``'s kernel from the generator's state),
-``dequantize`` and ``rht`` (one batched matmul with a cached matrix). ``engine`` binds each of them or its rule
-(its table ``STEPS``); no layer imports this module.
+``dequantize`` and ``rht`` (one batched matmul with a cached matrix). ``quant.backend.KERNELS`` holds each of them,
+``RULES`` its rule; no layer imports this module.
 """
 from __future__ import annotations
 

@@ -6,17 +6,16 @@ each with its scales in blocks along K (the contraction dimension). Which path r
 * ``F.scaled_mm`` (torch >= 2.10, ``ScalingType``) when both operands map onto one of its scalings and the
   device runs it: ``TensorWise`` x ``TensorWise`` and ``RowWise`` x ``RowWise`` on a CPU (torch 2.13,
   measured: it upcasts to FP32 and its output equals dequantize-then-FP32-GEMM bit for bit, so ``auto`` runs
-  the faster emulation there and ``backend="native"`` the real call);
+  the faster emulation there and ``route="native"`` the real call);
   ``BlockWise1x128`` x ``BlockWise128x128`` also on Hopper (SM 9.0); MX (``BlockWise1x32``) and NVFP4
   (``BlockWise1x16``) need Blackwell and are not wired here (no such GPU to test on).
 * otherwise the emulation: every block of each operand multiplied by its own scale in FP32, then one FP32
   GEMM, so the result *is* dequantize-then-FP32-GEMM (equal bit for bit by construction, on every machine).
 
-The emulation dequantizes each operand with the engine's binding of the step ``dequantize`` (the rule
+The emulation dequantizes each operand with the step ``dequantize`` of its backend (the rule
 ``ScaledTensor.dequantize`` or its kernel ``fastpath.dequantize``), unless the quantizer kept its float32 copy:
-the layers pass their quantizers' ``binding`` (``scaled_gemm(..., binding=)``); without one (``binding=None``)
-``scaled_gemm`` and ``emulated_gemm`` take the binding the engine makes now (``engine.bind(BLOCK_GEMM)``: the
-kernel unless the library's switch, ``mpcourse.core.kernels_switch``, is off).
+the layers pass their quantizers' ``backend`` (``scaled_gemm(..., backend=)``); a caller that passes none gets the
+one the library chooses now (``backend.choose()``).
 
 The emulation rounds like an FP32 GEMM, not like a tensor core. Real FP8 tensor cores on Hopper with
 ``use_fast_accum=True`` keep only about 14 bits of the running sum (DeepSeek-V3 technical report,
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import NumberFormat, round_to
-from ..engine import BLOCK_GEMM, Binding, bind
+from ..backend import Backend, choose
 from ..rules.scaled import ScaledTensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,17 +63,17 @@ def native_supported(kind: Optional[str], device: torch.device) -> bool:
 
 
 def emulated_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
-                  binding: Optional[Binding] = None) -> torch.Tensor:
+                  backend: Optional[Backend] = None) -> torch.Tensor:
     """dequant(a) @ dequant(b) in FP32, rounded once to out_dtype: (M, K) @ (K, N) -> (M, N). Each operand is
-    dequantized by ``binding.dequantize`` where no float32 copy was kept (``binding``: the engine's binding of
-    ``BLOCK_GEMM``, a layer's quantizers'; None: the binding ``engine.bind`` makes now)."""
-    binding = bind(BLOCK_GEMM) if binding is None else binding
-    return (_fp32(binding, a) @ _fp32(binding, b)).to(out_dtype)
+    dequantized by ``backend.dequantize`` where no float32 copy was kept (a layer passes its quantizers' backend;
+    None: ``backend.choose()``)."""
+    backend = choose() if backend is None else backend
+    return (_fp32(backend, a) @ _fp32(backend, b)).to(out_dtype)
 
 
-def _fp32(binding: Binding, a: ScaledTensor) -> torch.Tensor:
-    """``a.dequantize_fp32()``: the copy kept at quantization, else ``binding.dequantize`` (the same bits)."""
-    return a.dequantized if a.dequantized is not None else binding.dequantize(a, torch.float32)
+def _fp32(backend: Backend, a: ScaledTensor) -> torch.Tensor:
+    """``a.dequantize_fp32()``: the copy kept at quantization, else ``backend.dequantize`` (the same bits)."""
+    return a.dequantized if a.dequantized is not None else backend.dequantize(a, torch.float32)
 
 
 def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_accum: bool) -> torch.Tensor:
@@ -93,18 +92,18 @@ def _native(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype, use_fast_acc
 
 
 def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.float32, *,
-                use_fast_accum: bool = False, backend: str = "auto", binding: Optional[Binding] = None
+                use_fast_accum: bool = False, route: str = "auto", backend: Optional[Backend] = None
                 ) -> torch.Tensor:
     """``a @ b`` for block-scaled operands: (M, K) @ (K, N) -> (M, N) ``out_dtype``.
 
     a's blocks and b's blocks must each lie along K (e.g. a 1x128 / 1x32 / 1x16 / 128x128 a, and b the
-    transpose of such a tensor). backend: "auto" (F.scaled_mm where a GPU supports the scaling, else the
+    transpose of such a tensor). route: "auto" (F.scaled_mm where a GPU supports the scaling, else the
     emulation, which on a CPU is what F.scaled_mm computes there, bit for bit, only faster),
     "emulate" or "native" (RuntimeError where the device does not take this scaling).
-    binding: the engine's binding of ``BLOCK_GEMM``, whose ``dequantize`` the emulation uses (a layer passes its
-    quantizers'; None: the binding ``engine.bind`` makes now, see the module docstring).
+    backend: the rules or the kernels, whose ``dequantize`` the emulation uses (a layer passes its quantizers';
+    None: ``backend.choose()``, see the module docstring).
     """
-    binding = bind(BLOCK_GEMM) if binding is None else binding
+    backend = choose() if backend is None else backend
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -113,16 +112,16 @@ def scaled_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch
         raise ValueError("FP8 GEMMs refuse E5M2 x E5M2: at least one operand must be E4M3")
     kind = scaling_kind(a, b)
     native = native_supported(kind, a.data.device)
-    if backend == "native" and not native:
+    if route == "native" and not native:
         raise RuntimeError(f"F.scaled_mm does not run {kind or 'this scaling'} on {a.data.device}: "
-                           "use backend='emulate' (or 'auto')")
-    if backend not in ("auto", "emulate", "native"):
-        raise ValueError(f"backend must be 'auto', 'emulate' or 'native', got {backend!r}")
+                           "use route='emulate' (or 'auto')")
+    if route not in ("auto", "emulate", "native"):
+        raise ValueError(f"route must be 'auto', 'emulate' or 'native', got {route!r}")
     # On a CPU F.scaled_mm upcasts to FP32 as the emulation does (equal bit for bit, tested) but with torch's slow
     # element-by-element FP8 upcast: "auto" takes the emulation there.
-    if native and (backend == "native" or (backend == "auto" and a.data.device.type != "cpu")):
+    if native and (route == "native" or (route == "auto" and a.data.device.type != "cpu")):
         return _native(a, b, kind, out_dtype, use_fast_accum)
-    return emulated_gemm(a, b, out_dtype, binding=binding)
+    return emulated_gemm(a, b, out_dtype, backend=backend)
 
 
 def accumulator_format(mantissa_bits: int) -> NumberFormat:

@@ -3,7 +3,7 @@
 y = x @ W^T + b with x (M, K), W (N, K). Every operand of every GEMM is quantized by the recipe's quantizer
 for its role, along that GEMM's contraction dimension, from the high-precision tensor (TE's rule; see
 ``block_recipes``), and the GEMM runs through ``block_gemm.scaled_gemm`` (``F.scaled_mm`` where the device
-takes the scaling, else the exact emulation, dequantizing with the quantizers' ``binding``: the engine chose
+takes the scaling, else the exact emulation, dequantizing with the quantizers' ``backend``: the engine chose
 rule or kernel)::
 
     forward  y  = Q(x, 1) @ Q(W, 1)^T                 -> (M, N) out dtype    fprop_operands
@@ -57,7 +57,7 @@ class BlockScaledLinearFunction(torch.autograd.Function):
         # x: (M, K); weight: (N, K); bias: (N,) or None. quantizers: ``engine.quantizers`` of the layer's recipe
         q = quantizers
         xq, wq = fprop_operands(q, x, weight)                     # (M, K), (N, K), blocks along K
-        y = scaled_gemm(xq, wq.t(), out_dtype, binding=q["input"].binding)          # (M, N)
+        y = scaled_gemm(xq, wq.t(), out_dtype, backend=q["input"].backend)          # (M, N)
         x_src = backward_source(x, xq, backward_operand)          # (M, K): what wgrad's copy of x comes from
         w_src = backward_source(weight, wq, backward_operand)     # (N, K): what dgrad's copy of W comes from
         xq = wq.dequantized = None                                # the kept FP32 copies have been read
@@ -89,11 +89,11 @@ class BlockScaledLinearFunction(torch.autograd.Function):
             else:                                                   # the forward's copy: dgrad_operands' W bits
                 g1 = q["grad_output"](grad_y, 1)
                 w1 = ScaledTensor(w0[0], w0[1], ctx.w0[0], ctx.w0[1], w0[2], ctx.w0[2])
-            dx = scaled_gemm(g1, w1, x_src.dtype, binding=q["grad_output"].binding)   # (M, K)
+            dx = scaled_gemm(g1, w1, x_src.dtype, backend=q["grad_output"].backend)   # (M, K)
             del g1, w1                                              # and their FP32 copies, before the wgrad
         if ctx.needs_input_grad[1]:
             g0, x0 = wgrad_operands(q, grad_y, x_src)               # (M, N), (M, K)
-            dw = scaled_gemm(g0.t(), x0, ctx.weight_dtype, binding=q["grad_output"].binding)   # (N, K)
+            dw = scaled_gemm(g0.t(), x0, ctx.weight_dtype, backend=q["grad_output"].backend)   # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None

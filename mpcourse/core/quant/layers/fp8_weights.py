@@ -22,7 +22,7 @@ Here, per layer::
 
 One training step::
 
-    forward    y  = x8 @ w8^T       x quantized as in Float8Linear; w8 is the stored weight, never re-quantized
+    forward    y  = x8 @ w8^T       x quantized as in QuantizedLinear; w8 is the stored weight, never re-quantized
     backward   dx = dy8 @ w8        the stored weight again
                dW = dy8^T @ x8      written in FP32 to master_weight.grad (the weight gradient flows to the master)
     optimizer  AdamW steps master_weight (and the model's FP32 parameters)
@@ -30,9 +30,9 @@ One training step::
 
 The cast uses the layer's own weight quantizer, so the recipe decides the scale: under ``DelayedScaling`` it
 quantizes with the weight state's current scale, records ``amax(master)`` and updates the state (outside an FP8
-region: at once, ``region.schedule_update``), which is what ``Float8Linear``'s forward does to its FP32 weight
+region: at once, ``region.schedule_update``), which is what ``QuantizedLinear``'s forward does to its FP32 weight
 one forward later. Hence, with the master started from the FP32 initial weights (``master_init="fp32"``), the
-FP8 weight every forward and backward uses is bit for bit the one ``Float8Linear`` would quantize from its FP32
+FP8 weight every forward and backward uses is bit for bit the one ``QuantizedLinear`` would quantize from its FP32
 weight, and training is bit-identical; only where the bytes live differs. ``master_init="fp8"`` starts the
 master from the dequantized FP8 weight, as FusedAdam does without the preserved initial values: the master is
 then rounded to E4M3 once, at the start, and training differs slightly.
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from .gemm import fp8_gemm
-from .linear import Float8Linear, _FP8LinearFunction
+from .linear import QuantizedLinear, _FP8LinearFunction
 from ..rules.tensor import Float8Tensor, fp8_dtype
 
 MASTER_INITS = ("fp32", "fp8")     # the master starts from the FP32 initial weight / from the FP8 weight
@@ -61,7 +61,7 @@ class _StoredWeightFunction(_FP8LinearFunction):
         x8 = layer._quantize("input", x, record)  # (M, K) E4M3, row-major
         w8 = layer.fp8_weight()  # (N, K) E4M3 as stored: no cast of the weight here
         y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
-                     binding=layer.quantizers["input"].binding)  # (M, N)
+                     backend=layer.quantizers["input"].backend)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The weight's data is a parameter (saved: version-checked at backward); its scale_inv is layer state that
@@ -74,8 +74,8 @@ class _StoredWeightFunction(_FP8LinearFunction):
         return y
 
 
-class Float8WeightLinear(Float8Linear):
-    """A ``Float8Linear`` whose weight is stored only in FP8; its FP32 master lives in the optimizer.
+class Float8WeightLinear(QuantizedLinear):
+    """A ``QuantizedLinear`` whose weight is stored only in FP8; its FP32 master lives in the optimizer.
 
     Build it with ``from_float8_linear`` (or ``convert_to_fp8_weights`` for a whole model), not directly.
     ``master_weight`` is the (N, K) FP32 parameter the weight gradient is written to (None: no weight
@@ -87,12 +87,12 @@ class Float8WeightLinear(Float8Linear):
     master_weight: nn.Parameter | None = None
 
     @classmethod
-    def from_float8_linear(cls, layer: Float8Linear, master_init: str = "fp32"
+    def from_float8_linear(cls, layer: QuantizedLinear, master_init: str = "fp32"
                            ) -> tuple["Float8WeightLinear", nn.Parameter]:
         """(the new layer, its FP32 master). The layer's bias, recipe and scaling state carry over; the master
         starts from the layer's weight (``master_init="fp32"``) or from its FP8 cast (``"fp8"``)."""
-        if type(layer) is not Float8Linear:
-            raise TypeError(f"from_float8_linear takes a Float8Linear (convert_to_float8_training first), "
+        if type(layer) is not QuantizedLinear:
+            raise TypeError(f"from_float8_linear takes a QuantizedLinear (convert_to_float8_training first), "
                             f"got {type(layer).__name__}")
         if master_init not in MASTER_INITS:
             raise ValueError(f"master_init must be one of {MASTER_INITS}, got {master_init!r}")
@@ -104,7 +104,7 @@ class Float8WeightLinear(Float8Linear):
             raise TypeError(f"the layer's weight must be FP32, BF16 or FP16, got {layer.weight.dtype}")
         with torch.device("meta"):  # no second high-precision weight is ever allocated
             new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, recipe=layer.recipe,
-                      pad_inner_dim=layer.pad_inner_dim, functions=layer.functions)
+                      pad_inner_dim=layer.pad_inner_dim)
         device = layer.weight.device
         new.bias = layer.bias
         new.quantizers, new.scaling_state = layer.quantizers, layer.scaling_state      # the scaling state goes on
@@ -179,14 +179,14 @@ class Float8WeightLinear(Float8Linear):
 
 
 def convert_to_fp8_weights(model: nn.Module, *, master_init: str = "fp32") -> dict[str, nn.Parameter]:
-    """Swap every ``Float8Linear`` in ``model`` (in place) for a ``Float8WeightLinear`` storing its weight in FP8.
+    """Swap every ``QuantizedLinear`` in ``model`` (in place) for a ``Float8WeightLinear`` storing its weight in FP8.
 
     Returns ``{fqn: master}``: the FP32 masters, in the order of ``model.named_modules()``, for the optimizer to
     step in place of the FP8 weights (then ``cast_master_to_weight_()`` on each layer after every step).
-    Raises ValueError if ``model`` has no ``Float8Linear`` (run ``convert_to_float8_training`` first) or is one.
+    Raises ValueError if ``model`` has no ``QuantizedLinear`` (run ``convert_to_float8_training`` first) or is one.
     """
-    if isinstance(model, Float8Linear):
-        raise ValueError("cannot convert a bare Float8Linear in place: use Float8WeightLinear.from_float8_linear, "
+    if isinstance(model, QuantizedLinear):
+        raise ValueError("cannot convert a bare QuantizedLinear in place: use Float8WeightLinear.from_float8_linear, "
                          "or wrap the layer in a parent module")
     masters: dict[str, nn.Parameter] = {}
     swapped: dict[int, Float8WeightLinear] = {}
@@ -196,7 +196,7 @@ def convert_to_fp8_weights(model: nn.Module, *, master_init: str = "fp32") -> di
             fqn = f"{prefix}.{name}" if prefix else name
             if id(child) in swapped:                                  # a layer shared by several parents
                 setattr(parent, name, swapped[id(child)])
-            elif type(child) is Float8Linear:
+            elif type(child) is QuantizedLinear:
                 swapped[id(child)], masters[fqn] = Float8WeightLinear.from_float8_linear(child, master_init)
                 setattr(parent, name, swapped[id(child)])
             elif child is not None:
@@ -204,5 +204,5 @@ def convert_to_fp8_weights(model: nn.Module, *, master_init: str = "fp32") -> di
 
     visit(model, "")
     if not masters:
-        raise ValueError("the model has no Float8Linear layer to store in FP8: run convert_to_float8_training first")
+        raise ValueError("the model has no QuantizedLinear layer to store in FP8: run convert_to_float8_training first")
     return masters

@@ -1,6 +1,6 @@
-"""FP8 all-gather of ``Float8Linear`` weights under FSDP2: each rank casts its shard, the ranks gather bytes.
+"""FP8 all-gather of ``QuantizedLinear`` weights under FSDP2: each rank casts its shard, the ranks gather bytes.
 
-Without it FSDP2 all-gathers a block's FP32 weights (4 bytes per element) and each ``Float8Linear`` then casts
+Without it FSDP2 all-gathers a block's FP32 weights (4 bytes per element) and each ``QuantizedLinear`` then casts
 the whole weight to E4M3 with current scaling. With it, each rank casts *its shard* to E4M3 before the
 all-gather and the ranks exchange 1 byte per element plus one FP32 scale. The rule
 (``quantize_shard_for_all_gather``)::
@@ -15,7 +15,7 @@ casting the gathered FP32 weight: the GEMMs, hence the losses, do not change; on
 
 This is torchao's ``enable_fsdp_float8_all_gather`` (``torchao/float8/fsdp_utils.py``: its weight wrapper's
 ``fsdp_pre_all_gather`` casts the shard with a MAX-all-reduced amax, ``fsdp_post_all_gather`` wraps the gathered
-bytes and the scale in a tensor its ``Float8Linear`` consumes as the ready FP8 weight).
+bytes and the scale in a tensor its ``QuantizedLinear`` consumes as the ready FP8 weight).
 
 Uneven shards (``padded_shard_rows``, ``pad_rows``). FSDP2 shards dim 0 as ``torch.chunk`` does: the first ranks
 hold ceil(rows / N) rows, the last ones fewer, or none when the weight has fewer rows than ranks (128 rows on 3
@@ -43,7 +43,7 @@ inner tensors it refilled in place). So two small tensor subclasses:
 * ``FP8AllGatherWeight``: the FP32 weight (then its shard), a wrapper that behaves as its FP32 tensor for every
   op (the optimizer steps it) and carries the two hooks;
 * ``GatheredFloat8Weight``: the unsharded parameter, FP32 to autograd, holding the gathered E4M3 data and the
-  scale; ``Float8Linear`` takes its ``fp8_all_gathered()`` as the weight's FP8 copy instead of casting again. Any other op
+  scale; ``QuantizedLinear`` takes its ``fp8_all_gathered()`` as the weight's FP8 copy instead of casting again. Any other op
   on it sees the dequantized weight.
 
 gloo has no FP8 dtype: the shard's E4M3 data travel as a ``uint8`` view (same bytes; FSDP2 gathers a block of
@@ -109,7 +109,7 @@ def _wrapper(cls, t: torch.Tensor, dtype: torch.dtype):
 
 class FP8AllGatherWeight(torch.Tensor):
     """An FP32 weight (``_tensor``) whose FSDP2 all-gather sends FP8: ``quantize_shard_for_all_gather`` with the
-    layer's weight quantizer (``layer``: its ``Float8Linear``, for the recipe and the bound amax/scale/cast)."""
+    layer's weight quantizer (``layer``: its ``QuantizedLinear``, for the recipe and the bound amax/scale/cast)."""
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, layer):
@@ -200,15 +200,15 @@ def fp8_all_gather_recipes_error(recipe) -> Optional[str]:
 
 
 def enable_fp8_all_gather(model: nn.Module) -> int:
-    """Make every ``Float8Linear`` weight of ``model`` gather in FP8 under FSDP2 (call before ``fully_shard``).
+    """Make every ``QuantizedLinear`` weight of ``model`` gather in FP8 under FSDP2 (call before ``fully_shard``).
 
     Returns the number of weights wrapped. Raises ValueError for a layer whose recipe is not current scaling.
     """
-    from .linear import Float8Linear
+    from .linear import QuantizedLinear
 
     n = 0
     for name, m in model.named_modules():
-        if isinstance(m, Float8Linear):
+        if isinstance(m, QuantizedLinear):
             why = fp8_all_gather_recipes_error(m.recipe)
             if why:
                 raise ValueError(f"{name}: {why}")

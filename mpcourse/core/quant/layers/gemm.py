@@ -13,7 +13,7 @@ Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/floa
 * CPU (measured on torch 2.13): any shape, any layout, also E5M2 x E5M2, out_dtype float32, bfloat16,
   float16 (or FP8). It upcasts both operands to FP32, multiplies by the scales and runs the FP32 GEMM,
   so its result equals ``(float32(A) * scale_a) @ (float32(B) * scale_b)`` rounded to out_dtype, bit for bit.
-  On a CPU ``fp8_gemm`` computes exactly that itself, with the engine's binding of the step ``scaled_mm``: the
+  On a CPU ``fp8_gemm`` computes exactly that itself, with the step ``scaled_mm`` of its backend: the
   rule ``rules.tensor.scaled_mm``, or its kernel ``fastpath.cpu_scaled_mm`` (torch's element-by-element FP8 upcast
   replaced by a read of the codes as FP16 bits, many times faster; ``tests/core/quant/kernels/test_quant_fastpath.py``
   checks it equals ``torch._scaled_mm`` bit for bit); on a GPU it calls ``torch._scaled_mm``.
@@ -31,10 +31,9 @@ Policies here:
 ``fp8_gemm`` calls, with the layout copies ``_scaled_mm`` needs; on a CPU it computes the same bits with each
 operand upcast once (the FP32 copy of dy serves both GEMMs) and none of those copies.
 
-Which functions run on a CPU (the rule or its kernel) is the engine's choice, not this module's: the layers pass
-their quantizers' ``binding`` (``fp8_gemm(..., binding=)``, ``fp8_linear_backward_gemms(..., binding=)``);
-without one (``binding=None``) each takes the binding the engine makes now (``engine.bind(PER_TENSOR_GEMM)``: the
-kernels unless the library's switch, ``mpcourse.core.kernels_switch``, is off).
+Which functions run on a CPU (the rule or its kernel) is not this module's choice: the layers pass their
+quantizers' ``backend`` (``fp8_gemm(..., backend=)``, ``fp8_linear_backward_gemms(..., backend=)``); a caller that
+passes none (a lesson's cell) gets the one the library chooses now (``backend.choose()``).
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ..engine import PER_TENSOR_GEMM, Binding, bind
+from ..backend import Backend, choose
 from ..rules.tensor import Float8Tensor
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,9 +99,9 @@ def _round_up(n: int) -> int:
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_inner_dim: bool = False,
-             use_fast_accum: bool = False, binding: Optional[Binding] = None) -> torch.Tensor:
+             use_fast_accum: bool = False, backend: Optional[Backend] = None) -> torch.Tensor:
     """``a @ b`` for FP8 operands through ``torch._scaled_mm``: (M, K) @ (K, N) -> (M, N) ``out_dtype``; on a CPU
-    through ``binding.scaled_mm`` (the engine's: the rule ``tensor.scaled_mm`` or its kernel).
+    through ``backend.scaled_mm`` (the rule ``tensor.scaled_mm`` or its kernel).
 
     Args:
       a: (M, K) Float8Tensor, row-major (``a.data.is_contiguous()``).
@@ -112,13 +111,12 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
       pad_inner_dim: zero-pad dimensions to multiples of 16 (needed on CUDA for shapes that are not).
       use_fast_accum: cuBLAS fast accumulation (torchao uses it for the forward GEMM); ignored on CPU. On
          Hopper it trades the FP32 accumulator for a ~14-bit one (see the module docstring).
-      binding: the engine's binding of ``PER_TENSOR_GEMM`` (a layer passes its quantizers'; None: the binding
-         ``engine.bind`` makes now, see the module docstring).
+      backend: the rules or the kernels (a layer passes its quantizers'; None: ``backend.choose()``).
     Returns ``(dequant(a) @ dequant(b))``, rounded once to out_dtype: accumulated in FP32 on CPU (and on GPUs
     without fast accumulation), so there the only error is the operands' cast.
     Raises ValueError for bad operands or shapes, RuntimeError for a device without FP8 GEMMs.
     """
-    binding = bind(PER_TENSOR_GEMM) if binding is None else binding
+    backend = choose() if backend is None else backend
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if a.fp8_format == "e5m2" and b.fp8_format == "e5m2":
@@ -142,13 +140,13 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
     if misaligned and device.type == "cuda" and not pad_inner_dim:
         raise ValueError(f"torch._scaled_mm on CUDA needs K and N divisible by 16, got (M, K, N) = {(M, K, N)}. "
                          "Pad the batch/sequence/feature sizes to multiples of 16, or pass pad_inner_dim=True "
-                         "(Float8Linear(..., pad_inner_dim=True)) to zero-pad inside the GEMM.")
+                         "(QuantizedLinear(..., pad_inner_dim=True)) to zero-pad inside the GEMM.")
     if pad_inner_dim and (misaligned or M % ALIGN):
         # Zero rows/columns contribute zero products: the sliced result is unchanged.
         a_data = _pad_to(a_data, _round_up(M), _round_up(K))  # (M', K') row-major
         b_data = _pad_to(b_data, _round_up(K), _round_up(N))  # (K', N') column-major
     if device.type == "cpu":  # what _scaled_mm computes on a CPU: the rule tensor.scaled_mm or its kernel
-        out = binding.scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, out_dtype)  # (M', N') out_dtype
+        out = backend.scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, out_dtype)  # (M', N') out_dtype
     else:
         out = torch._scaled_mm(a_data, b_data, scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
                                use_fast_accum=use_fast_accum)  # (M', N') out_dtype
@@ -159,7 +157,7 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, pad_in
 
 def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tensor, x_dtype: torch.dtype,
                               w_dtype: torch.dtype, *, need_dx: bool = True, need_dw: bool = True,
-                              pad_inner_dim: bool = False, binding: Optional[Binding] = None
+                              pad_inner_dim: bool = False, backend: Optional[Backend] = None
                               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The two backward GEMMs of y = x @ W^T: (dx, dw), each None where not needed.
 
@@ -170,19 +168,19 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
       x_dtype, w_dtype: dtypes of dx (M, K) and dW (N, K).
       need_dx, need_dw: which gradients to compute.
       pad_inner_dim: as for ``fp8_gemm``.
-      binding: the engine's binding of ``PER_TENSOR_GEMM`` (the layer's quantizers'; None: ``bind`` now).
+      backend: the rules or the kernels (the layer's quantizers'; None: ``backend.choose()``).
     The rule is two ``fp8_gemm`` calls: dx = dy @ W (W copied to column-major) and dW = dy^T @ x (dy^T copied
     to row-major, x to column-major). On a CPU without padding it computes what those calls compute there
     (``tensor.scaled_mm``: row-major FP32 operands float32(code) * scale_inv, one FP32 GEMM, one rounding)
-    without the layout copies of W and x (row-major already), each operand upcast by ``binding.fp8_to_float32``
+    without the layout copies of W and x (row-major already), each operand upcast by ``backend.fp8_to_float32``
     (the rule ``tensor.fp8_to_float32`` or its kernel): the row-major dy^T is made by transposing dy's
     1-byte codes and upcasting those (each element the same product; a transposing copy of the FP32 copy moves 4x
     the bytes and cost about 4x the time, 1024 x 512, one thread). Equal bit for bit
     (``tests/core/quant/kernels/test_quant_fastpath.py``). E5M2 x E5M2
     (which ``fp8_gemm`` refuses) always takes the rule, so it raises as on a GPU.
     """
-    binding = bind(PER_TENSOR_GEMM) if binding is None else binding
-    upcast = binding.fp8_to_float32
+    backend = choose() if backend is None else backend
+    upcast = backend.fp8_to_float32
     dx = dw = None
     if (g8.data.device.type == "cpu" and not pad_inner_dim
             and not (g8.fp8_format == "e5m2" == w8.fp8_format)):
@@ -196,9 +194,9 @@ def fp8_linear_backward_gemms(g8: Float8Tensor, w8: Float8Tensor, x8: Float8Tens
         return dx, dw
     if need_dx:
         w_col = Float8Tensor(w8.data.t().contiguous().t(), w8.scale_inv)       # (N, K) column-major
-        dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim, binding=binding)     # (M, K) x dtype
+        dx = fp8_gemm(g8, w_col, x_dtype, pad_inner_dim=pad_inner_dim, backend=backend)     # (M, K) x dtype
     if need_dw:
         g_t = Float8Tensor(g8.data.t().contiguous(), g8.scale_inv)             # (N, M) row-major
         x_col = Float8Tensor(x8.data.t().contiguous().t(), x8.scale_inv)       # (M, K) column-major
-        dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim, binding=binding)    # (N, K) weight dtype
+        dw = fp8_gemm(g_t, x_col, w_dtype, pad_inner_dim=pad_inner_dim, backend=backend)    # (N, K) weight dtype
     return dx, dw

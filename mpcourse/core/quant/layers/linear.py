@@ -1,4 +1,6 @@
-"""An FP8 linear layer: its three GEMMs run in FP8 through ``torch._scaled_mm``.
+"""The quantized linear layer, ``QuantizedLinear`` (``Float8Linear``, torchao's name, is the same class): its three
+GEMMs run in the format of its quantization recipe (per-tensor FP8 through ``torch._scaled_mm``; rowwise, 1x128 /
+128x128 blocks, MXFP8 and NVFP4 through the block-scaled GEMMs).
 
 For y = x @ W^T + b with x (M, K), W (N, K), the layer quantizes three tensors, each with its own
 per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/float8_linear.py``):
@@ -9,7 +11,7 @@ per-tensor scale (Transformer Engine ``te.Linear``; torchao ``torchao/float8/flo
 
 Scales come from the recipe, through one quantizer per role ("input", "weight", "grad_output") that the
 engine builds from the recipe (``engine.quantizers(...)``; the layer never asks which recipe it holds), and the
-GEMMs' CPU functions from what the engine bound with them (each quantizer's ``binding``: rule or kernel):
+GEMMs' CPU functions from what the engine bound with them (each quantizer's ``backend``: rules or kernels):
 ``DelayedScaling``'s keep a ``DelayedScalingState`` (scale, amax_history) each and use scales from earlier
 steps (see ``recipe.py`` and, for when they update, ``region.py``); ``CurrentScaling``'s compute each scale
 from the tensor itself. The finer-grained recipes (``block_recipes.py``: rowwise, 1x128/128x128, MXFP8,
@@ -48,7 +50,7 @@ asks every module to run on every rank for the same reason.
 A meta input gives a meta output of the right shape and dtype (nothing is recorded).
 
 ``convert_to_float8_training(model, module_filter_fn=..., recipe=...)`` swaps ``nn.Linear`` modules
-for ``Float8Linear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
+for ``QuantizedLinear`` in place, as torchao's function of that name does (``float8_linear_utils.py``);
 torchao's ``config=Float8LinearConfig(...)`` keyword works too (the fields of torchao's
 ``torchao/float8/config.py`` this layer supports).
 Not supported: activation checkpointing (the recomputed forward would record amaxes twice).
@@ -69,7 +71,7 @@ from ..region import get_fp8_recipe, is_fp8_enabled
 from .gemm import fp8_gemm, fp8_linear_backward_gemms
 from .block_linear import BlockScaledLinearFunction, check_backward_shapes
 from ..block_recipes import backward_operand
-from ..engine import check_functions, quantizers
+from ..engine import quantizers
 from .module_filter import check_filter
 from ..recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from ..rules.tensor import Float8Tensor
@@ -88,7 +90,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # Forward GEMM. _scaled_mm wants A (M, K) row-major: x8 as it is. B (K, N) column-major:
         # w8.t() is a view of the row-major (N, K) storage, which *is* (K, N) column-major: no copy.
         y = fp8_gemm(x8, w8.t(), out_dtype, pad_inner_dim=layer.pad_inner_dim, use_fast_accum=True,
-                     binding=layer.quantizers["input"].binding)  # (M, N)
+                     backend=layer.quantizers["input"].backend)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # Save the FP8 copies (1 byte per element), not x and W: the backward GEMMs consume FP8 anyway.
@@ -109,15 +111,16 @@ class _FP8LinearFunction(torch.autograd.Function):
         dx, dw = fp8_linear_backward_gemms(g8, Float8Tensor(w_data, w_scale_inv), Float8Tensor(x_data, x_scale_inv),
                                            x_dtype, w_dtype, need_dx=ctx.needs_input_grad[0],
                                            need_dw=ctx.needs_input_grad[1], pad_inner_dim=pad,
-                                           binding=layer.quantizers["grad_output"].binding)
+                                           backend=layer.quantizers["grad_output"].backend)
         db = None
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = grad_y.float().sum(0).to(b_dtype)  # (N,) summed in fp32
         return dx, dw, db, None, None, None
 
 
-class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose GEMMs run in FP8 (E4M3 / E5M2 with per-tensor scales) via ``torch._scaled_mm``.
+class QuantizedLinear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run quantized under its recipe: FP8 (E4M3 / E5M2 with per-tensor scales) via
+    ``torch._scaled_mm``, or a finer-grained recipe's blocks (``Float8Linear`` is the same class, torchao's name).
 
     Args (besides nn.Linear's in_features, out_features, bias, device, dtype):
       recipe: ``DelayedScaling`` (default ``DelayedScaling()``: HYBRID, history 1024, "max", margin 0,
@@ -126,36 +129,34 @@ class Float8Linear(nn.Linear):
               out_features or the number of tokens is not a multiple of 16; exact). Without it such
               shapes raise ValueError on CUDA. CPUs take any shape.
     Input (..., in_features) float32/bfloat16/float16 -> output (..., out_features) (see module doc).
-      functions: a learner's functions in place of the library's, by the exercise's names (``engine``).
+      (A learner's functions in place of the library's ride in the recipe: ``recipe.with_functions(...)``.)
     ``quantizers``: {role: quantizer} built by ``engine.quantizers``; ``scaling_state``: {role: DelayedScalingState} of
     those that keep one (empty for the other recipes).
     Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe=None, pad_inner_dim: bool = False, functions=None):
+                 recipe=None, pad_inner_dim: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be one of {recipe_names()}, got {recipe!r}")
-        # the learner's functions checked once, here (as they are if already checked for this recipe: a
-        # TrainingRecipe's, convert_to_float8_training's); every quantizer built for the layer takes them as they are
-        self.recipe, self.functions = recipe, check_functions(recipe, functions)
+        self.recipe = recipe            # with the learner's functions, if any (``recipe.functions``, checked once)
         self.pad_inner_dim = pad_inner_dim
         self._reset_scaling_state()
 
     def _reset_scaling_state(self) -> None:
         # One quantizer per role, built by the engine; delayed scaling's hold their state.
-        key = f"Float8Linear({self.in_features}, {self.out_features})"
-        self.quantizers = quantizers(self.recipe, key, self.weight.device, self.functions)
+        key = f"QuantizedLinear({self.in_features}, {self.out_features})"
+        self.quantizers = quantizers(self.recipe, key, self.weight.device)
         self.scaling_state = {role: q.state for role, q in self.quantizers.items() if q.state is not None}
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False, functions=None) -> "Float8Linear":
-        """A Float8Linear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
+    def from_float(cls, linear: nn.Linear, recipe=None, pad_inner_dim: bool = False) -> "QuantizedLinear":
+        """A QuantizedLinear sharing ``linear``'s weight and bias Parameters (optimizers and ties keep working)."""
         with torch.device("meta"):  # build without allocating or initialising a second weight
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      recipe=recipe, pad_inner_dim=pad_inner_dim, functions=functions)
+                      recipe=recipe, pad_inner_dim=pad_inner_dim)
         new.weight, new.bias = linear.weight, linear.bias
         new._reset_scaling_state()  # now on the weight's device
         new.train(linear.training)
@@ -170,9 +171,9 @@ class Float8Linear(nn.Linear):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HIGH_PRECISION:
-            raise TypeError(f"Float8Linear takes float32/bfloat16/float16 inputs, got {x.dtype}")
+            raise TypeError(f"QuantizedLinear takes float32/bfloat16/float16 inputs, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"Float8Linear(in_features={self.in_features}) takes inputs of shape "
+            raise ValueError(f"QuantizedLinear(in_features={self.in_features}) takes inputs of shape "
                              f"(..., {self.in_features}), got {tuple(x.shape)}: reshape the input or build the "
                              "layer with the input's last dimension as in_features")
         if x.device != self.weight.device:
@@ -267,6 +268,10 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+#: torchao's and the lessons' name for the layer (it carries every quantized recipe: FP8, MXFP8, NVFP4)
+Float8Linear = QuantizedLinear
+
+
 @dataclass(frozen=True)
 class Float8LinearConfig:
     """torchao's ``Float8LinearConfig`` (``torchao/float8/config.py``), the fields this library supports.
@@ -308,8 +313,8 @@ def _resolve_config(config, recipe, pad_inner_dim):
 def convert_to_float8_training(module: nn.Module, *,
                                module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
                                config: Optional[Float8LinearConfig] = None,
-                               recipe=None, pad_inner_dim: Optional[bool] = None, functions=None) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` for a ``Float8Linear`` (torchao's function of this name).
+                               recipe=None, pad_inner_dim: Optional[bool] = None) -> nn.Module:
+    """Swap every ``nn.Linear`` in ``module`` for a ``QuantizedLinear`` (torchao's function of this name).
 
     Args:
       module: the model; changed in place (a bare ``nn.Linear`` is returned converted instead; one with
@@ -319,9 +324,9 @@ def convert_to_float8_training(module: nn.Module, *,
               out, e.g. ``lambda m, fqn: fqn != "lm_head"``.
       config: torchao's spelling, a ``Float8LinearConfig``: without ``recipe`` it means current scaling
               (torchao's tensorwise default) and sets ``pad_inner_dim``.
-      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers.
-      pad_inner_dim: passed to every ``Float8Linear`` (default False, or the config's).
-      functions: a learner's functions, {exercise's name: function}, for every swapped layer (``engine``).
+      recipe: ``DelayedScaling`` (default without config) or ``CurrentScaling``, shared by all swapped layers;
+              a learner's functions ride in it (``recipe.with_functions({"quantize": quantize})``).
+      pad_inner_dim: passed to every ``QuantizedLinear`` (default False, or the config's).
     Returns the converted module. A linear shared by several parents is swapped once, for all of them;
     its weight and bias Parameters are kept, so an existing optimizer still updates them.
     Raises TypeError for a config of another type, ValueError where config and keywords disagree, ValueError
@@ -330,11 +335,9 @@ def convert_to_float8_training(module: nn.Module, *,
     """
     recipe, pad_inner_dim = _resolve_config(config, recipe, pad_inner_dim)
     check_filter(module_filter_fn, module)
-    if isinstance(recipe, Recipe):    # checked once for every layer (None: each layer checks for its default recipe)
-        functions = check_functions(recipe, functions)
 
     def wanted(m: nn.Module, fqn: str) -> bool:
-        return (isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)
+        return (isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
                 and (module_filter_fn is None or module_filter_fn(m, fqn)))
 
     if wanted(module, ""):
@@ -342,8 +345,7 @@ def convert_to_float8_training(module: nn.Module, *,
             raise ValueError(f"cannot convert a root nn.Linear that has child modules ({list(module._modules)}): "
                              "its children would be lost. Convert the children separately, or wrap the layer in a "
                              "parent module (e.g. nn.Sequential) and keep it out with module_filter_fn")
-        return Float8Linear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim,
-                                         functions=functions)
+        return QuantizedLinear.from_float(module, recipe=recipe, pad_inner_dim=pad_inner_dim)
     swapped: dict[int, nn.Module] = {}  # id(old linear) -> its replacement (shared modules)
     slots: list[tuple[nn.Module, str, int]] = []   # (parent, name, id(old linear)): set only once all are built
 
@@ -353,8 +355,7 @@ def convert_to_float8_training(module: nn.Module, *,
             if id(child) in swapped:
                 slots.append((parent, name, id(child)))
             elif wanted(child, fqn):
-                swapped[id(child)] = Float8Linear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim,
-                                                              functions=functions)
+                swapped[id(child)] = QuantizedLinear.from_float(child, recipe=recipe, pad_inner_dim=pad_inner_dim)
                 slots.append((parent, name, id(child)))
             else:
                 visit(child, fqn)

@@ -21,7 +21,7 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def quantize_role(recipe, role, x, axis, wgrad=False, keep_fp32=False, functions=None):
     """``role``'s tensor x under ``recipe``, quantized along ``axis`` by the engine's quantizer with the kernels
     bound (whatever MPCOURSE_FUSED says: the kept FP32 copy is theirs)."""
-    return engine.quantizer(recipe, role, functions, kernels=True)(x, axis, wgrad, keep_fp32)
+    return engine.quantizer(recipe.with_functions(functions), role, kernels=True)(x, axis, wgrad, keep_fp32)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -163,7 +163,7 @@ def test_auto_gemm_on_cpu_equals_f_scaled_mm_for_the_kinds_it_takes():
     x, w = torch.randn(1024, 512, generator=g), torch.randn(128, 512, generator=g) * 0.02
     for block in ((-1, -1), (1, -1)):
         a, b = quantize_fp32_scaled(x, block), quantize_fp32_scaled(w, block)
-        assert torch.equal(scaled_gemm(a, b.t()), scaled_gemm(a, b.t(), backend="native"))
+        assert torch.equal(scaled_gemm(a, b.t()), scaled_gemm(a, b.t(), route="native"))
 
 
 def _edge_matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -454,12 +454,12 @@ def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_grad
     refs, alive_at_call = [], []
     real = bg.emulated_gemm
 
-    def spy(a, b, out_dtype=torch.float32, *, binding=None):
+    def spy(a, b, out_dtype=torch.float32, *, backend=None):
         alive_at_call.append(sum(r() is not None for r in refs))
         for t in (a, b):
             if t.dequantized is not None:
                 refs.append(weakref.ref(t.dequantized._base if t.dequantized._base is not None else t.dequantized))
-        return real(a, b, out_dtype, binding=binding)
+        return real(a, b, out_dtype, backend=backend)
 
     monkeypatch.setattr(bg, "emulated_gemm", spy)
     layer = Float8Linear(256, 512, bias=False, recipe=MXFP8BlockScaling())

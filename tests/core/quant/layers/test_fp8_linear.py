@@ -362,7 +362,7 @@ def test_no_autocast_region_only_when_an_autocast_is_on():
         return compute_scale(amax, fp8_max, margin)
 
     torch.manual_seed(0)
-    layer = Float8Linear(32, 16, recipe=CurrentScaling(), functions={"compute_scale": spy})
+    layer = Float8Linear(32, 16, recipe=CurrentScaling(functions={"compute_scale": spy}))
     x = torch.randn(8, 32)
     y_plain = layer(x)
     assert set(seen) == {("NoneType", 0, False)}

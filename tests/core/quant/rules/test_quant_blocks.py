@@ -140,9 +140,9 @@ def test_scaled_gemm_equals_dequantize_then_fp32_gemm(name):
 def test_cpu_scaled_mm_tensorwise_and_rowwise_equal_the_emulation(blocks):
     a = quantize_fp32_scaled(spread(64, 256, 4), blocks[0])
     b = quantize_fp32_scaled(spread(96, 256, 5), blocks[1]).t()
-    assert torch.equal(scaled_gemm(a, b, backend="native"), scaled_gemm(a, b, backend="emulate"))
+    assert torch.equal(scaled_gemm(a, b, route="native"), scaled_gemm(a, b, route="emulate"))
     with pytest.raises(RuntimeError, match="emulate"):
-        scaled_gemm(quantize_mx(spread()), quantize_mx(spread(64, 256, 1)).t(), backend="native")
+        scaled_gemm(quantize_mx(spread()), quantize_mx(spread(64, 256, 1)).t(), route="native")
 
 
 @pytest.mark.gpu
@@ -151,8 +151,8 @@ def test_cpu_scaled_mm_tensorwise_and_rowwise_equal_the_emulation(blocks):
 def test_blockwise_emulation_matches_scaled_mm_on_hopper():
     x, w = spread(256, 512, 6).cuda(), spread(384, 512, 7).cuda()
     a, b = quantize_fp32_scaled(x, (1, 128), power_2_scale=True), quantize_fp32_scaled(w, (128, 128), power_2_scale=True)
-    native = scaled_gemm(a, b.t(), torch.float32, backend="native")
-    emulated = scaled_gemm(a, b.t(), torch.float32, backend="emulate")
+    native = scaled_gemm(a, b.t(), torch.float32, route="native")
+    emulated = scaled_gemm(a, b.t(), torch.float32, route="emulate")
     torch.testing.assert_close(native, emulated, rtol=1e-5, atol=1e-3 * float(emulated.abs().max()))
 
 

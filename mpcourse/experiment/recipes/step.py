@@ -2,8 +2,8 @@
 
 ``Trainer.train_step`` (``mpcourse.experiment.training.train``) runs it for every step, timed; ``memory.measure_step``
 wraps the same call to count the first step's memory (a region around the forward, a peak tracker around the
-whole), so the step that is measured is the step that trains. Its own module so that both import it without a
-cycle (train imports memory). No kernel here: the recipe decides the precision of each line
+whole), so the step that is measured is the step that trains. It sits with the recipes, below ``measure`` and
+``training``, which both import it (the folders' floors: ``mpcourse.experiment``). No kernel here: the recipe decides the precision of each line
 (``mpcourse.experiment.recipes.base``).
 """
 from __future__ import annotations
