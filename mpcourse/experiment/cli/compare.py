@@ -225,10 +225,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
         say_overwrite(args.out, earlier)
         return 1
     except CompareInterrupted as e:
-        print(f"mpcourse compare: interrupted; the {len(e.results)} finished rows are in {args.out / 'results.json'} "
-              "(its \"failed\" list names the runs not finished)" if e.results else
-              f"mpcourse compare: interrupted before any run finished: nothing written ({args.out}/ keeps what it "
-              "held)", file=sys.stderr)
+        print(_interrupted_line(e, args.out, earlier), file=sys.stderr)
         say_overwrite(args.out, earlier)
         return 130
     finally:
@@ -236,6 +233,19 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     say_overwrite(args.out, earlier)
     return 0
+
+
+def _interrupted_line(e, out: Path, earlier) -> str:
+    """The one line after Ctrl-C: where the finished rows went (``results.json``, or ``results.partial.json``
+    beside the earlier run's ``results.json``, which stays) or that nothing was written."""
+    from ..compare.outputs import OUT_FILES
+    if e.path is None:
+        return f"mpcourse compare: interrupted before any run finished: nothing written ({out}/ keeps what it held)"
+    line = (f"mpcourse compare: interrupted; the {len(e.results)} finished rows are in {e.path} (its \"failed\" list "
+            "names the runs not finished)")
+    if e.path.name != OUT_FILES[0] and earlier is not None:
+        line += f"; {out / OUT_FILES[0]} keeps the earlier run ({earlier[1]}) until a run completes"
+    return line
 
 
 def _cuda_available() -> bool:

@@ -13,8 +13,8 @@ rank torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` i
 prints the table and writes the files. Failure: a rank that raises ends; the launcher (this module's
 ``spawn`` or torchrun's agent) sees it exit and terminates the others at once, and the error names that
 rank and its message; under ``spawn`` the rows rank 0 had finished are kept (it writes them to a file as it
-goes) and written with the failed recipe named; the process groups' ``timeout`` (default 120 s) bounds any collective that would wait
-for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel.data_parallel``.
+goes) and written with the failed recipe named; the process groups' ``timeout`` (default 120 s) bounds any
+collective that would wait for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel.data_parallel``.
 """
 from __future__ import annotations
 

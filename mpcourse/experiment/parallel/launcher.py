@@ -8,8 +8,9 @@ against ``--nproc``, so that a run torchrun starts is refused with the same one 
 A refusal under torchrun (``say_once``): every rank reaches the same verdict (the same flags, the same
 ``WORLD_SIZE``); rank 0 prints the line and every rank writes it into its torchelastic error file
 (``TORCHELASTIC_ERROR_FILE``, which the agent sets per worker and reads back when the worker exits non-zero:
-``torch/distributed/elastic/multiprocessing/errors``; the object has the shape its ``ErrorHandler.record_exception``
-writes), so the agent's failure report shows that line where it would otherwise show "To enable traceback see ...". The agent's own report and exit status (1) are torchrun's.
+``torch/distributed/elastic/multiprocessing/errors``; the object has the shape its
+``ErrorHandler.record_exception`` writes), so the agent's failure report shows that line where it would otherwise
+show "To enable traceback see ...". The agent's own report and exit status (1) are torchrun's.
 """
 from __future__ import annotations
 
