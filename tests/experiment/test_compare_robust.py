@@ -558,12 +558,74 @@ def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tm
                for ln in table.splitlines()]
     capsys.readouterr()
     assert check_with("\n".join(changed)) == 1
-    assert f"bf16-pure val: README {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
+    assert f"bf16-pure val: README.md {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
     tok = rows["fp32"][i_tok]
     slower = [ln.replace(f" {tok} ", " " + "9" * len(tok) + " ", 1) if ln.startswith("fp32") else ln
               for ln in table.splitlines()]
     assert check_with("\n".join(slower)) == 0
     assert check.main(["--readme", str(readme), "--table", "no such command", "--results", results]) == 2
+
+
+def test_readme_table_check_names_the_file_and_compares_peak_mb_on_the_tables_kernels(corpus, tmp_path, capsys):
+    """A table in docs/results.md is named as that file (not "README"); peak MB, which counts the quantizers'
+    temporaries, is compared only for a run on the tables' kernels (results.json's environment.kernels: a run
+    without numba is not failed on it, and a note says so); every other column still is."""
+    check = _check_script()
+    lines: list[str] = []
+    run_compare(["fp32", "nvfp4"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    table = lines[0].splitlines()[:4]
+    head, rows = check.parse_table(table)
+    peak, act = rows["nvfp4"][head.index("peak MB")], rows["nvfp4"][head.index("act MB")]
+    results = tmp_path / "run" / "results.json"
+    payload = json.loads(results.read_text())
+    assert payload["environment"]["kernels"] in ("numba", "torch", "rules")
+    docs = tmp_path / "docs" / "results.md"
+    docs.parent.mkdir()
+
+    dashes = table[1]
+    starts = [i for i, ch in enumerate(dashes) if ch == "-" and (i == 0 or dashes[i - 1] == " ")] + [None]
+
+    def plus(line: str, column: str) -> str:            # the row with that cell 0.06 higher, the layout kept
+        a, b = starts[head.index(column)], starts[head.index(column) + 1]
+        cell = line[a:b].rstrip()
+        return line[:a] + f"{float(cell) + 0.06:.2f}".rjust(len(cell)) + line[a + len(cell):]
+
+    def check_with(column: str, kernels: str):
+        payload["environment"]["kernels"] = kernels
+        results.write_text(json.dumps(payload))
+        changed = [plus(ln, column) if ln.startswith("nvfp4") else ln for ln in table]
+        docs.write_text("# t\n\n```\n$ mpcourse compare --steps 3  # 1 s\n" + "\n".join(changed) + "\n```\n")
+        code = check.main(["--readme", str(docs), "--table", "mpcourse compare --steps 3", "--results", str(results),
+                           "--columns", "memory"])
+        return code, capsys.readouterr().out
+    code, out = check_with("peak MB", "numba")
+    assert code == 1 and f"{docs} line 4 `mpcourse compare --steps 3`: 1 cell(s) differ" in out
+    assert f"nvfp4 peak MB: results.md {float(peak) + 0.06:.2f}, fresh {peak}" in out and "README" not in out
+    code, out = check_with("peak MB", "torch")
+    assert code == 0 and "note: peak MB not compared: this run's quantizers took the torch kernels" in out
+    assert "rows agree in B/param w+g+m+o=total, act MB (" in out
+    code, out = check_with("act MB", "torch")
+    assert code == 1 and f"nvfp4 act MB: results.md {float(act) + 0.06:.2f}, fresh {act}" in out
+
+
+def test_spread_refuses_a_run_of_other_settings_than_the_tables(corpus, capsys, tmp_path):
+    """``--spread`` holds a run against a seeds table of 80 steps x 16: a --quick run (50 x 8) is refused on one
+    line naming the fix, exit 2; a run of the table's settings is compared (here: it lacks the table's recipes)."""
+    check = _check_script()
+    from mpcourse.experiment.compare.outputs import results_payload
+    rows = [dataclasses.replace(_run([{"step": 0, "loss": 4.0}]), recipe="fp32")]
+    for steps, batch, code in [(50, 8, 2), (80, 16, 1)]:
+        cfg = dataclasses.replace(CFG, steps=steps, batch_size=batch)
+        path = tmp_path / f"{steps}.json"
+        path.write_text(json.dumps(results_payload(rows, corpus, cfg)))
+        assert check.main(["--spread", "--results", str(path)]) == code
+        err = capsys.readouterr().err
+        said = [ln for ln in err.splitlines() if ln.startswith("check_readme_tables: error:")]
+        if code == 2:
+            assert len(said) == 1 and "--spread: this run trained 50 steps x 8 sequences" in said[0]
+            assert "80 x 16" in said[0] and "without --quick" in said[0]
+        else:
+            assert said == []
 
 
 def test_spread_check_passes_inside_and_names_what_lies_outside():

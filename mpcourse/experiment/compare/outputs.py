@@ -6,7 +6,9 @@ earlier run's files stay until a run completes (``mpcourse.experiment.compare.ru
 ``results.json`` is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written
 as ``null`` and named, with its value, in the enclosing object's ``"nonfinite"`` field (for example
 ``{"loss": null, "nonfinite": {"loss": "nan"}}``); a diverged run also says where in ``"null_reason"``.
-The file records what produced it: torch version, device, tensor-core emulation per dtype.
+The file records what produced it: torch version, device, tensor-core emulation per dtype, the quantizers' kernels
+(``kernels``: "numba", "torch" or "rules"; ``mpcourse.core.quant.kernels.in_use``: the same bits, not the same
+temporaries, so the FP8/MX/NVFP4 rows' peak bytes depend on it).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def environment(device: str = "cpu") -> dict:
     import torch
 
     from mpcourse.core import emulation
+    from mpcourse.core.quant import kernels
 
     from ..measure import machine
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
@@ -58,6 +61,7 @@ def environment(device: str = "cpu") -> dict:
                                                          "cpu_has_native_units": emulation.cpu_has_native(dt)}
                           for dt in emulation.LOW_PRECISION},
             "emulation_summary": emulation.status(),
+            "kernels": kernels.in_use(),
             "cpu": machine.describe()}
 
 
