@@ -76,7 +76,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(e.g. recipes=fp32,mxfp8-floor+steps=8; a flag at its default value changes nothing, nor do "
                         "--jobs, --no-progress and --dist-timeout; a notebook or --data file by its name without the "
                         f"suffix; past {MAX_RUN_NAME} characters shortened with a hash). The run prints the folder at "
-                        "its start and end; when it overwrites an earlier results.json there it says so after writing")
+                        "its start and end; when it overwrites an earlier results.json there it says so after writing (Ctrl-C "
+                        "writes the finished rows to results.partial.json beside it instead)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     c.add_argument("--jobs", type=positive_int, default=None,
                    help="train this many recipes at once in worker processes (default: one per core, at most one "
