@@ -1,24 +1,28 @@
 """Check the published ``mpcourse compare`` tables (``docs/results.md``, linked from the README) against a run:
 every number in a deterministic column must be the one the command beside it prints now.
 
-Each table in the README is a fenced block whose first line is the command (``$ mpcourse compare --quick  # 107 s
-...``) followed by the table ``mpcourse compare`` printed (a ``recipe ...`` header, a dashed line, one row per
+Each table (in ``docs/results.md``, or the file ``--readme`` names) is a fenced block whose first line is the
+command (``$ mpcourse compare --quick  # 107 s ...``) followed by the table ``mpcourse compare`` printed (a ``recipe ...`` header, a dashed line, one row per
 recipe). This script reads those blocks, gets a fresh table for one of them (``--run``: runs its command with
 ``--out`` in a temporary folder; or ``--results``: a ``results.json`` that command wrote) and compares them
-column by column, by recipe name.
+column by column, by recipe name. Every message names the file the table is in.
 
 Columns compared (``--columns``):
   deterministic (default): every column but tok/s and %peak (wall clock). Exact only on the CPU kind the
-      README's table was measured on: FP32 GEMMs sum in another order on AVX2 and AVX-512, and BF16/FP16 GEMMs
+      published table was measured on: FP32 GEMMs sum in another order on AVX2 and AVX-512, and BF16/FP16 GEMMs
       run native or emulated (``results.json``'s ``environment.cpu`` says which).
-  memory: the byte columns (B/param, act MB, peak MB), counted from live tensors: the same on any CPU.
+  memory: the byte columns (B/param, act MB, peak MB), counted from live tensors: the same on any CPU. peak MB
+      also counts the temporaries of the kernels that ran (``results.json``'s ``environment.kernels``: numba's
+      compiled passes, the torch fast paths without numba, the rules with MPCOURSE_FUSED=0: the same bits, other
+      temporaries), so it is compared only for a run on the tables' kernels (``TABLE_KERNELS``); a note says
+      when it is left out.
   all: every column (a timing column will differ).
 
 The fresh table is formatted by the same functions ``mpcourse compare`` prints with
 (``mpcourse.experiment.compare.report.format_table``, ``format_seed_table``), so a difference is a difference in the
 numbers, never in the layout.
 
-    python benchmarks/check_readme_tables.py --list                          # the README's tables, numbered
+    python benchmarks/check_readme_tables.py --list                          # the published tables, numbered
     python benchmarks/check_readme_tables.py --table "compare --quick" --run # rerun the quick table's command
     python benchmarks/check_readme_tables.py --table "compare --quick" --results mpcourse-out-quick/results.json
     python benchmarks/check_readme_tables.py --spread --results mpcourse-out/results.json   # a default run, any CPU
@@ -33,8 +37,12 @@ is far too narrow: the std itself is that uncertain). val moves with the seed fo
 interval uses the std pooled over the recipes (``pooled_val_std``) where that is the larger. A recipe that
 diverges on every seed (``nan``) must diverge too.
 
-Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, README, fresh);
-2 bad input (no such table, an unreadable results.json), one line naming the fix.
+``--spread`` refuses a run whose steps or batch size are not the table's (a ``--quick`` run against the 80-step
+table): its losses are not drawn from that table's distribution.
+
+Exit status: 0 all compared cells agree; 1 some differ (one line each: table, recipe, column, the published value
+with its file's name, fresh); 2 bad input (no such table, an unreadable results.json, a run of other settings
+than the table's for ``--spread``), one line naming the fix.
 """
 from __future__ import annotations
 
@@ -51,16 +59,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("tok/s", "%peak")
 MEMORY = ("B/param w+g+m+o=total", "act MB", "peak MB")
+#: the quantizers' kernels the published tables were measured with (``mpcourse.core.quant.kernels.in_use``); peak MB
+#: counts the kernels' temporaries, so a run on other kernels is not compared in that column
+TABLE_KERNELS = "numba"
+PEAK = "peak MB"
 
 
 @dataclasses.dataclass
 class Table:
-    """One README table: the command line (comment dropped), its header cells and its rows by recipe."""
+    """One published table: the command line (comment dropped), its header cells and its rows by recipe."""
 
     command: str
     header: list[str]
     rows: dict[str, list[str]]
-    line: int                      # 1-based line of the command in the README
+    line: int                      # 1-based line of the command in its file
     kind: dict = dataclasses.field(default_factory=dict)   # a seeds table's CPU kind (``table_kind``)
 
 
@@ -139,29 +151,35 @@ def fresh_table(payload: dict) -> tuple[list[str], dict[str, list[str]]]:
     return parse_table(text.splitlines())
 
 
-def columns_to_check(header: list[str], which: str) -> list[str]:
+def columns_to_check(header: list[str], which: str, kernels: str | None = None) -> list[str]:
+    """The columns compared: ``which`` (see the module docstring), without peak MB for a run whose ``kernels``
+    (``results.json``'s ``environment.kernels``; None: not recorded) are not ``TABLE_KERNELS``."""
     if which == "all":
-        return header[1:]
-    if which == "memory":
-        return [c for c in header if c in MEMORY]
-    return [c for c in header[1:] if c not in TIMING]
+        cols = header[1:]
+    elif which == "memory":
+        cols = [c for c in header if c in MEMORY]
+    else:
+        cols = [c for c in header[1:] if c not in TIMING]
+    return [c for c in cols if c != PEAK or kernels in (None, TABLE_KERNELS)]
 
 
-def differences(table: Table, header: list[str], rows: dict[str, list[str]], which: str = "deterministic") -> list[str]:
-    """One line per cell that differs (and per recipe in one table only), in README order."""
+def differences(table: Table, header: list[str], rows: dict[str, list[str]], which: str = "deterministic",
+                published: str = "README", kernels: str | None = None) -> list[str]:
+    """One line per cell that differs (and per recipe in one table only), in the table's order; ``published``: the
+    name of the file the table is in, as the lines say it."""
     out = []
     if header != table.header:
-        out.append(f"header: README {table.header} vs fresh {header}")
+        out.append(f"header: {published} {table.header} vs fresh {header}")
         return out
-    cols = columns_to_check(header, which)
+    cols = columns_to_check(header, which, kernels)
     for name in list(table.rows) + [n for n in rows if n not in table.rows]:
         if name not in rows or name not in table.rows:
-            out.append(f"{name}: only in the {'README' if name in table.rows else 'fresh run'}")
+            out.append(f"{name}: only in the {published if name in table.rows else 'fresh run'}")
             continue
         for c in cols:
             i = header.index(c)
             if table.rows[name][i] != rows[name][i]:
-                out.append(f"{name} {c}: README {table.rows[name][i]}, fresh {rows[name][i]}")
+                out.append(f"{name} {c}: {published} {table.rows[name][i]}, fresh {rows[name][i]}")
     return out
 
 
@@ -241,6 +259,29 @@ def outside_spread(table: Table, header: list[str], rows: dict[str, list[str]], 
     return out
 
 
+def table_settings(command: str) -> tuple[int, int]:
+    """(steps, batch size) a table's ``mpcourse compare`` command trains with (``--quick``, ``--steps``,
+    ``--batch-size`` and ``--preset`` resolved as ``mpcourse compare`` resolves them)."""
+    from mpcourse.cli import build_parser
+    from mpcourse.experiment.cli.presets import PRESET_BATCH, QUICK
+    from mpcourse.experiment.training.train import TrainConfig
+
+    args = build_parser().parse_args(_command("$ " + command).split()[1:])
+    steps = args.steps or (QUICK["steps"] if args.quick else TrainConfig.steps)
+    return steps, args.batch_size or (QUICK["batch_size"] if args.quick else PRESET_BATCH[args.preset])
+
+
+def settings_error(table: Table, payload: dict) -> str | None:
+    """Why a run cannot be held against ``table``'s spread: other steps or batch size (None: the same)."""
+    steps, batch = table_settings(table.command)
+    config = payload.get("config", {})
+    if (config.get("steps"), config.get("batch_size")) == (steps, batch):
+        return None
+    return (f"--spread: this run trained {config.get('steps')} steps x {config.get('batch_size')} sequences, the "
+            f"table `{table.command}` {steps} x {batch}: rerun with the table's settings (e.g. without --quick), "
+            "or name a table of this run's settings with --table")
+
+
 def _is_seeds_table(t: Table) -> bool:
     words = _command("$ " + t.command).split()
     return " ".join(words[:3]) + " " == SEEDS_COMMAND and len(words) == 4
@@ -258,7 +299,7 @@ def spread_table(tables: list[Table], gemm: dict[str, str]) -> tuple[str | None,
 
 
 def run_command(command: str, out: Path) -> dict:
-    """Run a README command (``mpcourse compare ...``) with ``--out out --no-progress``; its results.json."""
+    """Run a published table's command (``mpcourse compare ...``) with ``--out out --no-progress``; its results.json."""
     words = shlex.split(command)
     env = dict(os.environ)
     while words and "=" in words[0] and not words[0].startswith("-"):    # VAR=value before the command
@@ -273,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--readme", type=Path, default=ROOT / "docs" / "results.md",
                    help="the markdown file holding the tables (default docs/results.md)")
-    p.add_argument("--list", action="store_true", help="list the README's tables and exit")
+    p.add_argument("--list", action="store_true", help="list the file's tables and exit")
     p.add_argument("--table", default=None, help="the table whose command contains this text, e.g. 'compare --quick'")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--results", type=Path, default=None, help="a results.json written by the table's command")
@@ -327,21 +368,45 @@ def main(argv: list[str] | None = None) -> int:
     cpu = payload.get("environment", {}).get("cpu", {})
     where = f" (fresh run on {cpu.get('capability')}, {cpu.get('gemm')})" if cpu else ""
     if a.spread:
-        if not any("+-" in c for row in table.rows.values() for c in row):
-            print(f"check_readme_tables: error: --spread needs a --seeds table; {table.command!r} is not one",
-                  file=sys.stderr)
-            return 2
-        if len({r.get("seed", 0) for r in payload["results"]}) != 1:
-            print("check_readme_tables: error: --spread checks a one-seed run; this results.json has several seeds",
-                  file=sys.stderr)
-            return 2
-        outside = outside_spread(table, header, rows)
-        return _report(f"line {table.line} `{table.command}`: ", outside, f"value(s) outside the spread{where}",
-                       f"all {len(table.rows)} recipes' val and gap% lie within mean +- "
-                       f"{spread_k(n_seeds(table.command)):.2f} std ({n_seeds(table.command)} seeds){where}")
-    return _report(f"README line {table.line} `{table.command}`: ", differences(table, header, rows, a.columns),
-                   f"cell(s) differ{where}",
-                   f"{len(table.rows)} rows agree in {', '.join(columns_to_check(header, a.columns))}{where}")
+        return _check_spread(table, payload, header, rows, a.readme, where)
+    kernels = payload.get("environment", {}).get("kernels")
+    if PEAK in columns_to_check(header, a.columns) and PEAK not in columns_to_check(header, a.columns, kernels):
+        print(f"check_readme_tables: note: {PEAK} not compared: this run's quantizers took the {kernels} kernels, the "
+              f"tables' the {TABLE_KERNELS} ones ({PEAK} counts the kernels' temporaries; the other columns do not)")
+    published = _shown(a.readme)
+    return _report(f"{published} line {table.line} `{table.command}`: ",
+                   differences(table, header, rows, a.columns, a.readme.name, kernels), f"cell(s) differ{where}",
+                   f"{len(table.rows)} rows agree in {', '.join(columns_to_check(header, a.columns, kernels))}{where}")
+
+
+def _check_spread(table: Table, payload: dict, header: list[str], rows: dict[str, list[str]], readme: Path,
+                  where: str) -> int:
+    """``--spread``: a one-seed run of the table's settings against a seeds table's prediction interval."""
+    if not any("+-" in c for row in table.rows.values() for c in row):
+        print(f"check_readme_tables: error: --spread needs a --seeds table; {table.command!r} is not one",
+              file=sys.stderr)
+        return 2
+    if len({r.get("seed", 0) for r in payload["results"]}) != 1:
+        print("check_readme_tables: error: --spread checks a one-seed run; this results.json has several seeds",
+              file=sys.stderr)
+        return 2
+    bad = settings_error(table, payload)
+    if bad:
+        print(f"check_readme_tables: error: {bad}", file=sys.stderr)
+        return 2
+    outside = outside_spread(table, header, rows)
+    return _report(f"{_shown(readme)} line {table.line} `{table.command}`: ", outside,
+                   f"value(s) outside the spread{where}",
+                   f"all {len(table.rows)} recipes' val and gap% lie within mean +- "
+                   f"{spread_k(n_seeds(table.command)):.2f} std ({n_seeds(table.command)} seeds){where}")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the messages name it: relative to the repository where it is inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _report(head: str, problems: list[str], bad: str, good: str) -> int:

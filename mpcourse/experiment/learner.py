@@ -19,6 +19,15 @@ from pathlib import Path
 SKIP_TAGS = ("check", "train-yours")   # cells never run when loading
 
 
+def cell_number(index: int) -> int:
+    """The number a message gives the cell at ``index`` (0-based) in ``nb.cells``: its position from the top,
+    every cell counted (markdown too), the first cell 1, which is what a learner counts scrolling the notebook in
+    JupyterLab. Not the ``[n]`` JupyterLab prints beside a code cell (its execution count: it changes with every
+    run, and is empty in a fresh copy), nor nbval's ``Cell N`` (code cells only, from 0). ``mpcourse grade`` and
+    ``compare --with`` both number cells with this function."""
+    return index + 1
+
+
 class LearnerLoadError(ValueError):
     """A notebook whose definitions cannot be loaded (missing file, syntax error, failing import)."""
 
@@ -66,10 +75,11 @@ def load_functions(path: str | Path) -> dict[str, Callable]:
         if cell.cell_type != "code" or any(t in cell.metadata.get("tags", []) for t in SKIP_TAGS):
             continue
         source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        where = f"{path.name} cell {cell_number(i)}"
         try:
-            tree = ast.parse(source, filename=f"{path.name} cell {i}")
+            tree = ast.parse(source, filename=where)
         except SyntaxError as e:
-            raise LearnerLoadError(f"{path.name} cell {i}: syntax error on line {e.lineno}: {e.msg}") from None
+            raise LearnerLoadError(f"{where}: syntax error on line {e.lineno}: {e.msg}") from None
         body.extend(ast.increment_lineno(n, 0) for n in tree.body if _keep(n))
         sources.update({n.name: ast.get_source_segment(source, n) for n in tree.body if isinstance(n, ast.FunctionDef)})
     namespace: dict = {"__name__": f"learner:{path.stem}"}

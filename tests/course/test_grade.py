@@ -7,6 +7,8 @@ cell passes; a wrong one fails with the grader's one-line verdict (the traceback
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -106,3 +108,57 @@ def test_a_real_solution_saved_with_stale_outputs_passes_outside_the_repo(tmp_pa
     assert report.passed and report.checks, format_report(report, verbose=True)
     assert all(c.verdict.startswith("PASS") for c in report.checks)
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_cell_that_never_ends_is_one_fail_line_and_the_summary_prints(tmp_path):
+    """A learner's function that loops forever, graded with --timeout as a person runs it: each cell that called it
+    is one FAIL line naming the cell and the timeout (interrupted, the next cells still run), the summary prints,
+    exit code 1, and no traceback (nbclient's CellTimeoutError, the kernel's ZMQError) reaches the learner."""
+    path = tmp_path / "99_double.ipynb"
+    nbformat.write(learner_notebook("    while True:\n        pass"), path)
+    proc = subprocess.run([sys.executable, "-m", "mpcourse", "grade", "--timeout", "3", str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    said = "timed out: still running after 3 s (--timeout 3), interrupted (a loop that never ends?)"
+    assert lines[1:] == [f"  FAIL  [your code, cell 3] Part 1: doubling: {said}",
+                         f"  FAIL  [check, cell 4] Part 1: doubling: {said}",
+                         f"  FAIL  [check, cell 6] part-2 (Part 2): {said}",
+                         "  0/2 checks passed  (--verbose shows the tracebacks)"], proc.stdout
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_is_named_and_the_summary_prints(tmp_path, capsys):
+    """The learner's code ends the kernel (os._exit): the cell is named, the checks after it are "not run"."""
+    path = tmp_path / "99_double.ipynb"
+    nb = learner_notebook("    import os\n    os._exit(1)")
+    nbformat.write(nb, path)
+    assert main([str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  FAIL  [your code, cell 3] Part 1: doubling: the kernel died while this cell ran")
+    assert lines[2:] == ["  FAIL  [check, cell 4] Part 1: doubling: not run: the kernel died in cell 3",
+                         "  FAIL  [check, cell 6] part-2 (Part 2): not run: the kernel died in cell 3",
+                         "  0/2 checks passed  (--verbose shows the tracebacks)"]
+
+
+@pytest.mark.slow
+def test_grade_and_compare_with_number_a_cell_the_same(tmp_path, capsys):
+    """One numbering (``learner.cell_number``: the position from the top, every cell counted, from 1): a cell that
+    does not parse is the same "cell N" in ``mpcourse grade`` and in ``mpcourse compare --with``."""
+    from mpcourse.cli import main as cli
+    from mpcourse.experiment.learner import cell_number
+
+    path = tmp_path / "04_mine.ipynb"
+    nb = learner_notebook("    return 2 * x")
+    nb.cells.insert(2, V4.new_code_cell("def update_scale(x:\n    pass"))          # the 3rd cell: cell 3
+    nbformat.write(nb, path)
+    assert cell_number(2) == 3
+    assert cli(["compare", "--recipes", "fp16-dynamic", "--with", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path.name} cell 3: syntax error on line 1" in err, err
+    report = grade(path)
+    broken = [c for c in report.cells if c.verdict.startswith("SyntaxError")]
+    assert [c.index for c in broken] == [3]
+    assert "[your code, cell 3]" in format_report(report)

@@ -233,3 +233,80 @@ def test_preset_large_on_the_cpu_warns_with_the_expected_time(monkeypatch, tmp_p
     assert f"{minutes:.0f} min" in err or f"{minutes / 60:.1f} h" in err
     assert main(["compare", "--recipes", "fp32", "--steps", "10", "--out", str(tmp_path)]) == 0
     assert "warning" not in capsys.readouterr().err                    # the small preset says nothing
+
+
+def _torchrun(nproc: int, *flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m mpcourse compare FLAGS`` on this machine (loopback, a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", "0", "-m", "mpcourse", "compare", "--recipes", "fp32", "--steps", "1",
+           "--no-progress", "--out", str(tmp_path / "out"), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.slow
+def test_torchrun_is_checked_as_nproc_is(tmp_path):
+    """Under torchrun the flags are checked against the processes it started, as against --nproc: the one line,
+    printed once (by rank 0), each rank exits 2 before any process group or training, and torchrun's own failure
+    report quotes that line (the ranks' torchelastic error files), not a traceback of the ranks'."""
+    proc = _torchrun(3, "--parallel", "ddp", "--batch-size", "16", tmp_path=tmp_path)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("mpcourse compare: error:")]
+    assert said == ["mpcourse compare: error: --batch-size 16 is not divisible by the 3 processes torchrun started "
+                    "(WORLD_SIZE=3) (each rank trains on batch_size / nproc sequences; pick a multiple of 3)"], \
+        proc.stderr
+    assert "[rank" not in proc.stderr and "ValueError" not in proc.stderr, proc.stderr     # no rank's traceback
+    assert "exitcode  : 2" in proc.stderr and f"traceback : {said[0]}" in proc.stderr
+    assert proc.returncode != 0 and not (tmp_path / "out").exists() and proc.stdout == ""
+
+
+def test_nproc_refusal_is_the_same_line(capsys):
+    """The --nproc case the torchrun test mirrors: one line, exit 2."""
+    assert main(["compare", "--nproc", "3", "--parallel", "ddp", "--batch-size", "16", "--recipes", "fp32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mpcourse compare: error: --batch-size 16 is not divisible by --nproc 3 (each rank trains on "
+                   "batch_size / nproc sequences; pick a multiple of 3)")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_torchrun_rank_refuses_before_any_process_group(rank, monkeypatch, tmp_path, capsys):
+    """A rank torchrun started (its environment, in this process): a batch its 3 ranks cannot split, a block-scaled
+    recipe whose blocks a rank's tokens cannot fill, an --nproc that is not torchrun's: exit 2, the line on rank 0
+    only, and the line in the rank's torchelastic error file, in the shape torchrun's agent reads back."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    for k, v in {"RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                 "TORCHELASTIC_ERROR_FILE": str(error_file)}.items():
+        monkeypatch.setenv(k, v)
+    out = ["--out", str(tmp_path / "out")]
+    for flags, said in [(["--recipes", "fp32", "--parallel", "ddp", "--batch-size", "16"],
+                         "is not divisible by the 3 processes torchrun started (WORLD_SIZE=3)"),
+                        (["--recipes", "fp8-block", "--parallel", "ddp", "--batch-size", "3"],
+                         "but fp8-block scales them in blocks of 128: use a --batch-size that is a multiple of 6"),
+                        (["--recipes", "fp32", "--parallel", "ddp", "--batch-size", "15", "--nproc", "2"],
+                         "--nproc 2 but torchrun started 3 processes (WORLD_SIZE=3)")]:
+        error_file.unlink(missing_ok=True)
+        assert main(["compare", *flags, *out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (said in err and len(err.splitlines()) == 1) if rank == 0 else err == ""
+        failure = ProcessFailure(local_rank=rank, pid=1, exitcode=2, error_file=str(error_file))
+        assert said in failure.message["message"] and said in failure.message["extraInfo"]["py_callstack"]
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_rank_says_where_the_finished_rows_are(monkeypatch, tmp_path, capsys):
+    """``--nproc``: a rank failed after rows had finished (``RankFailed`` carries them, written by
+    ``run_distributed_compare``): the error line, then where the rows are and which recipes did not finish; exit 1."""
+    from mpcourse.experiment.parallel.distributed import RankFailed
+
+    def fails(job, nproc):
+        e = RankFailed(1, "RuntimeError: boom")
+        e.results, e.failed = ["row"], [{"recipe": "bf16-pure", "seed": 0, "error": "rank 1 failed: boom"}]
+        raise e
+    monkeypatch.setattr("mpcourse.experiment.parallel.distributed.run_distributed_compare", fails)
+    out = tmp_path / "out"
+    assert main(["compare", "--recipes", "fp32,bf16-pure", "--nproc", "2", "--parallel", "ddp", "--batch-size", "4",
+                 "--steps", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["mpcourse compare: error: rank 1 failed: RuntimeError: boom",
+                   f"mpcourse compare: the 1 finished rows are in {out / 'results.json'} (its \"failed\" list names "
+                   "bf16-pure)"]

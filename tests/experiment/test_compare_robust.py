@@ -370,6 +370,107 @@ def test_an_interrupted_run_keeps_the_finished_rows(corpus, tmp_path, monkeypatc
     assert [r["recipe"] for r in json.loads((tmp_path / "b" / "results.json").read_text())["results"]] == ["fp32"]
 
 
+def test_an_interrupted_yours_row_is_named_as_not_finished(corpus, tmp_path, monkeypatch):
+    """Ctrl-C while the learner's row trains (after the library's fp16-dynamic row): ``failed`` names
+    "fp16-dynamic [yours]" as not finished, and the recipe after it; the library's row is kept."""
+    from mpcourse.experiment.compare import learner_rows
+    from mpcourse.experiment.compare.run import CompareInterrupted
+
+    real = learner_rows.train
+
+    def planted(name, *args, label=None, **kwargs):
+        if label == "fp16-dynamic [yours]":
+            raise KeyboardInterrupt
+        return real(name, *args, label=label, **kwargs)
+    monkeypatch.setattr(learner_rows, "train", planted)
+    mine = load_functions(ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb")
+    lines: list[str] = []
+    with pytest.raises(CompareInterrupted):
+        run_compare(["fp16-dynamic", "fp32"], corpus, CFG, tmp_path, progress=False, echo=lines.append, learner=mine)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["recipe"] for r in payload["results"]] == ["fp16-dynamic"]
+    assert [(f["recipe"], f["error"]) for f in payload["failed"]] == \
+        [("fp16-dynamic [yours]", "interrupted before it finished"), ("fp32", "interrupted before it finished")]
+    assert "NOT FINISHED fp16-dynamic [yours] (seed 0): interrupted before it finished" in lines
+
+
+def test_an_interrupted_rerun_keeps_the_earlier_complete_results(corpus, tmp_path, monkeypatch):
+    """A folder holding a complete run; the same job re-run and interrupted after its first row: the earlier
+    results.json and plot stay byte for byte, the finished row goes to results.partial.json (and its plot beside),
+    and the interrupt says where. Without an earlier run the rows go to results.json, as before."""
+    from mpcourse.experiment.compare import run as compare_module
+    from mpcourse.experiment.compare.run import CompareInterrupted
+
+    names = ["fp32", "bf16-pure"]
+    run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = compare_module.train
+
+    def planted(name, *args, **kwargs):
+        if name == "bf16-pure":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(compare_module, "train", planted)
+    with pytest.raises(CompareInterrupted) as err:
+        run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+    assert err.value.path == tmp_path / "results.partial.json" and (tmp_path / "loss_curves.partial.png").is_file()
+    partial = json.loads((tmp_path / "results.partial.json").read_text())
+    assert [r["recipe"] for r in partial["results"]] == ["fp32"] and partial["interrupted"] is True
+    with pytest.raises(CompareInterrupted) as err:
+        run_compare(names, corpus, CFG, tmp_path / "fresh", progress=False, echo=lambda *_: None)
+    assert err.value.path == tmp_path / "fresh" / "results.json"
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["loss_curves.png", "results.json"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_rerun_of_a_real_process_keeps_the_earlier_run(tmp_path):
+    """The learner's day, as it happens: a complete run in a folder, then the same command again, stopped with
+    SIGINT (Ctrl-C) once its first row has finished: exit 130, one line naming results.partial.json and the kept
+    results.json, which (with its plot) is byte for byte the complete run's."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mpcourse", "compare", "--recipes", "fp32,bf16-pure", "--batch-size", "2",
+           "--jobs", "1", "--out", str(out)]
+    first = subprocess.run([*cmd, "--steps", "2", "--no-progress"], capture_output=True, text=True, timeout=300,
+                           cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # the re-run: the signal goes once bf16-pure has trained a step (fp32's row is done), seconds before its end
+    proc = subprocess.Popen([*cmd, "--steps", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    seen, started = [], threading.Event()
+
+    def read():                             # wait for bf16-pure's first step: fp32's row is done by then
+        for chunk in iter(lambda: proc.stderr.read(1), ""):
+            seen.append(chunk)
+            if chunk in "\r\n" and re.search(r"bf16-pure: .*\| [1-9]\d*/60", "".join(seen[-300:])):
+                started.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(240), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)                  # stderr is the reader's; stdout holds a few lines
+    finally:
+        proc.kill()
+    reader.join(10)
+    err = "".join(seen)
+    said = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("mpcourse compare:")]
+    assert proc.returncode == 130 and len(said) == 1, err
+    assert f"the 1 finished rows are in {out / 'results.partial.json'}" in said[0]
+    assert f"{out / 'results.json'} keeps the earlier run (2 rows, 2 steps x 2)" in said[0]
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before
+    partial = json.loads((out / "results.partial.json").read_text())
+    assert [r["recipe"] for r in partial["results"]] == ["fp32"] and partial["config"]["steps"] == 60
+
+
 @pytest.mark.slow
 def test_an_interrupt_in_the_pool_keeps_the_rows_the_workers_finished(corpus, tmp_path, monkeypatch):
     """Ctrl-C while worker processes train (simulated: the parent's wait raises once a run has come back): every
@@ -457,12 +558,74 @@ def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tm
                for ln in table.splitlines()]
     capsys.readouterr()
     assert check_with("\n".join(changed)) == 1
-    assert f"bf16-pure val: README {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
+    assert f"bf16-pure val: README.md {float(val) + 0.001:.3f}, fresh {val}" in capsys.readouterr().out
     tok = rows["fp32"][i_tok]
     slower = [ln.replace(f" {tok} ", " " + "9" * len(tok) + " ", 1) if ln.startswith("fp32") else ln
               for ln in table.splitlines()]
     assert check_with("\n".join(slower)) == 0
     assert check.main(["--readme", str(readme), "--table", "no such command", "--results", results]) == 2
+
+
+def test_readme_table_check_names_the_file_and_compares_peak_mb_on_the_tables_kernels(corpus, tmp_path, capsys):
+    """A table in docs/results.md is named as that file (not "README"); peak MB, which counts the quantizers'
+    temporaries, is compared only for a run on the tables' kernels (results.json's environment.kernels: a run
+    without numba is not failed on it, and a note says so); every other column still is."""
+    check = _check_script()
+    lines: list[str] = []
+    run_compare(["fp32", "nvfp4"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    table = lines[0].splitlines()[:4]
+    head, rows = check.parse_table(table)
+    peak, act = rows["nvfp4"][head.index("peak MB")], rows["nvfp4"][head.index("act MB")]
+    results = tmp_path / "run" / "results.json"
+    payload = json.loads(results.read_text())
+    assert payload["environment"]["kernels"] in ("numba", "torch", "rules")
+    docs = tmp_path / "docs" / "results.md"
+    docs.parent.mkdir()
+
+    dashes = table[1]
+    starts = [i for i, ch in enumerate(dashes) if ch == "-" and (i == 0 or dashes[i - 1] == " ")] + [None]
+
+    def plus(line: str, column: str) -> str:            # the row with that cell 0.06 higher, the layout kept
+        a, b = starts[head.index(column)], starts[head.index(column) + 1]
+        cell = line[a:b].rstrip()
+        return line[:a] + f"{float(cell) + 0.06:.2f}".rjust(len(cell)) + line[a + len(cell):]
+
+    def check_with(column: str, kernels: str):
+        payload["environment"]["kernels"] = kernels
+        results.write_text(json.dumps(payload))
+        changed = [plus(ln, column) if ln.startswith("nvfp4") else ln for ln in table]
+        docs.write_text("# t\n\n```\n$ mpcourse compare --steps 3  # 1 s\n" + "\n".join(changed) + "\n```\n")
+        code = check.main(["--readme", str(docs), "--table", "mpcourse compare --steps 3", "--results", str(results),
+                           "--columns", "memory"])
+        return code, capsys.readouterr().out
+    code, out = check_with("peak MB", "numba")
+    assert code == 1 and f"{docs} line 4 `mpcourse compare --steps 3`: 1 cell(s) differ" in out
+    assert f"nvfp4 peak MB: results.md {float(peak) + 0.06:.2f}, fresh {peak}" in out and "README" not in out
+    code, out = check_with("peak MB", "torch")
+    assert code == 0 and "note: peak MB not compared: this run's quantizers took the torch kernels" in out
+    assert "rows agree in B/param w+g+m+o=total, act MB (" in out
+    code, out = check_with("act MB", "torch")
+    assert code == 1 and f"nvfp4 act MB: results.md {float(act) + 0.06:.2f}, fresh {act}" in out
+
+
+def test_spread_refuses_a_run_of_other_settings_than_the_tables(corpus, capsys, tmp_path):
+    """``--spread`` holds a run against a seeds table of 80 steps x 16: a --quick run (50 x 8) is refused on one
+    line naming the fix, exit 2; a run of the table's settings is compared (here: it lacks the table's recipes)."""
+    check = _check_script()
+    from mpcourse.experiment.compare.outputs import results_payload
+    rows = [dataclasses.replace(_run([{"step": 0, "loss": 4.0}]), recipe="fp32")]
+    for steps, batch, code in [(50, 8, 2), (80, 16, 1)]:
+        cfg = dataclasses.replace(CFG, steps=steps, batch_size=batch)
+        path = tmp_path / f"{steps}.json"
+        path.write_text(json.dumps(results_payload(rows, corpus, cfg)))
+        assert check.main(["--spread", "--results", str(path)]) == code
+        err = capsys.readouterr().err
+        said = [ln for ln in err.splitlines() if ln.startswith("check_readme_tables: error:")]
+        if code == 2:
+            assert len(said) == 1 and "--spread: this run trained 50 steps x 8 sequences" in said[0]
+            assert "80 x 16" in said[0] and "without --quick" in said[0]
+        else:
+            assert said == []
 
 
 def test_spread_check_passes_inside_and_names_what_lies_outside():

@@ -134,7 +134,7 @@ def test_loading_runs_only_definitions(tmp_path):
     assert list(functions) == ["f"] and functions["f"](3) == 6
     nb.cells.append(nbformat.v4.new_code_cell("def broken(:\n    pass"))
     nbformat.write(nb, path)
-    with pytest.raises(LearnerLoadError, match="cell 3: syntax error"):
+    with pytest.raises(LearnerLoadError, match="cell 4: syntax error"):     # the 4th cell (cell_number)
         load_functions(path)
     with pytest.raises(LearnerLoadError, match="no such notebook"):
         load_functions(tmp_path / "missing.ipynb")

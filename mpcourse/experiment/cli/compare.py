@@ -21,6 +21,8 @@ from ..recipes import NOT_IN_DEFAULT_RUN, RECIPES, OptimConfig, default_recipes
 from ..training.train import TrainConfig
 from .argtypes import comma_list, positive_float, positive_int, ratio, seed
 from .compare_parallel import compare_parallel
+from ..parallel.launcher import launcher_rank, launcher_world_size
+from .parser import refuse
 from .out_folder import (DEFAULT_OUT, MAX_RUN_NAME, QUICK_OUT, RUNS_OUT, earlier_run, make_folder, out_folder_error,
                          output_folder, remove_if_empty, run_changes, say_overwrite, where_line)
 from .presets import PRESET_BATCH, PRESETS, QUICK
@@ -74,7 +76,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(e.g. recipes=fp32,mxfp8-floor+steps=8; a flag at its default value changes nothing, nor do "
                         "--jobs, --no-progress and --dist-timeout; a notebook or --data file by its name without the "
                         f"suffix; past {MAX_RUN_NAME} characters shortened with a hash). The run prints the folder at "
-                        "its start and end; when it overwrites an earlier results.json there it says so after writing")
+                        "its start and end; when it overwrites an earlier results.json there it says so after writing (Ctrl-C "
+                        "writes the finished rows to results.partial.json beside it instead)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     c.add_argument("--jobs", type=positive_int, default=None,
                    help="train this many recipes at once in worker processes (default: one per core, at most one "
@@ -116,8 +119,7 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         corpus = load_corpus(args.data)
     except CorpusError as e:
-        print(f"mpcourse compare: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     preset = QUICK if args.quick else {"steps": TrainConfig.steps, "batch_size": PRESET_BATCH[args.preset]}
     args.steps = args.steps if args.steps is not None else preset["steps"]
     args.batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
@@ -126,34 +128,31 @@ def _compare(args: argparse.Namespace) -> int:
         args.out = output_folder(args)
     bad = out_folder_error(args.out)            # fail now, not after minutes of training
     if bad:
-        print(f"mpcourse compare: error: {bad}", file=sys.stderr)
-        return 2
+        return refuse(bad)
     if args.device == "cuda" and not _cuda_available():
-        print("mpcourse compare: error: --device cuda but no CUDA GPU is visible to torch "
-              "(torch.cuda.is_available() is False); drop --device or install a CUDA build of torch", file=sys.stderr)
-        return 2
+        return refuse("--device cuda but no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+                      "drop --device or install a CUDA build of torch")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       optim=OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio),
                       model=GPTConfig(**PRESETS[args.preset]), device=args.device)
     recipes = args.recipes or default_recipes()
-    if not args.recipes and NOT_IN_DEFAULT_RUN:
+    if not args.recipes and NOT_IN_DEFAULT_RUN and launcher_rank() == 0:
         print(f"not in the default run (name them with --recipes): {', '.join(NOT_IN_DEFAULT_RUN)}")
-    bad = _token_count_error(recipes, cfg, args.nproc)
+    world = launcher_world_size()                # under torchrun: its processes are the ranks, checked as --nproc's
+    if world is not None and args.nproc not in (1, world):
+        return refuse(f"--nproc {args.nproc} but torchrun started {world} processes (WORLD_SIZE={world}); drop "
+                      "--nproc under torchrun (torchrun's --nproc-per-node sets the ranks)")
+    bad = _token_count_error(recipes, cfg, world or args.nproc)
     if bad:
-        print(f"mpcourse compare: error: {bad}", file=sys.stderr)
-        return 2
+        return refuse(bad)
     if args.fp8_all_gather:
         from ..parallel.data_parallel import fp8_all_gather_error
         if args.parallel != "fsdp":
-            print("mpcourse compare: error: --fp8-all-gather needs --parallel fsdp (it changes what FSDP2 all-gathers)",
-                  file=sys.stderr)
-            return 2
+            return refuse("--fp8-all-gather needs --parallel fsdp (it changes what FSDP2 all-gathers)")
         bad = [why for why in map(fp8_all_gather_error, recipes) if why]
         if bad:
-            print(f"mpcourse compare: error: {bad[0]}", file=sys.stderr)
-            return 2
-    from ..parallel.distributed import launched_by_torchrun
-    if args.nproc > 1 or args.parallel or launched_by_torchrun():
+            return refuse(bad[0])
+    if args.nproc > 1 or args.parallel or world is not None:
         return compare_parallel(args, corpus, cfg, recipes, side)
     return _compare_here(args, corpus, cfg, recipes, side)
 
@@ -176,8 +175,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
         try:
             learner = exercise_functions(args.with_notebooks, recipes)
         except (LearnerLoadError, OverrideRefused) as e:
-            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
-            return 2
+            return refuse(f"--with{':' * isinstance(e, OverrideRefused)} {e}")
         print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
     n_runs = len(recipes) * len(args.seeds or [args.seed])
     from ..training.threads import TRAINING_THREADS
@@ -189,8 +187,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
         from ..compare.pool import default_jobs
         jobs, threads = default_jobs(n_runs)
     if jobs > 1 and args.device == "cuda":
-        print("mpcourse compare: error: --jobs > 1 trains on the CPU; drop --jobs with --device cuda", file=sys.stderr)
-        return 2
+        return refuse("--jobs > 1 trains on the CPU; drop --jobs with --device cuda")
     if jobs > 1:
         print(f"jobs: {jobs} worker processes x {threads} thread(s)")
     peaks = _peak_flops(args.device, threads)
@@ -207,9 +204,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     try:
         created = make_folder(args.out)
     except OSError as e:
-        print(f"mpcourse compare: error: --out {args.out}: cannot create the output folder ({e.strerror}); "
-              "pass another folder", file=sys.stderr)
-        return 2
+        return refuse(f"--out {args.out}: cannot create the output folder ({e.strerror}); pass another folder")
     t0 = time.time()
     from ..compare.pool import WorkerError
     from ..compare.run import CompareFailed, CompareInterrupted, run_compare
@@ -232,10 +227,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
         say_overwrite(args.out, earlier)
         return 1
     except CompareInterrupted as e:
-        print(f"mpcourse compare: interrupted; the {len(e.results)} finished rows are in {args.out / 'results.json'} "
-              "(its \"failed\" list names the runs not finished)" if e.results else
-              f"mpcourse compare: interrupted before any run finished: nothing written ({args.out}/ keeps what it "
-              "held)", file=sys.stderr)
+        print(_interrupted_line(e, args.out, earlier), file=sys.stderr)
         say_overwrite(args.out, earlier)
         return 130
     finally:
@@ -243,6 +235,19 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
     say_overwrite(args.out, earlier)
     return 0
+
+
+def _interrupted_line(e, out: Path, earlier) -> str:
+    """The one line after Ctrl-C: where the finished rows went (``results.json``, or ``results.partial.json``
+    beside the earlier run's ``results.json``, which stays) or that nothing was written."""
+    from ..compare.outputs import OUT_FILES
+    if e.path is None:
+        return f"mpcourse compare: interrupted before any run finished: nothing written ({out}/ keeps what it held)"
+    line = (f"mpcourse compare: interrupted; the {len(e.results)} finished rows are in {e.path} (its \"failed\" list "
+            "names the runs not finished)")
+    if e.path.name != OUT_FILES[0] and earlier is not None:
+        line += f"; {out / OUT_FILES[0]} keeps the earlier run ({earlier[1]}) until a run completes"
+    return line
 
 
 def _cuda_available() -> bool:

@@ -8,6 +8,8 @@ import time
 
 from mpcourse.core import emulation
 
+from ..parallel.launcher import launcher_world_size
+from .parser import refuse
 from .out_folder import earlier_run, say_overwrite, where_line
 
 
@@ -16,14 +18,13 @@ def compare_parallel(args, corpus, cfg, recipes, side: bool = False) -> int:
     from ..parallel.distributed import Job, RankFailed, is_rank_zero, run_distributed_compare
 
     if args.parallel is None:
-        print("mpcourse compare: error: --nproc > 1 (or torchrun) needs --parallel ddp or --parallel fsdp",
-              file=sys.stderr)
-        return 2
-    nproc = args.nproc
-    if cfg.batch_size % max(nproc, 1):
-        print(f"mpcourse compare: error: --batch-size {cfg.batch_size} is not divisible by --nproc {nproc} "
-              "(each rank trains on batch_size / nproc sequences)", file=sys.stderr)
-        return 2
+        return refuse("--nproc > 1 (or torchrun) needs --parallel ddp or --parallel fsdp")
+    world = launcher_world_size()                  # torchrun's processes, checked as --nproc's would be
+    ranks = world or args.nproc
+    if cfg.batch_size % ranks:
+        who = f"--nproc {ranks}" if world is None else f"the {ranks} processes torchrun started (WORLD_SIZE={ranks})"
+        return refuse(f"--batch-size {cfg.batch_size} is not divisible by {who} (each rank trains on batch_size / "
+                      f"nproc sequences; pick a multiple of {ranks})")
     if args.with_notebooks:                       # every rank loads them; check here that they load and fit
         from mpcourse.core.learner_table import OverrideRefused
         from ..learner import LearnerLoadError
@@ -31,14 +32,12 @@ def compare_parallel(args, corpus, cfg, recipes, side: bool = False) -> int:
         try:
             exercise_functions(args.with_notebooks, recipes, args.parallel)
         except (LearnerLoadError, OverrideRefused) as e:
-            print(f"mpcourse compare: error: --with{':' * isinstance(e, OverrideRefused)} {e}", file=sys.stderr)
-            return 2
+            return refuse(f"--with{':' * isinstance(e, OverrideRefused)} {e}")
     from ..parallel.data_parallel import unsupported
     refused = {name: unsupported(name, args.parallel) for name in recipes}
     if all(refused.values()):                        # nothing would run: say why instead of an empty table
-        print(f"mpcourse compare: error: --parallel {args.parallel} runs none of the recipes asked for: "
-              + "; ".join(f"{n}: {why}" for n, why in refused.items()), file=sys.stderr)
-        return 2
+        return refuse(f"--parallel {args.parallel} runs none of the recipes asked for: "
+                      + "; ".join(f"{n}: {why}" for n, why in refused.items()))
     job = Job(recipes=recipes, corpus=corpus, cfg=cfg, out=args.out, parallel=args.parallel,
               reduce_dtype=args.reduce_dtype, progress=not args.no_progress, timeout_s=args.dist_timeout,
               fp8_all_gather=args.fp8_all_gather, learner_notebooks=tuple(str(nb) for nb in args.with_notebooks))
@@ -46,16 +45,20 @@ def compare_parallel(args, corpus, cfg, recipes, side: bool = False) -> int:
     if talk:
         print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}")
         print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens, "
-              f"--parallel {args.parallel} over {'torchrun' if nproc == 1 else nproc} gloo processes, "
+              f"--parallel {args.parallel} over {ranks} gloo processes{' (torchrun)' * (world is not None)}, "
               f"reduce dtype {args.reduce_dtype or 'default'}; bytes per parameter are per rank")
         print(where_line(args.out, side))
         print(f"tensor cores: {emulation.status()}")
     earlier = earlier_run(args.out)
     t0 = time.time()
     try:
-        results = run_distributed_compare(job, nproc)
+        results = run_distributed_compare(job, args.nproc)
     except RankFailed as e:
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
+        if e.results:
+            print(f"mpcourse compare: the {len(e.results)} finished rows are in {args.out / 'results.json'} (its "
+                  f"\"failed\" list names {', '.join(f['recipe'] for f in e.failed)})", file=sys.stderr)
+            say_overwrite(args.out, earlier)
         return 1
     if talk and results:
         print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")

@@ -1,11 +1,19 @@
 """The ``mpcourse`` parser: ``argparse`` whose errors are one line with exit code 2, and a "did you mean" for a
-misspelled flag.
+misspelled flag; ``refuse``, the same one line for a check of ``mpcourse compare``'s own. Under torchrun either
+line is printed once, by rank 0 (``mpcourse.experiment.parallel.launcher.say_once``), and every rank exits 2.
 """
 from __future__ import annotations
 
 import argparse
 
+from ..parallel.launcher import say_once
 from .argtypes import did_you_mean
+
+
+def refuse(text: str, prog: str = "mpcourse compare") -> int:
+    """Say ``PROG: error: TEXT`` on one line of stderr (once under torchrun); the exit code, 2."""
+    say_once(f"{prog}: error: {text}")
+    return 2
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,4 +34,5 @@ class OneLineParser(argparse.ArgumentParser):
                        if w.startswith("--") and (g := did_you_mean(w.split("=")[0], self._flags()))]
             if guesses:
                 message += "; " + "; ".join(guesses)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        say_once(f"{self.prog}: error: {message}")
+        self.exit(2)

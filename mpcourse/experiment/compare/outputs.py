@@ -1,10 +1,14 @@
 """What a compare job writes into its folder: ``results.json`` (config, extra keys, environment, one object per
-run) and ``loss_curves.png`` (``plot``).
+run) and ``loss_curves.png`` (``plot``). An interrupted run whose folder already holds a ``results.json`` writes
+``results.partial.json`` and ``loss_curves.partial.png`` beside it instead (``PARTIAL_FILES``), so that the
+earlier run's files stay until a run completes (``mpcourse.experiment.compare.run``).
 
 ``results.json`` is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written
 as ``null`` and named, with its value, in the enclosing object's ``"nonfinite"`` field (for example
 ``{"loss": null, "nonfinite": {"loss": "nan"}}``); a diverged run also says where in ``"null_reason"``.
-The file records what produced it: torch version, device, tensor-core emulation per dtype.
+The file records what produced it: torch version, device, tensor-core emulation per dtype, the quantizers' kernels
+(``kernels``: "numba", "torch" or "rules"; ``mpcourse.core.quant.kernels.in_use``: the same bits, not the same
+temporaries, so the FP8/MX/NVFP4 rows' peak bytes depend on it).
 """
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ from ..gpt.data import Corpus
 from ..training.train import RunResult, TrainConfig
 from .plot import plot_curves
 from .spikes import peak_after, spike_reports
+
+
+#: (results, plot): the files of a run, and of an interrupted run written beside an earlier one's
+OUT_FILES = ("results.json", "loss_curves.png")
+PARTIAL_FILES = ("results.partial.json", "loss_curves.partial.png")
 
 
 def strict_json(obj):
@@ -43,6 +52,7 @@ def environment(device: str = "cpu") -> dict:
     import torch
 
     from mpcourse.core import emulation
+    from mpcourse.core.quant import kernels
 
     from ..measure import machine
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
@@ -51,6 +61,7 @@ def environment(device: str = "cpu") -> dict:
                                                          "cpu_has_native_units": emulation.cpu_has_native(dt)}
                           for dt in emulation.LOW_PRECISION},
             "emulation_summary": emulation.status(),
+            "kernels": kernels.in_use(),
             "cpu": machine.describe()}
 
 
@@ -79,10 +90,13 @@ def results_payload(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, 
 
 
 def write_outputs(results: list[RunResult], corpus: Corpus, cfg: TrainConfig, out: Path, extra: dict | None = None,
-                  seeds: list[int] | None = None, plot_results: list[RunResult] | None = None) -> None:
+                  seeds: list[int] | None = None, plot_results: list[RunResult] | None = None,
+                  files: tuple[str, str] = OUT_FILES) -> Path:
     """Write ``out/results.json`` (strict JSON: config, ``extra`` keys, environment, one object per
-    run) and ``out/loss_curves.png`` (``plot_results``, default all ``results``)."""
+    run) and ``out/loss_curves.png`` (``plot_results``, default all ``results``); ``files``: other names for the
+    two (``PARTIAL_FILES``). Returns the results file's path."""
     out.mkdir(parents=True, exist_ok=True)
     payload = results_payload(results, corpus, cfg, extra, seeds)
-    (out / "results.json").write_text(json.dumps(payload, indent=1, allow_nan=False))
-    plot_curves(plot_results if plot_results is not None else results, out / "loss_curves.png")
+    (out / files[0]).write_text(json.dumps(payload, indent=1, allow_nan=False))
+    plot_curves(plot_results if plot_results is not None else results, out / files[1])
+    return out / files[0]

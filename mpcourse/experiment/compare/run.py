@@ -11,7 +11,7 @@ from pathlib import Path
 from ..gpt.data import Corpus
 from ..training.train import RunResult, TrainConfig, train, train_inspected
 from .learner_rows import learner_verdicts, train_with_learner
-from .outputs import write_outputs
+from .outputs import OUT_FILES, PARTIAL_FILES, write_outputs
 from .peaks import settle_peaks
 from .report import format_seed_table, format_table, seed_summary
 
@@ -32,13 +32,15 @@ class CompareFailed(RuntimeError):
 
 class CompareInterrupted(KeyboardInterrupt):
     """Ctrl-C during a compare job: the rows that finished are in ``results.json`` (its ``failed`` names the runs
-    that did not finish, ``interrupted`` is true); nothing was written when none had finished.
+    that did not finish, ``interrupted`` is true), or in ``results.partial.json`` beside an earlier run's
+    ``results.json``, which stays as it was; nothing was written when none had finished.
 
-    A ``KeyboardInterrupt``, so a caller that does not know it still stops. Attributes as ``CompareFailed``'s.
+    A ``KeyboardInterrupt``, so a caller that does not know it still stops. Attributes as ``CompareFailed``'s, and
+    ``path``: the results file written (None: none).
     """
 
-    def __init__(self, failed: list[dict], results: list[RunResult]):
-        self.failed, self.results = failed, results
+    def __init__(self, failed: list[dict], results: list[RunResult], path: Path | None = None):
+        self.failed, self.results, self.path = failed, results, path
         super().__init__(f"interrupted: {len(results)} finished run(s) kept, {len(failed)} not finished")
 
 
@@ -48,6 +50,17 @@ INTERRUPTED = "interrupted before it finished"
 def _error_line(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _rows_of(name: str, learner: dict | None, messages: dict[str, str]) -> list[str]:
+    """The rows recipe ``name`` trains for a job: its own, and ``"name [yours]"`` where it takes some of the
+    ``learner``'s functions and did not refuse them (``messages``)."""
+    from mpcourse.core.learner_table import learner_functions
+    from ..recipes import get_recipe
+    from .learner_rows import yours
+
+    takes = learner and name not in messages and learner_functions(learner, get_recipe(name).OVERRIDABLE)
+    return [name, yours(name)] if takes else [name]
 
 
 def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path, *,
@@ -75,7 +88,9 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     ``results.json``'s ``failed`` names each failed run and why, and ``CompareFailed`` is raised after the
     files are written. Ctrl-C (``KeyboardInterrupt``, in this process or while workers train) stops the job the
     same way: the finished rows are written, the others named in ``failed`` as interrupted, and
-    ``CompareInterrupted`` is raised. When no run finished nothing is written (``out`` keeps what it held).
+    ``CompareInterrupted`` is raised; where ``out`` already holds a ``results.json`` (an earlier run's), they go to
+    ``results.partial.json`` and ``loss_curves.partial.png`` beside it, which stay as they were. When no run
+    finished nothing is written (``out`` keeps what it held).
     """
     from ..training.threads import TRAINING_THREADS, training_threads
 
@@ -139,8 +154,10 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     done = {(s, r.recipe) for s, rs in runs.items() for r in rs}
     failures = [{"recipe": name, "seed": seed, "error": failed[seed, name]}
                 for seed in seeds for name in recipes if (seed, name) in failed]
-    failures += [{"recipe": name, "seed": seed, "error": INTERRUPTED} for seed in seeds for name in recipes
-                 if interrupted and (seed, name) not in failed and (seed, name) not in done]
+    if interrupted:
+        failures += [{"recipe": row, "seed": seed, "error": INTERRUPTED} for seed in seeds for name in recipes
+                     if (seed, name) not in failed for row in _rows_of(name, learner, messages)
+                     if (seed, row) not in done]
     flat = [(s, r) for s, rs in runs.items() for r in rs]
     peaks = dict(peak_flops) if isinstance(peak_flops, Mapping) else peak_flops
     row_peak = settle_peaks(flat, peaks, cfg, remeasure_peak)
@@ -155,15 +172,18 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
         said = "NOT FINISHED" if f["error"] == INTERRUPTED else "FAILED"
         echo(f"{said} {f['recipe']} (seed {f['seed']}): {f['error']}")
     results = [r for _, r in flat]
+    written = None
     if results:                      # nothing finished: write nothing, so an earlier run's files stay as they were
         extra = {"seeds": seeds, "peak_flops": peaks, "row_peak_flops": row_peak, "jobs": jobs,
                  "threads": TRAINING_THREADS, "failed": failures, "interrupted": interrupted}
         if len(seeds) > 1:
             extra["seed_summary"] = seed_summary(runs)
-        write_outputs(results, corpus, cfg, out, extra=extra, seeds=[s for s, _ in flat],
-                      plot_results=runs.get(seeds[0]) or results)
+        beside = interrupted and (out / OUT_FILES[0]).exists()      # keep the earlier run's files until one completes
+        written = write_outputs(results, corpus, cfg, out, extra=extra, seeds=[s for s, _ in flat],
+                                plot_results=runs.get(seeds[0]) or results,
+                                files=PARTIAL_FILES if beside else OUT_FILES)
     if interrupted:
-        raise CompareInterrupted(failures, results)
+        raise CompareInterrupted(failures, results, written)
     if failures:
         raise CompareFailed(failures, results)
     return results

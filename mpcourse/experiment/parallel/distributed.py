@@ -12,12 +12,14 @@ fresh temporary directory, ``rendezvous``), or, under ``torchrun --nproc-per-nod
 rank torchrun started (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment). Rank 0
 prints the table and writes the files. Failure: a rank that raises ends; the launcher (this module's
 ``spawn`` or torchrun's agent) sees it exit and terminates the others at once, and the error names that
-rank and its message; the process groups' ``timeout`` (default 120 s) bounds any collective that would wait
-for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel.data_parallel``.
+rank and its message; under ``spawn`` the rows rank 0 had finished are kept (it writes them to a file as it
+goes) and written with the failed recipe named; the process groups' ``timeout`` (default 120 s) bounds any
+collective that would wait for a rank that is gone. Parallel modes and what they do to each recipe: ``mpcourse.experiment.parallel.data_parallel``.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import os
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .launcher import launched_by_torchrun
 from .data_parallel import PARALLEL_MODES, REDUCE_DTYPES, overridable, shard_recipe, unsupported, wrap_ddp
 from ..training.train import Trainer, TrainConfig
 
@@ -40,11 +43,15 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 class RankFailed(RuntimeError):
-    """A rank of a distributed job raised; ``rank`` and the rank's ``message`` (its exception's last line)."""
+    """A rank of a distributed job raised; ``rank`` and the rank's ``message`` (its exception's last line); from
+    ``run_distributed_compare``'s spawned ranks also the rows that had finished (``results``, written) and the
+    recipes that did not (``failed``)."""
 
     def __init__(self, rank: int, message: str, traceback: str = ""):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank, self.message, self.traceback = rank, message, traceback
+        self.results: list = []        # the rows rank 0 had finished (``run_distributed_compare`` fills them in)
+        self.failed: list = []         # ``[{"recipe", "seed", "error"}]``: the recipes that did not finish
 
 
 class DataParallelTrainer(Trainer):
@@ -133,7 +140,9 @@ class Job:
     fp8_all_gather: bool = False       # --fp8-all-gather: the FP8 layers' weights all-gathered in FP8 (fsdp only)
     progress: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
-    fail_rank: int | None = None       # testing: this rank raises at its first step (a failing rank)
+    fail_rank: int | None = None       # testing: this rank raises at the start of a recipe (a failing rank) ...
+    fail_recipe: str | None = None     # ... of this one (None: the first)
+    rows_file: str | None = None       # rank 0 keeps its finished rows here as it goes (``kept_rows``)
     learner_notebooks: tuple = ()      # --with: every rank loads these notebooks' functions (learner.load_functions)
     learner_sources: dict = field(default_factory=dict)   # or name -> source of a learner's function
     quiet: bool = False                # rank 0 neither prints nor writes (train_yours reads the results)
@@ -190,10 +199,8 @@ def _run_yours(job: Job, name: str, functions: dict, reduce_dtype, rank: int):
 
 def run_rank(job: Job) -> list | None:
     """One rank's part of a compare job (the process group is initialized). Rank 0 prints the table, writes
-    ``results.json`` and ``loss_curves.png`` and returns the results; other ranks return None."""
-    from ..compare.outputs import write_outputs
-    from ..compare.report import format_table
-
+    ``results.json`` and ``loss_curves.png`` and returns the results; other ranks return None. With
+    ``job.rows_file``, rank 0 keeps its finished rows there as it goes (``kept_rows``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     reduce_dtype = REDUCE_DTYPES[job.reduce_dtype] if job.reduce_dtype else None
     results, not_run = [], {}
@@ -203,9 +210,11 @@ def run_rank(job: Job) -> list | None:
         if why:
             not_run[name] = why
             continue
+        if rank == 0:
+            _keep_rows(job, results, not_run, name)
         trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype,
                                       fp8_all_gather=job.fp8_all_gather)
-        if job.fail_rank == rank:
+        if job.fail_rank == rank and job.fail_recipe in (None, name):
             raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank}) at time {time.time():.3f}")
         trainer.run(progress=job.progress and rank == 0)
         results.append(trainer.result())
@@ -215,8 +224,19 @@ def run_rank(job: Job) -> list | None:
             results.append(mine)
     if rank != 0:
         return None
-    if job.quiet:
-        return results
+    _keep_rows(job, results, not_run, None)
+    if not job.quiet:
+        report_rows(job, results, not_run, world)
+    return results
+
+
+def report_rows(job: Job, results: list, not_run: dict, world: int, failed: list | None = None) -> None:
+    """Print the table of ``results`` (``RunResult``), the recipes not run and why, the all-gather and ``[yours]``
+    lines, and write ``results.json`` and ``loss_curves.png`` into ``job.out`` (nothing when no row finished);
+    ``failed``: ``[{"recipe", "seed", "error"}]``, the runs that did not finish, as ``mpcourse compare`` names them."""
+    from ..compare.outputs import write_outputs
+    from ..compare.report import format_table
+
     print(format_table(results))
     for name, why in not_run.items():
         print(f"{name}: not run under --parallel {job.parallel}: {why}")
@@ -225,13 +245,37 @@ def run_rank(job: Job) -> list | None:
         print(line)
     for line in job.messages:
         print(line)
+    for f in failed or []:
+        print(f"FAILED {f['recipe']} (seed {f['seed']}): {f['error']}")
     if not results:                                  # every recipe asked for was refused: nothing to write or plot
-        return results
+        return
     extra = {"parallel": {"mode": job.parallel, "nproc": world, "reduce_dtype": job.reduce_dtype,
                           "bytes_per_param": "per rank", "not_run": not_run, "fp8_all_gather": job.fp8_all_gather,
-                          "all_gather_bytes_per_rank_per_step": gathered}}
+                          "all_gather_bytes_per_rank_per_step": gathered},
+             "failed": list(failed or [])}
     write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)
-    return results
+
+
+def _keep_rows(job: Job, results: list, not_run: dict, current: str | None) -> None:
+    """Rank 0: write what ``kept_rows`` reads back into ``job.rows_file`` (nothing without one): the finished rows,
+    the recipes not run, the lines said so far and the recipe now training (None: every one is done)."""
+    if not job.rows_file:
+        return
+    kept = {"results": [r.to_dict() for r in results], "not_run": dict(not_run), "current": current,
+            "messages": list(job.messages), "all_gather_bytes": dict(job.all_gather_bytes)}
+    torch.save(kept, job.rows_file + ".tmp")
+    os.replace(job.rows_file + ".tmp", job.rows_file)          # whole or not at all, if the rank is killed
+
+
+def kept_rows(path: str) -> dict | None:
+    """What rank 0 kept in ``path`` (``_keep_rows``), the rows as ``RunResult``; None if it kept nothing."""
+    from ..training.train import RunResult
+
+    if not os.path.exists(path):
+        return None
+    kept = torch.load(path, weights_only=False)
+    kept["results"] = [RunResult(**d) for d in kept["results"]]
+    return kept
 
 
 def free_port() -> int:
@@ -348,10 +392,6 @@ def spawn(fn, nproc: int, args: tuple = (), *, poll_s: float = 0.2) -> None:
                 p.terminate()
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
 def run_distributed_compare(job: Job, nproc: int) -> list | None:
     """Run ``job`` over ``nproc`` ranks: spawned here, or as this process's rank under torchrun (then
     ``nproc`` must equal ``WORLD_SIZE``). Returns rank 0's results (``RunResult`` dicts), None on other ranks;
@@ -374,12 +414,36 @@ def run_distributed_compare(job: Job, nproc: int) -> list | None:
         finally:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as d:
-        spawn(_spawned_rank, nproc, (nproc, rendezvous(d), job, d))
+        kept = dataclasses.replace(job, rows_file=os.path.join(d, "rows.pt"))     # job's lists, shared
+        try:
+            spawn(_spawned_rank, nproc, (nproc, rendezvous(d), kept, d))
+        except RankFailed as e:
+            _write_what_finished(kept, e, nproc)
+            raise
         path, messages = os.path.join(d, "results.pt"), os.path.join(d, "messages.json")
         if os.path.exists(messages):
             with open(messages) as f:
                 job.messages[:] = json.load(f)
         return torch.load(path, weights_only=False) if os.path.exists(path) else []
+
+
+def _write_what_finished(job: Job, e: RankFailed, nproc: int) -> None:
+    """After a rank failed: the rows rank 0 had finished (``kept_rows``) go into ``e.results`` and, unless
+    ``job.quiet``, into the table and ``results.json`` (``report_rows``), whose ``failed`` names the recipe that was
+    training and those never started; nothing is written when no row had finished."""
+    kept = kept_rows(job.rows_file) if job.rows_file else None
+    if not kept or not kept["results"]:
+        return
+    job.messages[:] = kept["messages"]
+    job.all_gather_bytes.update(kept["all_gather_bytes"])
+    e.results = kept["results"]
+    done = {r.recipe for r in e.results} | set(kept["not_run"])
+    left = [n for n in job.recipes if n not in done]
+    e.failed = [{"recipe": n, "seed": job.cfg.seed,
+                 "error": f"rank {e.rank} failed: {e.message}" if n == kept["current"] else
+                 f"not run: the job stopped when rank {e.rank} failed"} for n in left]
+    if not job.quiet:
+        report_rows(job, e.results, kept["not_run"], nproc, e.failed)
 
 
 def is_rank_zero() -> bool:

@@ -293,17 +293,19 @@ class Trainer:
         stop = self.cfg.steps if steps is None else min(self.cfg.steps, self.step + steps)
         bar = tqdm(total=stop, initial=self.step, desc=f"{self.name:>16}", disable=not progress,
                    position=position, leave=True, dynamic_ncols=True)
-        while self.step < stop and self.diverged_at is None:
-            rec = self.train_step()                          # each step enters the emulation (or not: see above)
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-            if on_step is not None:
-                on_step(self)
-        if self.diverged_at is not None and bar.total != self.step:
-            bar.total = self.step                            # stopped early: the bar ends at 100% of the steps run
-            bar.set_description(f"{self.name:>16} (diverged at step {self.diverged_at})", refresh=False)
-            bar.refresh()
-        bar.close()
+        try:
+            while self.step < stop and self.diverged_at is None:
+                rec = self.train_step()                      # each step enters the emulation (or not: see above)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+                if on_step is not None:
+                    on_step(self)
+            if self.diverged_at is not None and bar.total != self.step:
+                bar.total = self.step                        # stopped early: the bar ends at 100% of the steps run
+                bar.set_description(f"{self.name:>16} (diverged at step {self.diverged_at})", refresh=False)
+                bar.refresh()
+        finally:                                             # Ctrl-C too: what is said next starts its own line
+            bar.close()
         return self
 
     def result(self) -> RunResult:

@@ -15,6 +15,7 @@ to about 1e-4. The asserted tolerances (``RTOL``) leave a margin of about 10x ov
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 import time
@@ -439,6 +440,29 @@ def test_a_raising_rank_stops_the_job_with_its_message():
     # rank 0 waits in a collective: terminated, not timed out (300 s). The bound is a fifth of the timeout, not a
     # few seconds: on a loaded machine (a test suite beside other jobs) the exit and the poll took 11 s once
     assert stopped - raised_at < job.timeout_s / 5, stopped - raised_at
+
+
+@pytest.mark.slow
+def test_a_failing_rank_keeps_the_rows_already_finished(tmp_path, capsys):
+    """Rank 1 fails at the start of the second of three recipes: the first recipe's row is kept, printed and
+    written to results.json, whose ``failed`` names the recipe that was training (with the rank's message) and the
+    one never started; ``RankFailed`` carries both."""
+    cfg = TrainConfig(steps=2, batch_size=4, eval_interval=1000, eval_batches=1,
+                      model=GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    job = Job(recipes=["fp32", "bf16-pure", "fp16-master"], corpus=load_corpus(None), cfg=cfg, out=tmp_path,
+              parallel="ddp", fail_rank=1, fail_recipe="bf16-pure")
+    with pytest.raises(RankFailed, match="rank 1 failed: .*planted failure") as info:
+        run_distributed_compare(job, 2)
+    assert [r.recipe for r in info.value.results] == ["fp32"]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["recipe"] for r in payload["results"]] == ["fp32"]
+    failed = payload["failed"]
+    assert [(f["recipe"], f["seed"]) for f in failed] == [("bf16-pure", 0), ("fp16-master", 0)]
+    assert failed[0]["error"].startswith("rank 1 failed: RuntimeError: planted failure on rank 1")
+    assert failed[1]["error"] == "not run: the job stopped when rank 1 failed"
+    assert info.value.failed == failed
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("fp32 ") and "FAILED bf16-pure (seed 0): rank 1 failed" in out
 
 
 def test_cli_flags_and_their_errors(capsys):

@@ -7,3 +7,14 @@ library's switch, ``mpcourse.core.kernels_switch``, ``MPCOURSE_FUSED=0``: the ru
 imports a kernel.
 ``fastpath`` chooses between numba and its torch bodies once, at import (``fastpath.COMPILED``).
 """
+
+
+def in_use() -> str:
+    """Which passes this process's quantizers take, as ``results.json`` records it: "numba" (``fused``'s compiled
+    passes: numba imported and the switch on), "torch" (``fastpath``'s torch bodies: no numba) or "rules"
+    (``MPCOURSE_FUSED=0``). The same bits every way; not the same temporaries, so a step's peak bytes differ."""
+    from ...kernels_switch import ENABLED
+    from .fastpath import COMPILED
+
+    return "numba" if COMPILED else ("torch" if ENABLED else "rules")
+
