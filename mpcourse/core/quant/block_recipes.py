@@ -125,7 +125,7 @@ class MXFP8BlockScaling(BlockRecipe):
             raise ValueError("Pure E5M2 training is not supported: use Format.E4M3 or Format.HYBRID")
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
-        if self.block_len != 32 or isinstance(self.block_len, bool):
+        if type(self.block_len) is not int or self.block_len != 32:                 # not 32.0, not True
             raise ValueError(f"MX blocks are 32 elements by the OCP MX v1.0 spec: block_len must be 32, got {self.block_len!r}")
 
 @dataclass(frozen=True)

@@ -413,7 +413,7 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     """``mx.quantize_mx`` bit for bit; the RCEIL scale from ``rceil_scale_inv`` (2^k without the int64 k)."""
     fmt = mx.mx_element_format(elem)
     check_edges(edges)
-    b = resolve_block(x.shape, block)
+    b = resolve_block(x.shape, mx.check_mx_block(block))
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if rule == "rceil":
         return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32, rule, edges)
@@ -425,6 +425,7 @@ def encode_mx(x: torch.Tensor, b: tuple[int, int], elem: str, amax: torch.Tensor
               keep_fp32: bool = False, rule: str = "floor", edges: str = "course") -> ScaledTensor:
     """``mx.encode_mx`` bit for bit, from the scales 2^k (float32) instead of k (the divisor: ``mx.mx_divisor``'s,
     2^k itself unless ``edges="torchao"``)."""
+    mx.check_mx_block(b)
     scale_inv = torch.where(torch.isnan(amax), float("nan"), scale_inv)
     divisor = mx.mx_divisor(scale_inv, rule, edges)
     if keep_fp32 and elem == "e4m3" and _fused(x):
@@ -450,7 +451,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     """``nvfp4.quantize_nvfp4`` bit for bit (the block amaxes from ``block_amax``, both scale levels and the
     encoding multipliers from ``nvfp4_block_scales``)."""
     check_edges(edges)
-    b = resolve_block(x.shape, block)
+    b = resolve_block(x.shape, nvfp4.check_nvfp4_block(block))
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
     t, s, recip, mult = nvfp4_block_scales(amax_b, tensor_amax, edges)
     return _encode_nvfp4(x, b, t, s, recip, mult, rounding, generator, keep_fp32)
@@ -482,6 +483,7 @@ def nvfp4_multipliers(t: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, t
 def encode_nvfp4(x: torch.Tensor, b: tuple[int, int], t: torch.Tensor, s: torch.Tensor, rounding: str = "nearest",
                  generator: Optional[torch.Generator] = None, keep_fp32: bool = False) -> ScaledTensor:
     """``nvfp4.encode_nvfp4`` bit for bit: ``fused``'s one pass from the rule's own random draws, or ``round_e2m1``."""
+    nvfp4.check_nvfp4_block(b)
     return _encode_nvfp4(x, b, t, s, *nvfp4_multipliers(t, s), rounding, generator, keep_fp32)
 
 

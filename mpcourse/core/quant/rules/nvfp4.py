@@ -29,6 +29,19 @@ E4M3_MAX, E2M1_MAX = FORMATS["e4m3"].max, FORMATS["e2m1"].max
 #: scales s >= 2^-6 (E4M3's smallest normal, where the rule clamps them) every encode multiplier (1 / t) / s is at
 #: most 2^127, a finite FP32, and every decode multiplier s t at least 2^-127 (E8M0's smallest scale, for comparison)
 NVFP4_MIN_TENSOR_SCALE_INV = 2.0 ** -121
+#: NVIDIA's NVFP4 (arXiv 2509.25149): 16 consecutive elements share an E4M3 scale, along a row (1, 16) or a column
+#: (16, 1); weights in 16 x 16 blocks (2-D quantization), so that the forward and the backward GEMM see the same values
+NVFP4_BLOCKS = ((1, 16), (16, 1), (16, 16))
+
+
+def check_nvfp4_block(block) -> tuple[int, int]:
+    """``block`` as a tuple if it is one of ``NVFP4_BLOCKS``; ValueError naming them otherwise (another shape would
+    give block scales of another granularity under NVFP4's name)."""
+    b = tuple(block) if isinstance(block, (tuple, list)) else block
+    if b not in NVFP4_BLOCKS or any(isinstance(n, bool) for n in b):
+        raise ValueError(f"NVFP4 blocks are (1, 16), (16, 1) or (16, 16) (16 elements share an E4M3 scale; 16 x 16 "
+                         f"for 2-D weight blocks), got {b!r}")
+    return b
 
 
 def nvfp4_tensor_scale_inv(amax: torch.Tensor, edges: str = "course") -> torch.Tensor:
@@ -64,7 +77,7 @@ def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Ten
         s_b = e4m3(clamp(amax_b / 6 / t, 2^-6, 448))     E4M3, per block (2^-6 as torchao)
     An all-zero tensor (t = 0) divides by 1 instead. ``tensor_amax``: the tensor's amax, if known.
     """
-    amax_b = block_amax(x, resolve_block(x.shape, block))     # (M/r, K/c) fp32
+    amax_b = block_amax(x, resolve_block(x.shape, check_nvfp4_block(block)))     # (M/r, K/c) fp32
     # max |x| is the largest block max (exact, NaN propagates): no second pass over x
     amax_t = given_tensor_amax(tensor_amax, amax_b)
     t = nvfp4_tensor_scale_inv(amax_t, edges)
@@ -98,7 +111,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     * an inf makes t infinite (no infinite amax is defined): every element dequantizes to NaN, so the overflow is
       not hidden (torchao the same).
     """
-    b = resolve_block(x.shape, block)
+    b = resolve_block(x.shape, check_nvfp4_block(block))
     t, s = nvfp4_scales(x, b, tensor_amax, edges)
     return encode_nvfp4(x, b, t, s, rounding, generator)
 
@@ -106,6 +119,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
 def encode_nvfp4(x: torch.Tensor, block: tuple[int, int], t: torch.Tensor, s: torch.Tensor, rounding: str = "nearest",
                  generator: Optional[torch.Generator] = None) -> ScaledTensor:
     """The ScaledTensor of x (M, K) in E2M1 with the tensor scale t and the block scales s of a resolved block."""
+    check_nvfp4_block(block)
     safe_t = torch.where(t > 0, t, torch.ones_like(t))
     recip = (1.0 / safe_t) / s.float()                          # (M/r, K/c) fp32
     y = block_view(x.float(), block) * expand(recip, block)
