@@ -33,7 +33,9 @@ counters and storages at the next MasterWeights call that reads the master (`cop
 `step_with`, `copy_master_to_model`, `state_dict`): the master is refreshed from them (with a warning naming
 `MasterWeights.load_state_dict`), so neither the next step nor a checkpoint taken then can undo the load.
 Not seen: in-place writes through `p.data` (`p.data.copy_(...)`), which bypass the version counter as they bypass
-autograd; write with `p.copy_(...)` under `torch.no_grad()`, as `load_state_dict` does.
+autograd; write with `p.copy_(...)` under `torch.no_grad()`, as `load_state_dict` does. A load that *replaces* the
+parameters (`load_state_dict(..., assign=True)`) cannot be followed (MasterWeights holds the old ones): where it knows
+the model (built over the module, or `model=`), the next call refuses it, naming the load that copies.
 """
 from __future__ import annotations
 
@@ -192,6 +194,9 @@ class MasterWeights:
         make_master: optional fn(list of FP16/BF16 params) -> list of their FP32 masters (lesson 02's signature),
             called once per param group, checked by ``learner_table.returned`` (``seams.returned_masters``);
             None: ``make_master``.
+        model: the nn.Module whose parameters ``params`` are (default: ``params`` itself when it is a module), so
+            that a load which *replaces* them (``model.load_state_dict(sd, assign=True)``) is refused at the next
+            step instead of leaving MasterWeights to step the old, detached parameters; None: not checked.
         **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
     FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
     are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
@@ -199,7 +204,8 @@ class MasterWeights:
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.SGD, *, round_to_model=None, make_master=None,
-                 **optimizer_kwargs):
+                 model: nn.Module | None = None, **optimizer_kwargs):
+        self._module = params if model is None and isinstance(params, nn.Module) else model
         self.model_params, self.master_params, master_groups, seen = [], [], [], set()
         for group in _param_groups(params):
             for p in group["params"]:
@@ -231,7 +237,9 @@ class MasterWeights:
 
     @torch.no_grad()
     def _refresh_if_model_changed(self) -> None:
-        """If a model param was written since MasterWeights last wrote it, its master := that param (fp32)."""
+        """If a model param was written since MasterWeights last wrote it, its master := that param (fp32).
+        RuntimeError if the model's parameters were replaced by other tensors (a load with ``assign=True``)."""
+        self._check_not_replaced()
         changed = [i for i, (p, v) in enumerate(zip(self.model_params, self._versions))
                    if (p._version, p.data_ptr()) != v and self.master_params[i] is not p]
         for i in changed:
@@ -243,6 +251,19 @@ class MasterWeights:
                           "the optimizer state), save and load MasterWeights.state_dict() with "
                           "MasterWeights.load_state_dict.", stacklevel=3)
         self._record_versions()
+
+    def _check_not_replaced(self) -> None:
+        if self._module is None:
+            return
+        live = {id(p) for p in self._module.parameters()}
+        gone = sum(id(p) not in live for p in self.model_params)
+        if gone:
+            raise RuntimeError(f"{gone} parameter(s) MasterWeights steps are no longer the model's: they were replaced "
+                               "(model.load_state_dict(..., assign=True), or a new nn.Parameter set on a module), so "
+                               "the loaded weights would never train. Load with model.load_state_dict(state) without "
+                               "assign (it copies into the parameters; MasterWeights then refreshes its master), or "
+                               "MasterWeights.load_state_dict for a full resume, or build MasterWeights again over "
+                               "the model.")
 
     def parameters(self):
         """The FP32 master params (e.g. for torch.nn.utils.clip_grad_norm_ after scaler.unscale_)."""

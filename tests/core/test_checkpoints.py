@@ -101,6 +101,35 @@ def test_every_way_in_sees_the_loaded_weights(load, then):
         assert torch.equal(a, b)
 
 
+def test_a_load_that_replaces_the_parameters_is_refused_naming_the_load_that_works():
+    """``load_state_dict(sd, assign=True)`` puts new tensors in the model in place of its parameters: MasterWeights
+    would go on stepping the old ones, and the loaded model would never train (before the fix: no error, the step
+    left the loaded weights where they were and updated parameters no module held any more). Refused at the next
+    MasterWeights call, naming the load that copies; built over a list of parameters with ``model=`` the same."""
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.SGD, lr=0.1)
+    train_steps(model, master, 1)
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    model(torch.ones(5, 4)).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"assign=True.*model\.load_state_dict\(state\) without assign") as err:
+        master.step()
+    assert "\n" not in str(err.value)
+    other = fp16_model()
+    listed = MasterWeights(list(other.parameters()), torch.optim.SGD, lr=0.1, model=other)
+    other.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    with pytest.raises(RuntimeError, match="replaced"):
+        listed.state_dict()
+
+
+def test_a_recipe_refuses_a_load_that_replaces_its_parameters(corpus):
+    from recipe_loop import make_recipe
+    r = make_recipe("fp16-master", corpus, SMALL)
+    _steps(r, corpus, torch.Generator().manual_seed(0), 1, 0)
+    r.model.load_state_dict(copy.deepcopy(r.model.state_dict()), assign=True)
+    with pytest.raises(RuntimeError, match="assign=True"):
+        _steps(r, corpus, torch.Generator().manual_seed(1), 1, 1)
+
+
 def test_no_warning_and_no_refresh_in_a_normal_run(recwarn):
     model = fp16_model()
     master = MasterWeights(model, torch.optim.SGD, lr=0.1)
