@@ -58,6 +58,14 @@ class Float8RowwiseScaling(BlockRecipe):
         if self.fp8_format is not Format.E4M3:
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
 
+def check_flags(recipe, names) -> None:
+    """TypeError unless each field in ``names`` is a bool: a string "False" or a 0/1 would switch a technique on or
+    off by its truth value, not by what it says."""
+    for name in names:
+        if not isinstance(getattr(recipe, name), bool):
+            raise TypeError(f"{type(recipe).__name__}.{name} must be True or False, got {getattr(recipe, name)!r}")
+
+
 @dataclass(frozen=True)
 class Float8BlockScaling(BlockRecipe):
     """DeepSeek-V3-style block scaling (TE ``Float8BlockScaling``): E4M3 for every tensor, 1x128 tiles for
@@ -85,8 +93,9 @@ class Float8BlockScaling(BlockRecipe):
             raise ValueError("Float8BlockScaling uses E4M3 for every tensor (fine blocks make E5M2's range "
                              "unnecessary): fp8_format=Format.E4M3")
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
-            if getattr(self, name) not in (1, 2):
-                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {getattr(self, name)}")
+            if type(getattr(self, name)) is not int or getattr(self, name) not in (1, 2):    # not True, not 2.0
+                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {getattr(self, name)!r}")
+        check_flags(self, ("power_2_scales", "fp8_dpa", "fp8_mha"))
         if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
             raise ValueError("2D by 2D block scaling GEMMs are not supported (as in Transformer Engine): "
                              "use x_block_scaling_dim=1")
@@ -153,6 +162,10 @@ class NVFP4BlockScaling(BlockRecipe):
     rht_seed: int = 0
 
     def __post_init__(self):
+        check_flags(self, ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"))
+        if type(self.rht_seed) is not int:
+            raise TypeError(f"rht_seed must be an int (the random Hadamard transform's sign seed), got "
+                            f"{self.rht_seed!r}")
         if self.fp4_format != "e2m1":
             raise ValueError(f"NVFP4's elements are E2M1 (TE fixes it): fp4_format must be 'e2m1', got {self.fp4_format!r}")
         if self.fp8_format is not Format.E4M3:

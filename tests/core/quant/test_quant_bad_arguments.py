@@ -12,6 +12,9 @@ inside) naming what is allowed.
   something that is not a filter, or with no filter (which converts every layer), built a filter.
 * ``MXFP8BlockScaling(block_len=32.0)``: a float equal to 32 passed the ``== 32`` check.
 * a block given as one number (``quantize_fp32_scaled(x, 32)``) failed with "object of type 'int' has no len()".
+* the block recipes' switches and sizes: ``NVFP4BlockScaling(disable_rht="False")`` turned the transform off (a
+  non-empty string is true), ``rht_seed=True`` / ``1.5`` seeded a generator, ``Float8BlockScaling(
+  x_block_scaling_dim=True)`` or ``2.0`` passed the ``in (1, 2)`` check, ``power_2_scales="no"`` meant yes.
 
 Each case was accepted (or failed with an unrelated message) before the fix.
 """
@@ -19,7 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpcourse.core.quant import MXFP8BlockScaling
+from mpcourse.core.quant import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from mpcourse.core.quant.kernels import fastpath
 from mpcourse.core.quant.layers.module_filter import all_of, edge_blocks_filter, is_small_gemm
 from mpcourse.core.quant.rules import blockwise, mx, nvfp4
@@ -107,3 +110,29 @@ def test_mxfp8_block_len_is_the_int_32(block_len):
 @pytest.mark.parametrize("block", [32, "1x32", None], ids=repr)
 def test_a_block_that_is_not_a_pair_is_one_clear_error(block):
     refused(ValueError, r"a block is \(rows, cols\)", lambda: blockwise.quantize_fp32_scaled(X, block))
+
+
+@pytest.mark.parametrize("kw", [dict(disable_rht="False"), dict(disable_stochastic_rounding=0),
+                                dict(disable_2d_quantization=None)], ids=repr)
+def test_nvfp4_switches_are_bools(kw):
+    refused(TypeError, r"NVFP4BlockScaling\.disable_\w+ must be True or False", lambda: NVFP4BlockScaling(**kw))
+
+
+@pytest.mark.parametrize("seed", [True, 1.5, "0"], ids=repr)
+def test_nvfp4_rht_seed_is_an_int(seed):
+    refused(TypeError, r"rht_seed must be an int", lambda: NVFP4BlockScaling(rht_seed=seed))
+
+
+@pytest.mark.parametrize("kw,error,words", [
+    (dict(x_block_scaling_dim=True), ValueError, r"x_block_scaling_dim must be 1 .* or 2"),
+    (dict(grad_block_scaling_dim=1.0), ValueError, r"grad_block_scaling_dim must be 1 .* or 2"),
+    (dict(power_2_scales="no"), TypeError, r"Float8BlockScaling\.power_2_scales must be True or False"),
+    (dict(fp8_dpa=0), TypeError, r"fp8_dpa must be True or False"),
+], ids=repr)
+def test_float8_block_scaling_fields_take_their_types(kw, error, words):
+    refused(error, words, lambda: Float8BlockScaling(**kw))
+
+
+def test_the_default_block_recipes_still_build():
+    assert NVFP4BlockScaling(disable_rht=True, rht_seed=3).rht_seed == 3
+    assert Float8BlockScaling(power_2_scales=False, w_block_scaling_dim=1).w_block_scaling_dim == 1
