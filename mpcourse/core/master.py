@@ -27,9 +27,15 @@ To clip: `master.copy_grads_to_master(); scaler.unscale_(master.optimizer);
 torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm); master.step(scaler)` (grads are not copied twice).
 Checkpoints: `master.state_dict()` holds the FP32 master copy and the optimizer state; `load_state_dict` rebuilds the
 master from the checkpoint (never from the FP16 model, which has lost the low bits) and writes the rounded values
-into the model. Weights written into the model from outside (`model.load_state_dict(...)` alone, or any in-place
-write) are noticed by their version counters at the next `copy_grads_to_master`/`step`: the master is refreshed
-from them (with a warning naming `MasterWeights.load_state_dict`), so the next step cannot undo the load.
+into the model. Weights written into the model from outside (`model.load_state_dict(...)` alone, any in-place
+write, or a `p.data = ...` assignment as `torch.nn.utils.vector_to_parameters` does) are noticed by their version
+counters and storages at the next MasterWeights call that reads the master (`copy_grads_to_master`, `step`,
+`step_with`, `copy_master_to_model`, `state_dict`): the master is refreshed from them (with a warning naming
+`MasterWeights.load_state_dict`), so neither the next step nor a checkpoint taken then can undo the load.
+Not seen: in-place writes through `p.data` (`p.data.copy_(...)`), which bypass the version counter as they bypass
+autograd; write with `p.copy_(...)` under `torch.no_grad()`, as `load_state_dict` does. A load that *replaces* the
+parameters (`load_state_dict(..., assign=True)`) cannot be followed (MasterWeights holds the old ones): where it knows
+the model (built over the module, or `model=`), the next call refuses it, naming the load that copies.
 """
 from __future__ import annotations
 
@@ -188,6 +194,9 @@ class MasterWeights:
         make_master: optional fn(list of FP16/BF16 params) -> list of their FP32 masters (lesson 02's signature),
             called once per param group, checked by ``learner_table.returned`` (``seams.returned_masters``);
             None: ``make_master``.
+        model: the nn.Module whose parameters ``params`` are (default: ``params`` itself when it is a module), so
+            that a load which *replaces* them (``model.load_state_dict(sd, assign=True)``) is refused at the next
+            step instead of leaving MasterWeights to step the old, detached parameters; None: not checked.
         **optimizer_kwargs: passed to optimizer_cls (lr, eps, weight_decay, ...).
     FP16/BF16 params get an FP32 master (a copy, exact); FP32/FP64 params (e.g. norms kept by `cast_model`)
     are their own master and are stepped in place. Attributes: `optimizer`, `model_params`, `master_params`
@@ -195,7 +204,8 @@ class MasterWeights:
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.SGD, *, round_to_model=None, make_master=None,
-                 **optimizer_kwargs):
+                 model: nn.Module | None = None, **optimizer_kwargs):
+        self._module = params if model is None and isinstance(params, nn.Module) else model
         self.model_params, self.master_params, master_groups, seen = [], [], [], set()
         for group in _param_groups(params):
             for p in group["params"]:
@@ -221,14 +231,17 @@ class MasterWeights:
         self._record_versions()
 
     def _record_versions(self):
-        """Remember each model param's version counter (bumped by every in-place write, e.g. load_state_dict)."""
-        self._versions = [p._version for p in self.model_params]
+        """Remember each model param's version counter (bumped by every in-place write, e.g. load_state_dict) and
+        its storage (replaced by a ``p.data = ...`` assignment, which leaves the counter alone)."""
+        self._versions = [(p._version, p.data_ptr()) for p in self.model_params]
 
     @torch.no_grad()
     def _refresh_if_model_changed(self) -> None:
-        """If a model param was written since MasterWeights last wrote it, its master := that param (fp32)."""
+        """If a model param was written since MasterWeights last wrote it, its master := that param (fp32).
+        RuntimeError if the model's parameters were replaced by other tensors (a load with ``assign=True``)."""
+        self._check_not_replaced()
         changed = [i for i, (p, v) in enumerate(zip(self.model_params, self._versions))
-                   if p._version != v and self.master_params[i] is not p]
+                   if (p._version, p.data_ptr()) != v and self.master_params[i] is not p]
         for i in changed:
             self.master_params[i].copy_(self.model_params[i])  # fp16/bf16 -> fp32, exact
         if changed:
@@ -238,6 +251,19 @@ class MasterWeights:
                           "the optimizer state), save and load MasterWeights.state_dict() with "
                           "MasterWeights.load_state_dict.", stacklevel=3)
         self._record_versions()
+
+    def _check_not_replaced(self) -> None:
+        if self._module is None:
+            return
+        live = {id(p) for p in self._module.parameters()}
+        gone = sum(id(p) not in live for p in self.model_params)
+        if gone:
+            raise RuntimeError(f"{gone} parameter(s) MasterWeights steps are no longer the model's: they were replaced "
+                               "(model.load_state_dict(..., assign=True), or a new nn.Parameter set on a module), so "
+                               "the loaded weights would never train. Load with model.load_state_dict(state) without "
+                               "assign (it copies into the parameters; MasterWeights then refreshes its master), or "
+                               "MasterWeights.load_state_dict for a full resume, or build MasterWeights again over "
+                               "the model.")
 
     def parameters(self):
         """The FP32 master params (e.g. for torch.nn.utils.clip_grad_norm_ after scaler.unscale_)."""
@@ -277,10 +303,14 @@ class MasterWeights:
         self._grads_copied = True
 
     @torch.no_grad()
-    def copy_master_to_model(self) -> None:
+    def copy_master_to_model(self, *, refresh: bool = True) -> None:
         """model.param (fp16/bf16) := master (fp32) rounded to nearest even, by ``round_to_model`` when one
         was given (lesson 00's ``round_to_fp16`` / ``round_to_bf16``, by the model's dtype; checked by
-        ``learner_table.returned``)."""
+        ``learner_table.returned``). Weights written into the model from outside since the last step are copied
+        into the master first (so this writes them back unchanged); ``refresh=False`` skips that, for a caller
+        that has just loaded the master itself from a checkpoint (the model follows the master)."""
+        if refresh:
+            self._refresh_if_model_changed()
         for p, m in self._pairs():
             if self.round_to_model is None:
                 p.copy_(m)                           # fp32 -> fp16/bf16, nearest even (fused cast)
@@ -312,19 +342,23 @@ class MasterWeights:
         skipped). The caller still calls scaler.update() and zero_grad()."""
         if not self._grads_copied:
             self.copy_grads_to_master()
+        else:
+            self._refresh_if_model_changed()
         if scaler is None:
             retval, skipped = self.optimizer.step(), False
         else:
             retval = scaler.step(self.optimizer)
             skipped = getattr(scaler, "last_step_skipped", False)  # GradScaler: unknown -> copy (harmless)
         if not skipped:
-            self.copy_master_to_model()
+            self.copy_master_to_model(refresh=False)
         self._grads_copied = False
         return retval
 
     def state_dict(self) -> dict:
         """{"master_params": [fp32 tensors, in order], "optimizer": optimizer.state_dict()}. Tensors are shared
-        with the live master (as torch's state_dicts): torch.save or copy.deepcopy it before training on."""
+        with the live master (as torch's state_dicts): torch.save or copy.deepcopy it before training on. Weights
+        written into the model from outside since the last step are copied into the master first."""
+        self._refresh_if_model_changed()
         return {"master_params": [m.detach() for m in self.master_params],
                 "optimizer": self.optimizer.state_dict()}
 
@@ -348,4 +382,4 @@ class MasterWeights:
         for m, s in zip(self.master_params, saved):
             m.copy_(s)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.copy_master_to_model()
+        self.copy_master_to_model(refresh=False)        # the checkpoint's master wins over whatever the model holds

@@ -1,5 +1,6 @@
-"""Sturdy checkpoints: a model-only load is not undone by the FP32 master; optimizer, BF16Optimizer and recipe
-state is checked (keys, shapes) before anything loads; the Trainer's checkpoint file carries a SHA-256.
+"""Sturdy checkpoints: a model-only load is not undone by the FP32 master (MasterWeights' and the FP8 weights'
+masters, whichever call comes next); optimizer, BF16Optimizer and recipe state is checked (keys, shapes) before
+anything loads; the Trainer's checkpoint file carries a SHA-256 and resumes every master-keeping recipe bit for bit.
 
 Oracles: torch.optim's own load_state_dict (which accepts a wrongly shaped state tensor and then broadcasts it:
 the failure mode checked here), a fresh MasterWeights built from the loaded model (what a step from loaded
@@ -56,6 +57,77 @@ def test_model_only_load_is_not_undone_by_the_next_step():
         assert torch.equal(a, b)
     for a, b in zip(master.master_params, oracle.master_params):
         assert torch.equal(a, b)
+
+
+def _load_by_data(model, saved):
+    """Write ``saved`` into the parameters through ``.data`` (as torch.nn.utils.vector_to_parameters does): no
+    in-place op on the parameter, so autograd's version counter does not move."""
+    for name, p in model.named_parameters():
+        p.data = saved[name].clone()
+
+
+@pytest.mark.parametrize("load", [lambda m, sd: m.load_state_dict(sd), _load_by_data],
+                         ids=["load_state_dict", "data_assignment"])
+@pytest.mark.parametrize("then", ["step", "copy_master_to_model", "state_dict"])
+def test_every_way_in_sees_the_loaded_weights(load, then):
+    """After a model-only load the master is refreshed whichever MasterWeights call comes next: a step (grads copied
+    up), ``copy_master_to_model`` alone (which wrote the stale master over the load), ``state_dict`` (which saved the
+    stale master, so a resume from that checkpoint undid the load). Oracle: a fresh MasterWeights over the loaded
+    weights. Before the fix, only load_state_dict followed by a step was seen."""
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.SGD, lr=0.1)
+    train_steps(model, master, 2)
+    saved = copy.deepcopy(model.state_dict())
+    train_steps(model, master, 3, seed=2)
+    load(model, saved)
+    with pytest.warns(UserWarning, match="MasterWeights.load_state_dict"):
+        if then == "step":
+            for g in master.optimizer.param_groups:
+                g["lr"] = 0.0
+            model(torch.ones(5, 4)).float().pow(2).mean().backward()
+            master.step()
+        elif then == "copy_master_to_model":
+            master.copy_master_to_model()
+        else:
+            state = copy.deepcopy(master.state_dict())
+    if then == "state_dict":
+        master.load_state_dict(state)                  # a resume from the checkpoint taken after the load
+    oracle_model = fp16_model(seed=3)
+    oracle_model.load_state_dict(saved)
+    oracle = MasterWeights(oracle_model, torch.optim.SGD, lr=0.0)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name]), name
+    for a, b in zip(master.master_params, oracle.master_params):
+        assert torch.equal(a, b)
+
+
+def test_a_load_that_replaces_the_parameters_is_refused_naming_the_load_that_works():
+    """``load_state_dict(sd, assign=True)`` puts new tensors in the model in place of its parameters: MasterWeights
+    would go on stepping the old ones, and the loaded model would never train (before the fix: no error, the step
+    left the loaded weights where they were and updated parameters no module held any more). Refused at the next
+    MasterWeights call, naming the load that copies; built over a list of parameters with ``model=`` the same."""
+    model = fp16_model()
+    master = MasterWeights(model, torch.optim.SGD, lr=0.1)
+    train_steps(model, master, 1)
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    model(torch.ones(5, 4)).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"assign=True.*model\.load_state_dict\(state\) without assign") as err:
+        master.step()
+    assert "\n" not in str(err.value)
+    other = fp16_model()
+    listed = MasterWeights(list(other.parameters()), torch.optim.SGD, lr=0.1, model=other)
+    other.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    with pytest.raises(RuntimeError, match="replaced"):
+        listed.state_dict()
+
+
+def test_a_recipe_refuses_a_load_that_replaces_its_parameters(corpus):
+    from recipe_loop import make_recipe
+    r = make_recipe("fp16-master", corpus, SMALL)
+    _steps(r, corpus, torch.Generator().manual_seed(0), 1, 0)
+    r.model.load_state_dict(copy.deepcopy(r.model.state_dict()), assign=True)
+    with pytest.raises(RuntimeError, match="assign=True"):
+        _steps(r, corpus, torch.Generator().manual_seed(1), 1, 1)
 
 
 def test_no_warning_and_no_refresh_in_a_normal_run(recwarn):
@@ -226,3 +298,58 @@ def test_a_checkpoint_of_another_corpus_is_refused_naming_data(corpus, tmp_path)
     Trainer("fp32", load_corpus(), cfg()).load(path)         # the same corpus loads
     old = {k: v for k, v in load_checkpoint(path).items() if k != "corpus"}   # a checkpoint from before the field
     Trainer("fp32", other, cfg()).load_state_dict(old)
+
+
+# -- a model-only load is the model that trains, for every recipe that keeps a master ----------------------------
+MASTER_RECIPES = ["fp8-delayed-fp8-weights", "fp16-master", "bf16-master", "fp16-dynamic"]
+
+
+def _floats(state):
+    """A model state_dict's floating tensors as raw bits (FP8 weights and their scales included), by key."""
+    return {k: v.detach().reshape(-1).view(torch.uint8).clone() for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("_extra_state")}
+
+
+def _steps(recipe, corpus, gen, n, start, lr=None):
+    from dataclasses import replace
+
+    from recipe_loop import run_steps
+    if lr is not None:
+        recipe.optim = replace(recipe.optim, lr=lr)
+    return [loss for loss, _ in run_steps(recipe, corpus, gen, n, block_size=SMALL.block_size, batch_size=4,
+                                          start=start)]
+
+
+@pytest.mark.parametrize("recipe", MASTER_RECIPES)
+def test_a_model_only_load_is_the_model_that_trains(recipe, corpus, recwarn):
+    """Weights loaded with ``model.load_state_dict`` into a run whose master has moved on: one step at learning
+    rate 0 must leave them as loaded, bit for bit (the stale master must not be written back over them). The
+    saved weights come right after a step at learning rate 0, so that the FP8 weights' delayed scale is the one
+    they were cast with (a max over an amax history that the constant master does not change). Before the fix,
+    fp8-delayed-fp8-weights cast its stale FP32 masters over both loaded weights of each block."""
+    from recipe_loop import make_recipe
+    r, gen = make_recipe(recipe, corpus, SMALL), torch.Generator().manual_seed(0)
+    lr = r.optim.lr
+    _steps(r, corpus, gen, 3, 0)
+    _steps(r, corpus, gen, 1, 3, lr=0.0)
+    saved = copy.deepcopy(r.model.state_dict())
+    _steps(r, corpus, gen, 3, 4, lr=lr)                          # the masters move on: stale for `saved`
+    assert _floats(r.model.state_dict()).keys() == _floats(saved).keys()
+    assert any(not torch.equal(a, _floats(saved)[k]) for k, a in _floats(r.model.state_dict()).items())
+    r.model.load_state_dict(saved)
+    _steps(r, corpus, gen, 1, 7, lr=0.0)
+    now, want = _floats(r.model.state_dict()), _floats(saved)
+    assert [k for k in want if not torch.equal(now[k], want[k])] == []
+
+
+@pytest.mark.parametrize("recipe", MASTER_RECIPES)
+def test_a_resume_from_a_checkpoint_file_gives_the_uninterrupted_losses(recipe, corpus, tmp_path):
+    """Trainer.save after 3 steps, a fresh Trainer (fresh recipe, fresh masters) loads it and trains on: the
+    losses of the steps after the resume are the uninterrupted run's, bit for bit, and so are the weights."""
+    path = tmp_path / "run.ckpt"
+    Trainer(recipe, corpus, cfg(6)).run(3).save(path)
+    resumed = Trainer(recipe, corpus, cfg(6)).load(path).run()
+    straight = Trainer(recipe, corpus, cfg(6)).run()
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
+    a, b = _floats(resumed.recipe.model.state_dict()), _floats(straight.recipe.model.state_dict())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

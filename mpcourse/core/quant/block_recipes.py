@@ -61,6 +61,14 @@ class Float8RowwiseScaling(BlockRecipe):
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
         super().__post_init__()
 
+def check_flags(recipe, names) -> None:
+    """TypeError unless each field in ``names`` is a bool: a string "False" or a 0/1 would switch a technique on or
+    off by its truth value, not by what it says."""
+    for name in names:
+        if not isinstance(getattr(recipe, name), bool):
+            raise TypeError(f"{type(recipe).__name__}.{name} must be True or False, got {getattr(recipe, name)!r}")
+
+
 @dataclass(frozen=True)
 class Float8BlockScaling(BlockRecipe):
     """DeepSeek-V3-style block scaling (TE ``Float8BlockScaling``): E4M3 for every tensor, 1x128 tiles for
@@ -90,8 +98,9 @@ class Float8BlockScaling(BlockRecipe):
             raise ValueError("Float8BlockScaling uses E4M3 for every tensor (fine blocks make E5M2's range "
                              "unnecessary): fp8_format=Format.E4M3")
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
-            if getattr(self, name) not in (1, 2):
-                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {getattr(self, name)}")
+            if type(getattr(self, name)) is not int or getattr(self, name) not in (1, 2):    # not True, not 2.0
+                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {getattr(self, name)!r}")
+        check_flags(self, ("power_2_scales", "fp8_dpa", "fp8_mha"))
         if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
             raise ValueError("2D by 2D block scaling GEMMs are not supported (as in Transformer Engine): "
                              "use x_block_scaling_dim=1")
@@ -139,7 +148,7 @@ class MXFP8BlockScaling(BlockRecipe):
             raise ValueError("Pure E5M2 training is not supported: use Format.E4M3 or Format.HYBRID")
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
-        if self.block_len != 32 or isinstance(self.block_len, bool):
+        if type(self.block_len) is not int or self.block_len != 32:                 # not 32.0, not True
             raise ValueError(f"MX blocks are 32 elements by the OCP MX v1.0 spec: block_len must be 32, got {self.block_len!r}")
         super().__post_init__()
 
@@ -175,6 +184,10 @@ class NVFP4BlockScaling(BlockRecipe):
     rht_seed: int = 0
 
     def __post_init__(self):
+        check_flags(self, ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"))
+        if type(self.rht_seed) is not int:
+            raise TypeError(f"rht_seed must be an int (the random Hadamard transform's sign seed), got "
+                            f"{self.rht_seed!r}")
         if self.fp4_format != "e2m1":
             raise ValueError(f"NVFP4's elements are E2M1 (TE fixes it): fp4_format must be 'e2m1', got {self.fp4_format!r}")
         if self.fp8_format is not Format.E4M3:

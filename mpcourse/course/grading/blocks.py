@@ -18,12 +18,13 @@ Oracles, none of them ``mpcourse.core.quant``: NumPy FP32 arithmetic and ``ml_dt
 * ``check_mx_quantize``: the whole MXFP8 block (floor rule, E4M3 elements, torchao ``to_mx`` FLOOR): scale byte,
   elements and dequantized values, with the edges lesson 09 states (zero, subnormal, inf and NaN blocks).
 * ``check_nvfp4_scales``: NVFP4 (torchao ``nvfp4_quantize`` with a per-tensor scale): ``t = amax / (448 * 6)``
-  per tensor (one FP32 division; at least 2^-121 for a non-zero tensor, the library's floor,
-  ``core/quant/rules/nvfp4.py``), ``s_b = e4m3(clip((amax_b / 6) / t, 2^-6, 448))`` per 16 elements, in that FP32
-  order. Constructed blocks: block maxima whose quotient lies within a few FP32 ulps of an E4M3 rounding midpoint,
-  chosen (by a search in IEEE FP32 and FP64 arithmetic) where another order of the same operations, FP64, or a
-  detour through BF16/FP16 rounds to another E4M3 code; a tensor amax where ``amax / 448 / 6`` and
-  ``amax / 2688`` differ.
+  per tensor (one FP32 division; at least 2^-126, FP32's smallest normal, for a non-zero tensor: the library's
+  floor, ``core/quant/rules/nvfp4.py``), ``s_b = e4m3(clip((amax_b / 6) / t, 2^-6, 448))`` per 16 elements, in that
+  FP32 order, and 0 (the block flushed whole) where t < 2^-121 and (amax_b / 6) / t < 2^-6. Constructed blocks:
+  block maxima whose quotient lies within a few FP32 ulps of an E4M3 rounding midpoint, chosen (by a search in
+  IEEE FP32 and FP64 arithmetic) where another order of the same operations, FP64, or a detour through BF16/FP16
+  rounds to another E4M3 code; a tensor amax where ``amax / 448 / 6`` and ``amax / 2688`` differ; two tiny
+  tensors (t at its floor 2^-126, and t between 2^-126 and 2^-121) with blocks to flush.
 """
 from __future__ import annotations
 
@@ -375,7 +376,8 @@ def check_columnwise_quantize(fn) -> None:
     verdict("columnwise_quantize", f"{n} cases agree bit for bit with the 128x1 rule on the source")
 
 
-NVFP4_MIN_T = np.float32(2.0 ** -121)   # the library's floor on the tensor decode scale (core/quant/rules/nvfp4.py)
+NVFP4_MIN_T = np.float32(2.0 ** -126)   # the library's floor on the tensor decode scale (core/quant/rules/nvfp4.py)
+NVFP4_TINY_T = np.float32(2.0 ** -121)  # below it the library flushes the blocks E4M3's normal scales cannot reach
 
 
 def nvfp4_tensor_oracle(amax: np.float32) -> np.float32:
@@ -384,9 +386,12 @@ def nvfp4_tensor_oracle(amax: np.float32) -> np.float32:
 
 
 def nvfp4_block_oracle(amax_b: np.ndarray, t: np.float32) -> np.ndarray:
-    """E4M3 block scales as float32: e4m3(clip((amax_b / 6) / t, 2^-6, 448)), each step one FP32 operation."""
-    q = (amax_b.astype(np.float32) / np.float32(E2M1_MAX)) / np.float32(t)
-    q = np.clip(q, np.float32(2.0 ** -6), np.float32(E4M3_MAX)).astype(np.float32)
+    """E4M3 block scales as float32: e4m3(clip((amax_b / 6) / t, 2^-6, 448)), each step one FP32 operation; 0 where
+    t < 2^-121 and the quotient is below 2^-6 (the block flushed whole)."""
+    v = (amax_b.astype(np.float32) / np.float32(E2M1_MAX)) / np.float32(t)
+    q = np.clip(v, np.float32(2.0 ** -6), np.float32(E4M3_MAX)).astype(np.float32)
+    if 0 < t < NVFP4_TINY_T:
+        q = np.where(v < np.float32(2.0 ** -6), np.float32(0.0), q).astype(np.float32)
     return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
@@ -448,11 +453,15 @@ def nvfp4_near_midpoints(amax: float = 1000.0) -> torch.Tensor:
 
 def _nvfp4_cases() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(6)
-    tiny = torch.randn(16, 64, generator=g) * 1e-36               # amax / 2688 below 2^-121: t = 2^-121
-    tiny[3, :16] = 0.0
+    tiny = torch.randn(16, 64, generator=g) * 1e-36               # amax / 2688 below 2^-126: t = 2^-126
+    tiny[3, :16] = 0.0                                            # flushed whole: scale 0
+    tiny[5, 16:32] *= 1e-4                                        # ~1e-40: below E4M3's normal scales too
+    band = torch.randn(16, 64, generator=g) * 1e-34               # t = amax / 2688, between 2^-126 and 2^-121
+    band[2, :16] *= 1e-4
     return (_cases(1) + [("block maxima next to E4M3 rounding midpoints (tensor amax 1000)", nvfp4_near_midpoints()),
                          ("block maxima next to E4M3 rounding midpoints (tensor amax 3.3)", nvfp4_near_midpoints(3.3)),
-                         ("a tiny tensor (amax ~4e-36: amax / 2688 < 2^-121)", tiny)])
+                         ("a tiny tensor (amax ~4e-36: amax / 2688 < 2^-126)", tiny),
+                         ("a tiny tensor (amax ~4e-34: 2^-126 < amax / 2688 < 2^-121)", band)])
 
 
 def check_nvfp4_scales(fn) -> None:
@@ -469,8 +478,9 @@ def check_nvfp4_scales(fn) -> None:
         want_t, want_s = nvfp4_oracle(x)
         if float(t) != float(want_t):
             amax = float(x.abs().max())
-            hint = (" for a non-zero tensor whose amax / 2688 falls below 2^-121, t = 2^-121"
-                    if float(want_t) == 2.0 ** -121 else
+            hint = (" for a non-zero tensor whose amax / 2688 falls below 2^-126, t = 2^-126 (FP32's smallest "
+                    "normal: t is never subnormal)"
+                    if float(want_t) == 2.0 ** -126 else
                     " compute amax / 2688 as ONE FP32 division (amax / 448 / 6 rounds twice)"
                     if float(want_t) == float(np.float32(amax) / np.float32(2688)) else "")
             raise GradingError(f"FAIL nvfp4_scales on {what}: tensor scale {float(t)!r}, expected {float(want_t)!r} "
@@ -482,6 +492,11 @@ def check_nvfp4_scales(fn) -> None:
         if bad.any():
             i = tuple(bad.nonzero()[0].tolist())
             amax_b = float(x.reshape(x.shape[0], -1, 16)[i[0], i[1]].abs().max())
+            if float(want_s[i]) == 0 or float(s[i].float()) == 0:
+                raise GradingError(f"FAIL nvfp4_scales on {what}: block {i} (amax_b {amax_b!r}) scale "
+                                   f"{float(s[i].float())!r}, expected {float(want_s[i])!r}: where t < 2^-121, a block "
+                                   "whose (amax_b / 6) / t falls below 2^-6 gets scale 0 (flushed whole), and only "
+                                   "there")
             raise GradingError(f"FAIL nvfp4_scales on {what}: block {i} (amax_b {amax_b!r}) scale "
                                f"{float(s[i].float())!r}, expected {float(want_s[i])!r} = e4m3(clamp((amax_b / 6) / t, "
                                "2^-6, 448)): in FP32, in that order (divide by 6, then by t), cast once to E4M3")

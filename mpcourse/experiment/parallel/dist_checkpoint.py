@@ -162,7 +162,7 @@ def load(trainer, path):
     if is_view:
         set_model_state_dict(recipe.model, state["model"])
         set_state_dict(module, opt, model_state_dict=state["master"], optim_state_dict=state["optim"])
-        recipe.master.copy_master_to_model()                # the model := the master rounded, as when saved
+        recipe.master.copy_master_to_model(refresh=False)   # the model := the loaded master rounded, as saved
     else:
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     extra = state["extra"]

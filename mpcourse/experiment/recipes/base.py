@@ -245,7 +245,7 @@ class MasterWeightsRecipe(TrainingRecipe):
         # The master copy (fp32) is built from the fp16 params: the fp32 init's low bits are gone, as in Apex O2.
         self.master = MasterWeights(params, self.master_optimizer, lr=o.lr, betas=o.betas, eps=o.eps,
                                     weight_decay=o.weight_decay, round_to_model=self.overrides.get(self.round_name()),
-                                    make_master=self.overrides.get("make_master"))
+                                    make_master=self.overrides.get("make_master"), model=self.model)
         return self.master.optimizer                                   # steps the fp32 master params
 
     def step(self) -> StepResult:

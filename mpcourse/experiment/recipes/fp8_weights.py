@@ -92,8 +92,8 @@ class FP8DelayedFP8Weights(FP8Delayed):
                 raise CheckpointError(f"recipe {self.name!r}: master {fqn!r} must be float32 {tuple(m.shape)}, "
                                       f"got {what}")
         check_optimizer_state_dict(self.optimizer, state["optimizer"], f"recipe {self.name!r} optimizer")
-        self.model.load_state_dict(state["model"])
-        with torch.no_grad():
+        self.model.load_state_dict(state["model"])       # each layer refreshes its master from the loaded weight,
+        with torch.no_grad():                             # then the checkpoint's masters (their low bits) replace it
             for fqn, m in self.masters.items():
                 m.copy_(masters[fqn])
         self.optimizer.load_state_dict(state["optimizer"])

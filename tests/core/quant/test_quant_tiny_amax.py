@@ -10,9 +10,10 @@ The policies under test (each rule's docstring states its own, with its source):
 * MX (E4M3, E5M2, E2M1, E2M3, E3M2 elements; FLOOR and RCEIL): OCP MX v1.0 section 6.3, elements x / 2^k for every
   shared exponent k, 2^-127 included. ``edges="torchao"`` keeps torchao's divisor where k = -127 (2^-126 under
   FLOOR, 1 under RCEIL): the library's behaviour, against which the torchao oracle tests run.
-* NVFP4: the FP32 tensor decode scale t = amax / (448 * 6) is kept at or above 2^-121 (amax > 0), so every block's
-  encode multiplier 1 / (s t) (s >= 2^-6) is at most 2^127, a finite FP32, and its decode multiplier s t at least
-  2^-127, exact. ``edges="torchao"``: torchao 0.18's unclamped t (whose 1 / t overflows below amax ~ 1e-35).
+* NVFP4: the FP32 tensor decode scale t = amax / (448 * 6) is kept at or above 2^-126, FP32's smallest normal
+  (amax > 0); below t = 2^-121, where an encode multiplier 1 / (s t) can pass FP32's max, x is pre-shifted by 2^6
+  (exact) and a block whose scale falls below E4M3's smallest normal is flushed whole (s = 0).
+  ``edges="torchao"``: torchao 0.18's unclamped t (whose 1 / t overflows below amax ~ 1e-35).
 
 Each test builds blocks whose amaxes sit on the boundaries: FP32 subnormals and the smallest normals, every power
 of two in those ranges and one FP32 ulp either side, the amax whose fp8_max / amax overflows FP32, the amaxes
@@ -182,17 +183,24 @@ def mx_oracle(x: np.ndarray, block, elem: str, rule: str, edges: str = "course")
 
 def nvfp4_oracle(x: np.ndarray, block, edges: str = "course"):
     """(elements, t, block scales, dequantized, decode multipliers) of NVFP4 in NumPy FP32: t = amax / 2688 (kept
-    >= 2^-121 for amax > 0 unless ``edges="torchao"``), s = e4m3(clip((amax_b / 6) / t, 2^-6, 448)) (t = 0: 1),
-    elements e2m1(x * ((1 / t) / s)), decoded element * (s * t)."""
+    >= 2^-126 for amax > 0 unless ``edges="torchao"``), v = (amax_b / 6) / t, s = e4m3(clip(v, 2^-6, 448)) (t = 0: 1)
+    but 0 where t < 2^-121 and v < 2^-6 (course); elements e2m1((x * pre) * (((1 / t) / pre) / s)) (0 where s = 0;
+    pre = 2^6 where t < 2^-121, course, else 1), decoded element * (s * t)."""
     amax_b = block_amax(x, block)
     t = F32(amax_b.max()) / F32(NVFP4_TOP) if amax_b.size else F32(0.0)
-    if edges == "course" and amax_b.max() > 0 and t < F32(2.0 ** -121):
-        t = F32(2.0 ** -121)
+    if edges == "course" and amax_b.max() > 0 and t < F32(2.0 ** -126):
+        t = F32(2.0 ** -126)
+    tiny = edges == "course" and 0 < t < F32(2.0 ** -121)
+    pre = F32(64.0) if tiny else F32(1.0)
     safe = t if t > 0 else F32(1.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = cast(np.clip((amax_b / F32(6.0)) / safe, F32(2.0 ** -6), F32(448.0)).astype(np.float32), "e4m3")
-        recip = ((F32(1.0) / safe) / s).astype(np.float32)
-        q = cast((x * per_block(recip, x.shape, block)).astype(np.float32), "e2m1")
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        v = ((amax_b / F32(6.0)) / safe).astype(np.float32)
+        s = cast(np.clip(v, F32(2.0 ** -6), F32(448.0)).astype(np.float32), "e4m3")
+        if tiny:
+            s = np.where(v < F32(2.0 ** -6), F32(0.0), s).astype(np.float32)
+        recip = (((F32(1.0) / safe) / pre) / s).astype(np.float32)
+        recip = np.where(s == 0, F32(0.0), recip).astype(np.float32)
+        q = cast(((x * pre).astype(np.float32) * per_block(recip, x.shape, block)).astype(np.float32), "e2m1")
         m = (s * t).astype(np.float32)
         return q, t, s, (q * per_block(m, x.shape, block)).astype(np.float32), m
 
@@ -375,8 +383,10 @@ def test_a_tiny_block_beside_an_all_zero_block_decodes_to_itself_in_every_rule()
     """The issue's case, by hand: an all-zero block and a block of 2^-130 side by side (2^-128 where the element
     format's smallest step needs it: MXFP4's and NVFP4's smallest non-zero value is 0.5 * 2^-127). FP32 scales
     (capped at FP32 max: 2^-130 * FP32 max is just below 1/4, which E4M3 rounds to 1/4), MX under FLOOR and RCEIL
-    (OCP: 2^-130 / 2^-127 = 1/8) and NVFP4 (t = 2^-121, s = 2^-6: a decode multiplier of 2^-127) all give the
-    zero block back as zeros and the tiny block exactly."""
+    (OCP: 2^-130 / 2^-127 = 1/8) and NVFP4 give the zero block back as zeros and the tiny block exactly; for NVFP4
+    the tiny block is 6 * 2^-132 (t = 2^-126, FP32's smallest normal, and s = 2^-6, E4M3's: the smallest decode
+    multiplier two normal scales make), its zero neighbour flushed whole (s = 0), and a block of 2^-128 (scale
+    1/24, rounded by E4M3) within E4M3's rounding of itself."""
     def pair(v):
         x = torch.zeros(32, 64)
         x[:, 32:] = v
@@ -389,11 +399,14 @@ def test_a_tiny_block_beside_an_all_zero_block_decodes_to_itself_in_every_rule()
         for elem in MX_ELEMS:
             xe = pair(2.0 ** -128) if elem == "e2m1" else x
             assert torch.equal(mx.quantize_mx(xe, (1, 32), elem, rule).dequantize(), xe), (rule, elem)
-    x = pair(2.0 ** -128)
+    x = pair(6 * 2.0 ** -132)
     for block in ((1, 16), (16, 1), (16, 16)):
         q = nvfp4.quantize_nvfp4(x, block)
-        assert float(q.tensor_scale_inv) == 2.0 ** -121
+        assert float(q.tensor_scale_inv) == 2.0 ** -126
         assert torch.equal(q.dequantize(), x), block
+        assert float(q.scale_inv.float().min()) == 0 and float(q.scale_inv.float().max()) == 2.0 ** -6
+        d = nvfp4.quantize_nvfp4(pair(2.0 ** -128), block).dequantize()
+        assert float((d - pair(2.0 ** -128)).abs().max()) <= 2.0 ** -128 / 16, block
 
 
 # ------------------------------------------------------------------------------------------------ MX
@@ -481,7 +494,7 @@ def _nvfp4_tensors(block):
     T * 2^-6, T * 2^-20, 2^-130, 2^-149, and the two block amaxes around E4M3's smallest normal block scale
     (amax_b / 6 / t = 2^-6: below it the block scale clamps), all capped at T."""
     for T in boundary_amaxes(NVFP4_TOP, 0)[1:].tolist():
-        t = max(tensor_scale(T), 2.0 ** -121)
+        t = max(tensor_scale(T), 2.0 ** -126)
         edge = _with_ulps(_f32(6 * 2.0 ** -6 * t))
         amaxes = [T, 0.0, T / 2, T * 2.0 ** -6, T * 2.0 ** -20, 2.0 ** -130, 2.0 ** -149, *edge, T * 0.7]
         amaxes = np.array([_f32(a) for a in amaxes if _f32(a) <= T], np.float32)
@@ -504,14 +517,17 @@ def test_nvfp4_on_boundary_tensor_amaxes(block):
         assert float(got.tensor_scale_inv) == float(t), what
         assert_same(got.scale_inv.float(), s, f"{what} block scales")
         assert_same(got.dequantize(), deq, f"{what} dequantized")
-        assert_within_format_error(x, deq, per_block(m, x.shape, block), q, "e2m1", what)
+        kept = per_block(s, x.shape, block) > 0                    # a flushed block (s = 0) decodes to zeros
+        assert np.all(deq[~kept] == 0), what
+        assert_within_format_error(x[kept], deq[kept], per_block(m, x.shape, block)[kept], q[kept], "e2m1", what)
         # every block whose scale E4M3 represents (amax_b / 6 / t >= 2^-6) lands at E2M1's max 6, within that
         # scale's rounding (half an E4M3 step: 2^-4 relative); where t is not floored the tensor's largest block
-        # has E4M3's max 448 as its scale
+        # has E4M3's max 448 as its scale; only below t = 2^-121 are blocks flushed, and only those it cannot reach
         amax_b = block_amax(x, block)
         fits = (amax_b / F32(6.0)) / t >= F32(2.0 ** -6)
         assert np.all(np.abs(amax_b[fits] / m[fits] - 6) <= 6 * 2.0 ** -4 / (1 - 2.0 ** -4)), what
-        if tensor_scale(T) >= 2.0 ** -121:
+        assert np.array_equal(s == 0, ~fits & (t < F32(2.0 ** -121))), what
+        if tensor_scale(T) >= 2.0 ** -126:
             assert np.all(s[amax_b == amax_b.max()] == 448), what
         for mode in KERNELS:
             for keep in (False, True):
@@ -555,7 +571,8 @@ def test_nvfp4_torchao_edges_are_torchaos_nvfp4_quantize(block):
 def test_nvfp4_gradients_stochastic_and_hadamard_on_tiny_tensors(rht):
     """The weight-gradient path (stochastic rounding, with and without the 16x16 random Hadamard transform) on tiny
     tensors with an all-zero block: no NaN, every element within one E2M1 step of its block (stochastic rounding
-    goes to either neighbour), the kernels equal to the rule (the same draws)."""
+    goes to either neighbour) or, in a block flushed whole, zero (nothing drawn into it), the kernels equal to the
+    rule (the same draws)."""
     for T, x in _nvfp4_tensors((16, 1)):
         xt = torch.from_numpy(x)
         if rht and T > F32_MAX / 4:   # |H x| reaches 4 max|x|: the transform itself overflows FP32 (its docstring)
@@ -567,11 +584,16 @@ def test_nvfp4_gradients_stochastic_and_hadamard_on_tiny_tensors(rht):
         got = nvfp4.quantize_nvfp4(xt, (16, 1), rounding="stochastic", generator=torch.Generator().manual_seed(1))
         d = got.dequantize()
         m = per_block(got.block_scale_inv().numpy(), xt.shape, (16, 1))
-        with np.errstate(invalid="ignore"):          # 0 / 0 where the transform underflows to an all-zero tensor
+        with np.errstate(invalid="ignore", divide="ignore"):   # 0 / 0: an all-zero tensor; x / 0: a flushed block
             y = xt.abs().numpy() / m
         assert np.isfinite(d.numpy()).all(), T
+        flushed = per_block(got.scale_inv.float().numpy(), xt.shape, (16, 1)) == 0
+        t = float(got.tensor_scale_inv)
+        # flushed: below 6 * 2^-6 * t, up to the FP32 rounding of amax_b / 6 (an FP32 subnormal near 2^-132)
+        assert np.all(d.numpy()[flushed] == 0), T
+        assert np.all(np.abs(xt.numpy()[flushed]) < 6 * 2.0 ** -6 * t * (1 + 2.0 ** -15)), T
         assert (np.abs(d.numpy() - xt.numpy()) <= np.where(y < 2, 0.5, np.where(y < 4, 1, 2)) * m
-                + 2.0 ** -16 * np.abs(xt.numpy()) + 2.0 ** -149).all(), T
+                + 2.0 ** -16 * np.abs(xt.numpy()) + 2.0 ** -149)[~flushed].all(), T
         for mode in KERNELS:
             with kernels(mode):
                 fast = fastpath.quantize_nvfp4(xt, (16, 1), rounding="stochastic",

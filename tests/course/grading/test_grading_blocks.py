@@ -206,10 +206,17 @@ def nvfp4_python_float(x):                 # t as a Python float
     return float(t), s
 
 
-def nvfp4_no_floor(x):                     # t = amax / 2688 even below 2^-121
+def nvfp4_no_floor(x):                     # t = amax / 2688 even below 2^-126 (subnormal)
     t = x.abs().amax() / 2688.0
     amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2)
     return t, (amax_b / 6.0 / torch.where(t > 0, t, 1.0)).clamp(2.0 ** -6, 448).to(torch.float8_e4m3fn)
+
+
+def nvfp4_no_flush(x):                     # the floor, but the 2^-6 clamp in tiny tensors too (no s = 0)
+    t = x.abs().amax() / 2688.0
+    t = torch.where(t < 2.0 ** -126, torch.tensor(2.0 ** -126), t)
+    amax_b = x.reshape(x.shape[0], -1, 16).abs().amax(2)
+    return t, ((amax_b / 6.0) / t).clamp(2.0 ** -6, 448).to(torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("check,bug,hint", [
@@ -218,7 +225,8 @@ def nvfp4_no_floor(x):                     # t = amax / 2688 even below 2^-121
     (check_nvfp4_scales, nvfp4_other_order, "in that order"),
     (check_nvfp4_scales, nvfp4_fp64, "in that order"),
     (check_nvfp4_scales, nvfp4_python_float, "torch.float32 tensor of shape \\(\\)"),
-    (check_nvfp4_scales, nvfp4_no_floor, "2\\^-121"),
+    (check_nvfp4_scales, nvfp4_no_floor, "2\\^-126 .*never subnormal"),
+    (check_nvfp4_scales, nvfp4_no_flush, "gets scale 0 \\(flushed whole\\)"),
     (check_mx_shared_exponent, lambda a, e: mx_shared_exponent(a, e, "floor").int(), "dtype torch.int64"),
 ])
 def test_constructed_edges_catch(check, bug, hint):

@@ -8,7 +8,8 @@ scales untransposed, the wrong tile. ``mx_shared_exponent``: floor(log2) in FP32
 no clamp, inf clamped, int32 or float results, emax off by one. ``mx_quantize``: the OCP divisor 2^-127 (the
 library's default, not the rule graded), NaN blocks, the wrong rule, blocks along columns, dtypes,
 double rounding through BF16. ``nvfp4_scales``: another FP32 order (amax_b / (6 t), (amax_b / t) / 6,
-amax_b * (1 / t) / 6, amax / 448 / 6), FP64, a Python float, no 2^-121 floor, no 2^-6 clamp, BF16/FP16 detours,
+amax_b * (1 / t) / 6, amax / 448 / 6), FP64, a Python float, no floor on t or the former 2^-121 one, no 2^-6
+clamp, no flush of the blocks a tiny tensor's scales cannot reach (or a flush in every tensor), BF16/FP16 detours,
 the wrong dtype.
 
 (No mutant omits the clamp to +-448 before the E4M3 cast: torch 2.13's CPU cast saturates by itself, so that
@@ -236,12 +237,15 @@ _NV_HEAD = '''def nvfp4_scales(x):
     M, K = x.shape
 '''
 _NV_T = '''    t = x.abs().amax() / (E4M3_MAX * E2M1_MAX)
-    t = torch.where(t < 2.0 ** -121, torch.tensor(2.0 ** -121), t)
+    t = torch.where(t < 2.0 ** -126, torch.tensor(2.0 ** -126), t)
 '''
 _NV_B = '''    amax_b = x.reshape(M, K // 16, 16).abs().amax(dim=2)
 '''
-_NV_S = '''    s = ((amax_b / E2M1_MAX) / t).clamp(2.0 ** -6, E4M3_MAX).to(torch.float8_e4m3fn)
-    return t, s
+_NV_FLUSH = '''    s = torch.where((t < 2.0 ** -121) & (v < 2.0 ** -6), 0.0, s)
+'''
+_NV_S = '''    v = (amax_b / E2M1_MAX) / t
+    s = v.clamp(2.0 ** -6, E4M3_MAX)
+''' + _NV_FLUSH + '''    return t, s.to(torch.float8_e4m3fn)
 '''
 
 
@@ -266,12 +270,18 @@ _NVFP4 = [
     return t, s
 ''')),
     ("t = amax / 448 / 6", _nv(t='''    t = x.abs().amax() / E4M3_MAX / E2M1_MAX
+    t = torch.where(t < 2.0 ** -126, torch.tensor(2.0 ** -126), t)
+''')),
+    ("t as a Python float", _nv(t='''    t = max(float(x.abs().max()) / 2688.0, 2.0 ** -126)
+''')),
+    ("no floor on t (subnormal t)", _nv(t='''    t = x.abs().amax() / (E4M3_MAX * E2M1_MAX)
+''')),
+    ("the former 2^-121 floor on t", _nv(t='''    t = x.abs().amax() / (E4M3_MAX * E2M1_MAX)
     t = torch.where(t < 2.0 ** -121, torch.tensor(2.0 ** -121), t)
 ''')),
-    ("t as a Python float", _nv(t='''    t = max(float(x.abs().max()) / 2688.0, 2.0 ** -121)
-''')),
-    ("no 2^-121 floor on t", _nv(t='''    t = x.abs().amax() / (E4M3_MAX * E2M1_MAX)
-''')),
+    ("no flush: the 2^-6 clamp in tiny tensors too", _nv(s=_NV_S.replace(_NV_FLUSH, ""))),
+    ("the flush in every tensor", _nv(s=_NV_S.replace("(t < 2.0 ** -121) & ", ""))),
+    ("the flush where t < 2^-126 only", _nv(s=_NV_S.replace("2.0 ** -121", "2.0 ** -126"))),
     ("no 2^-6 clamp (TE's cast)", _nv(s='''    s = ((amax_b / E2M1_MAX) / t).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     return t, s
 ''')),
@@ -285,7 +295,7 @@ _NVFP4 = [
     return t, s
 ''')),
     ("t in float64", _nv(t='''    t = x.abs().amax().double() / (E4M3_MAX * E2M1_MAX)
-    t = torch.where(t < 2.0 ** -121, torch.tensor(2.0 ** -121, dtype=torch.float64), t)
+    t = torch.where(t < 2.0 ** -126, torch.tensor(2.0 ** -126, dtype=torch.float64), t)
 ''', s='''    s = ((amax_b / E2M1_MAX) / t.float()).clamp(2.0 ** -6, E4M3_MAX).to(torch.float8_e4m3fn)
     return t, s
 ''')),

@@ -353,13 +353,16 @@ if AVAILABLE:
             out[i] = _bits_f32(_I32(0x400000) if b <= _I32(0x400000) else up)
 
     _NV_T_DIV = np.float32(FORMATS["e4m3"].max * FORMATS["e2m1"].max)    # 2688: t = amax / (448 * 6)
-    _NV_T_MIN = np.float32(2.0 ** -121)                                 # nvfp4.NVFP4_MIN_TENSOR_SCALE_INV
+    _NV_T_MIN = np.float32(2.0 ** -126)                                 # nvfp4.NVFP4_MIN_TENSOR_SCALE_INV
+    _NV_T_TINY = np.float32(2.0 ** -121)                                # nvfp4.NVFP4_TINY_TENSOR_SCALE_INV
+    _NV_PRE = np.float32(2.0 ** 6)                                      # nvfp4.NVFP4_ENCODE_PRESHIFT
     _NV_S_MIN, _NV_S_MAX = np.float32(FORMATS["e4m3"].min_normal), np.float32(FORMATS["e4m3"].max)
 
     @numba.njit(**_JIT)
     def _nvfp4_scales(amax, given, use_given, course, t_out, codes, recip, mult):
-        # amax: (n,) f32 block amaxes; given: (1,) f32 the tensor amax (use_given) ; course: the course's t floor.
-        # t_out (1,) f32; codes (n,) uint8 the E4M3 block scales; recip, mult (n,) f32. fastpath.nvfp4_block_scales
+        # amax: (n,) f32 block amaxes; given: (1,) f32 the tensor amax (use_given) ; course: the course's t floor,
+        # pre-shift and flush. t_out (1,) f32; codes (n,) uint8 the E4M3 block scales; recip, mult (n,) f32.
+        # fastpath.nvfp4_block_scales
         if use_given:
             at = given[0]
         else:                                                # max |amax|, NaN propagating (block_amax's bits max)
@@ -370,10 +373,18 @@ if AVAILABLE:
         t = at / _NV_T_DIV
         if course and at > 0 and t < _NV_T_MIN:
             t = _NV_T_MIN
+        tiny = course and t > 0 and t < _NV_T_TINY           # nvfp4.tiny_tensor (NaN: False)
         safe = t if t > 0 else np.float32(1.0)               # NaN: 1, as torch.where(t > 0, t, 1)
         inv = np.float32(1.0) / safe
+        if tiny:
+            inv = inv / _NV_PRE                              # exact: the encode multiplies x by _NV_PRE first
         for i in range(amax.shape[0]):
             v = (amax[i] / _SIX) / safe
+            if tiny and v < _NV_S_MIN:                       # flushed whole: scale 0, multipliers 0
+                codes[i] = np.uint8(0)
+                recip[i] = np.float32(0.0)
+                mult[i] = np.float32(0.0) * t
+                continue
             v = _NV_S_MIN if v < _NV_S_MIN else v            # torch.clamp; NaN stays NaN
             v = _NV_S_MAX if v > _NV_S_MAX else v
             q, sf = _round_e4m3(v)                           # the E4M3 scale and its value
@@ -613,9 +624,11 @@ def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 def nvfp4_scales(amax_b: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None, course: bool = True):
     """``fastpath.nvfp4_block_scales``: (t () float32, s (M/r, K/c) float8_e4m3fn, recip, mult (M/r, K/c) float32)
     from non-empty float32 CPU block amaxes ``amax_b`` in one pass: the tensor decode scale t from max(amax_b) (or
-    ``tensor_amax``, a checked one-element float32 tensor), floored at 2^-121 if ``course``; the block scales
-    s = e4m3(clamp((amax_b / 6) / t', 2^-6, 448)) with t' = t if t > 0 else 1; recip = (1 / t') / float32(s);
-    mult = float32(s) * t. Each an FP32 operation rounded once, as the rule's torch ops round it."""
+    ``tensor_amax``, a checked one-element float32 tensor), floored at 2^-126 if ``course``; the block scales
+    s = e4m3(clamp((amax_b / 6) / t', 2^-6, 448)) with t' = t if t > 0 else 1; recip = ((1 / t') / pre) / float32(s);
+    mult = float32(s) * t. With ``course`` and t below 2^-121: pre = 2^6 (else 1), and a block whose (amax_b / 6) / t'
+    is below 2^-6 gets s = 0, recip = 0, mult = 0 (``nvfp4.encode_multipliers``). Each an FP32 operation rounded
+    once, as the rule's torch ops round it."""
     a = amax_b.detach().float().contiguous()
     codes = torch.empty(a.shape, dtype=torch.uint8)
     recip, mult = torch.empty_like(a), torch.empty_like(a)

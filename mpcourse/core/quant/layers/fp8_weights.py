@@ -37,6 +37,11 @@ weight, and training is bit-identical; only where the bytes live differs. ``mast
 master from the dequantized FP8 weight, as FusedAdam does without the preserved initial values: the master is
 then rounded to E4M3 once, at the start, and training differs slightly.
 
+Loading: ``load_state_dict`` into a layer with a master refreshes that master from the loaded FP8 weight
+(dequantized, exact in FP32), so the next ``cast_master_to_weight_`` starts from the loaded weight instead of casting
+the stale master over it. The master's low bits are not in the module's state: to resume a run exactly, load the
+recipe's checkpoint, whose masters are copied in after the model (``mpcourse.experiment.recipes.fp8_weights``).
+
 Per-tensor recipes only (``DelayedScaling``, ``CurrentScaling``): the finer-grained recipes quantize the weight
 along each GEMM's contraction dimension (two differently blocked copies), so one stored copy cannot serve.
 """
@@ -80,7 +85,8 @@ class Float8WeightLinear(QuantizedLinear):
     Build it with ``from_float8_linear`` (or ``convert_to_fp8_weights`` for a whole model), not directly.
     ``master_weight`` is the (N, K) FP32 parameter the weight gradient is written to (None: no weight
     gradient, e.g. a model loaded for evaluation); ``bind_master`` sets it. After each optimizer step call
-    ``cast_master_to_weight_()``. Casting the module's dtype (``model.float()``, ``model.to(torch.bfloat16)``)
+    ``cast_master_to_weight_()``. ``load_state_dict`` refreshes the bound master from the loaded weight (the module
+    docstring says why). Casting the module's dtype (``model.float()``, ``model.to(torch.bfloat16)``)
     raises TypeError: the FP8 weight would lose its scale.
     """
 
@@ -174,8 +180,18 @@ class Float8WeightLinear(QuantizedLinear):
         if s is not None and not (torch.isfinite(s).all() and (s > 0).all()):
             error_msgs.append(f"{prefix}weight_scale_inv must be finite and > 0, got {s}")
             return
+        errors_before = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        loaded = w is not None or s is not None
+        if loaded and len(error_msgs) == errors_before and self.master_weight is not None:
+            self._refresh_master_from_weight()
+
+    @torch.no_grad()
+    def _refresh_master_from_weight(self) -> None:
+        """master := the stored FP8 weight, dequantized (FP32, exact): after a load, the master is the loaded
+        weight, so the next ``cast_master_to_weight_`` starts from it instead of casting a stale master over it."""
+        self.master_weight.copy_(self.fp8_weight().dequantize(torch.float32))      # (N, K) fp32
 
 
 def convert_to_fp8_weights(model: nn.Module, *, master_init: str = "fp32") -> dict[str, nn.Parameter]:

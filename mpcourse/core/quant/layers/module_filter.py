@@ -103,6 +103,14 @@ def edge_blocks_filter(n_blocks: int, first: int = 0, last: int = 1, container: 
     ``check_model`` refuses a model where ``container`` holds no numbered block, or holds a block numbered
     ``n_blocks`` or more (fewer blocks than ``n_blocks`` pass: a pipeline stage holds some of the blocks, under
     their global numbers)."""
+    counts = {"n_blocks": n_blocks, "first": first, "last": last}
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in counts.values()):
+        got = ", ".join(f"{k}={v!r}" for k, v in counts.items())
+        raise TypeError(f"edge_blocks_filter: n_blocks, first and last must be ints (block counts; not bool, not "
+                        f"float), got {got}")
+    if not isinstance(container, str):
+        raise TypeError("edge_blocks_filter: container must be a string, the dotted path of the blocks' ModuleList "
+                        f"('blocks', 'layers', 'model.layers'; '' for a model that is the list), got {container!r}")
     if n_blocks < 1 or first < 0 or last < 0:
         raise ValueError(f"need n_blocks >= 1 and first, last >= 0; got n_blocks={n_blocks}, first={first}, "
                          f"last={last}")
@@ -126,7 +134,14 @@ def edge_blocks_filter(n_blocks: int, first: int = 0, last: int = 1, container: 
 
 
 def is_small_gemm(k: int, n: int, recipe: str = "tensorwise") -> bool:
-    """torchao's auto-filter rule: does a GEMM with inner dim K and output dim N stay high precision?"""
+    """torchao's auto-filter rule: does a GEMM with inner dim K and output dim N stay high precision?
+    k and n are positive ints (a weight's in_features and out_features); TypeError / ValueError otherwise."""
+    for v in (k, n):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"is_small_gemm: k and n are a GEMM's sizes, positive ints (not bool, not float), got "
+                            f"k={k!r}, n={n!r}")
+        if v < 1:
+            raise ValueError(f"is_small_gemm: k and n are a GEMM's sizes, positive ints, got k={k!r}, n={n!r}")
     if recipe not in SMALL_GEMM_BOXES:
         raise ValueError(f"unknown recipe {recipe!r} for the small-GEMM rule: use one of {sorted(SMALL_GEMM_BOXES)}")
     if k % HARDWARE_MULTIPLE or n % HARDWARE_MULTIPLE:
@@ -168,7 +183,15 @@ def small_gemm_filter(recipe: str = "tensorwise", filter_fqns: Sequence[str] = (
 
 def all_of(*filters: ModuleFilter) -> ModuleFilter:
     """Filter converting a module only where every one of ``filters`` converts it; its ``check_model`` runs
-    each filter's."""
+    each filter's. Each filter is a callable ``(module, fqn) -> bool`` (TypeError otherwise), and there is at least
+    one (ValueError: with none, every layer would be converted)."""
+    if not filters:
+        raise ValueError("all_of needs at least one filter: with none it would convert every layer (pass the "
+                         "filters, e.g. all_of(not_the_head, edge_blocks_filter(n_blocks)))")
+    for f in filters:
+        if not callable(f):
+            raise TypeError(f"all_of takes module filters, callables (module, fqn) -> bool, got "
+                            f"{type(f).__name__} {f!r}")
     def convert(module: nn.Module, fqn: str) -> bool:
         return all(f(module, fqn) for f in filters)
 

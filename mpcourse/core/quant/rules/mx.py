@@ -20,6 +20,8 @@ from .scaled import (ELEMENT_FORMATS, ScaledTensor, block_amax, block_view, cast
                      resolve_block)
 
 MX_SCALE_RULES = ("floor", "rceil")
+#: OCP MX v1.0 section 5: 32 consecutive elements share one scale, along a row (1, 32) or a column (32, 1)
+MX_BLOCKS = ((1, 32), (32, 1))
 #: under ``edges="torchao"``, what a block whose scale is 2^-127 (k = -127: amax 0 or below about 2^-118) divides its
 #: elements by: torchao's ``to_mx`` divides by 2^-126 under FLOOR (the smallest normal FP32: its source says 2^-127
 #: "would be more correct" but Triton flushes FP32 subnormals, pytorch/pytorch#125557) and by 1 under RCEIL (TE's
@@ -32,6 +34,16 @@ def mx_element_format(elem: str):
     if elem not in ELEMENT_FORMATS:
         raise ValueError(f"MX element format must be one of {ELEMENT_FORMATS}, got {elem!r}")
     return FORMATS[elem]
+
+
+def check_mx_block(block) -> tuple[int, int]:
+    """``block`` as a tuple if it is one of ``MX_BLOCKS``; ValueError naming them otherwise (a (2, 32) block would
+    share one scale among 64 elements under MX's name)."""
+    b = tuple(block) if isinstance(block, (tuple, list)) else block
+    if b not in MX_BLOCKS or any(isinstance(n, bool) for n in b):
+        raise ValueError(f"MX blocks are (1, 32) or (32, 1) (OCP MX v1.0: 32 elements share a scale along one "
+                         f"dimension), got {b!r}")
+    return b
 
 
 def mx_shared_exponent(amax: torch.Tensor, elem: str, rule: str = "floor") -> torch.Tensor:
@@ -88,7 +100,7 @@ def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = 
     """
     mx_element_format(elem)
     check_edges(edges)
-    b = resolve_block(x.shape, block)
+    b = resolve_block(x.shape, check_mx_block(block))
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     return encode_mx(x, b, elem, amax, mx_shared_exponent(amax, elem, rule), rule, edges)
 
@@ -105,6 +117,7 @@ def mx_divisor(scale_inv: torch.Tensor, rule: str = "floor", edges: str = "cours
 def encode_mx(x: torch.Tensor, block: tuple[int, int], elem: str, amax: torch.Tensor, k: torch.Tensor,
               rule: str = "floor", edges: str = "course") -> ScaledTensor:
     """The ScaledTensor of x (M, K) in ``elem`` with the shared exponents k (M/r, K/c) of a resolved ``block``."""
+    check_mx_block(block)
     scale_inv = torch.exp2(k.double()).float()   # 2^k, exact in fp32 (2^-127 is an fp32 subnormal)
     divisor = mx_divisor(scale_inv, rule, edges)               # x / 2^k as the OCP spec writes it
     # a block holding a NaN: NaN scale (E8M0 0xFF) and NaN elements, under either rule (OCP MX v1.0 6.3)

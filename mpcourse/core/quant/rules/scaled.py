@@ -54,9 +54,11 @@ def resolve_block(shape, block) -> tuple[int, int]:
     resolves to itself (a 0 along an empty dimension is that whole dimension)."""
     if len(shape) != 2:
         raise ValueError(f"block scaling takes 2-D (M, K) tensors, got shape {tuple(shape)}: reshape to (-1, K) first")
-    if len(block) != 2 or any(not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1 and (n, d) != (0, 0))
-                              for n, d in zip(block, shape)):
-        raise ValueError(f"a block is (rows, cols) of positive ints or -1 (the whole dimension), got {tuple(block)}")
+    if not isinstance(block, (tuple, list)) or len(block) != 2 or any(
+            not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1 and (n, d) != (0, 0))
+            for n, d in zip(block, shape)):
+        got = tuple(block) if isinstance(block, (tuple, list)) else repr(block)
+        raise ValueError(f"a block is (rows, cols) of positive ints or -1 (the whole dimension), got {got}")
     rows, cols = (shape[0] if block[0] == -1 else block[0]), (shape[1] if block[1] == -1 else block[1])
     if shape[0] % max(rows, 1) or shape[1] % max(cols, 1):
         raise ValueError(f"a {block[0]}x{block[1]} block does not divide shape {tuple(shape)}: pad the dimension "

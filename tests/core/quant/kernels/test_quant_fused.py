@@ -273,7 +273,7 @@ def _boundary_matrix(M: int, K: int, seed: int) -> torch.Tensor:
     p = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
     top = torch.tensor([448.0, 57344.0, 6.0, 2688.0])
     thresholds = torch.cat([top / F32_MAX, top * 2.0 ** -127, top * 2.0 ** -126, 2688.0 * torch.tensor(
-        [2.0 ** -121, 2.0 ** -122])])
+        [2.0 ** -121, 2.0 ** -122, 2.0 ** -126])])
     base = torch.cat([p, thresholds, torch.tensor([1e-36, 1e-40, 1e-45])])
     amax = torch.cat([torch.zeros(1), torch.stack([torch.nextafter(base, base / 2), base,
                                                    torch.nextafter(base, base * 2)], 1).flatten()])
@@ -557,7 +557,7 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, name, spy)
         tiny = [_boundary_matrix(128, 128, 63) / float(_boundary_matrix(128, 128, 63).abs().max()) * t
-                for t in (1e-30, 1e-33, 1e-36, 2.0 ** -127, 1e-40, 1e-45)]      # tensor scales floored at 2^-121
+                for t in (1e-30, 1e-33, 1e-36, 2.0 ** -127, 1e-40, 1e-45)]      # t below 2^-121, floored at 2^-126
         for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
                   torch.zeros(64, 128), _boundary_matrix(128, 128, 64), *tiny):
             got = fastpath.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
@@ -685,8 +685,9 @@ def _nvfp4_amax_grid() -> torch.Tensor:
 def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
     """``fastpath.nvfp4_block_scales`` through ``fused.nvfp4_scales`` against the rule: t and s from
     ``nvfp4.nvfp4_scales`` on a tensor whose block amaxes are the grid (one element per block holds its amax),
-    recip and mult as ``nvfp4.encode_nvfp4`` and ``ScaledTensor.block_scale_inv`` form them from those; the
-    grid scaled so t is ordinary, floored at 2^-121 (course), subnormal (torchao), 0 and large; with
+    recip and mult as ``nvfp4.encode_multipliers`` and ``ScaledTensor.block_scale_inv`` form them from those; the
+    grid scaled so t is ordinary, below 2^-121 (course: pre-shifted, blocks flushed), floored at 2^-126 (course),
+    subnormal (torchao), 0 and large; with
     ``tensor_amax`` given (0, inf, NaN, a value), a grid holding inf or NaN, and a transposed grid."""
     amax = _nvfp4_amax_grid() * scale
     grids = [amax, amax.t()]
@@ -702,8 +703,7 @@ def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
             t, s = nvfp4.nvfp4_scales(x, (1, 16), given, edges)                  # the rule
             assert_bits_equal(t_k.reshape(1), t.reshape(1))
             assert_codes_equal(s_k, s, ("amax", a))
-            safe_t = torch.where(t > 0, t, torch.ones_like(t))
-            assert_bits_equal(recip, (1.0 / safe_t) / s.float(), ("amax", a))
+            assert_bits_equal(recip, nvfp4.encode_multipliers(t, s, edges)[0], ("amax", a))
             st = scaled.ScaledTensor(torch.zeros(x.shape, dtype=E4M3), s, (1, 16), "e2m1", t)
             assert_bits_equal(mult, st.block_scale_inv(), ("amax", a))
             forced = torch_rule(fastpath.nvfp4_block_scales, a, given, edges)    # fastpath's torch body

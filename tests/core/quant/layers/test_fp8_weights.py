@@ -169,6 +169,83 @@ def test_bad_inputs_name_the_fix():
         mine.load_state_dict(bad)
 
 
+def _adamw_steps(layer, master, opt, n, lr, seed=1):
+    """n steps of the layer under its recipe: forward, backward, AdamW on the master at ``lr``, the cast down."""
+    g = torch.Generator().manual_seed(seed)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    for _ in range(n):
+        with autocast(recipe=layer.recipe):
+            layer(torch.randn(4, 32, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        layer.cast_master_to_weight_()
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4,
+                                                   amax_compute_algo="most_recent"),
+                                    CurrentScaling(fp8_format=Format.HYBRID)], ids=["delayed", "current"])
+def test_a_load_refreshes_the_master_so_a_step_at_lr_0_keeps_the_loaded_weight(recipe):
+    """``load_state_dict`` into a layer whose master has moved on: the master becomes the loaded weight
+    (dequantized, as ``master_init="fp8"`` starts it), so a step at learning rate 0 leaves the loaded FP8 weight and
+    its scale as loaded, bit for bit. Before the fix the stale master was cast over them. The weight is saved after a
+    step at learning rate 0, when the delayed scale is the one it was cast with (``most_recent`` of a constant
+    master's amax; current scaling: see below)."""
+    _, layer, master = pair(recipe)
+    opt = torch.optim.AdamW([master], lr=0.05)
+    _adamw_steps(layer, master, opt, 3, 0.05)
+    _adamw_steps(layer, master, opt, 1, 0.0)
+    saved = copy.deepcopy(layer.state_dict())
+    _adamw_steps(layer, master, opt, 3, 0.05, seed=2)                     # the master moves on
+    assert not torch.equal(u8(layer.weight), u8(saved["weight"]))
+    layer.load_state_dict(saved)
+    assert torch.equal(i32(master), i32(saved["weight"].float() * saved["weight_scale_inv"]))   # refreshed
+    _adamw_steps(layer, master, opt, 1, 0.0, seed=3)
+    assert torch.equal(u8(layer.weight), u8(saved["weight"]))
+    if isinstance(recipe, DelayedScaling):
+        assert torch.equal(i32(layer.weight_scale_inv), i32(saved["weight_scale_inv"]))
+    else:   # current scaling takes the scale from the amax of what it casts: the loaded weight's, not the (lost)
+        # master's, i.e. 448 * scale_inv rounded in FP32, whose reciprocal can move scale_inv by one FP32 ulp
+        assert abs(int(i32(layer.weight_scale_inv)) - int(i32(saved["weight_scale_inv"]))) <= 1
+
+
+def test_a_loaded_layer_trains_as_a_fresh_layer_built_from_the_loaded_weight():
+    """Oracle for any scale history: a layer whose master starts from the loaded weight (``master_init="fp8"``
+    from an FP32 layer holding it) with the same scaling state, stepped the same way, ends with the same bits."""
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    _, layer, master = pair(recipe)
+    opt = torch.optim.AdamW([master], lr=0.05)
+    _adamw_steps(layer, master, opt, 3, 0.05)
+    saved = copy.deepcopy(layer.state_dict())
+    _adamw_steps(layer, master, opt, 2, 0.05, seed=2)
+    layer.load_state_dict(saved)
+    torch.manual_seed(5)
+    fresh_fp32 = convert_to_float8_training(nn.Sequential(nn.Linear(32, 48)), recipe=recipe)
+    with torch.no_grad():
+        fresh_fp32[0].weight.copy_(saved["weight"].float() * saved["weight_scale_inv"])
+        fresh_fp32[0].bias.copy_(saved["bias"])
+    fresh_master = convert_to_fp8_weights(fresh_fp32)["0"]
+    fresh = fresh_fp32[0]
+    fresh.load_state_dict(saved)                                         # the same FP8 weight, scale and history
+    fresh_opt = torch.optim.AdamW([fresh_master], lr=0.05)
+    _adamw_steps(layer, master, torch.optim.AdamW([master], lr=0.05), 2, 0.05, seed=4)
+    _adamw_steps(fresh, fresh_master, fresh_opt, 2, 0.05, seed=4)
+    assert torch.equal(i32(master), i32(fresh_master))
+    assert torch.equal(u8(layer.weight), u8(fresh.weight))
+    assert torch.equal(layer.weight_scale_inv, fresh.weight_scale_inv)
+
+
+def test_a_partial_load_without_the_weight_leaves_the_master_alone():
+    _, layer, master = pair(DelayedScaling())
+    with torch.no_grad():
+        master.add_(2.0 ** -12)                                          # low bits the FP8 weight cannot hold
+    kept = master.clone()
+    layer.load_state_dict({"bias": layer.bias.detach().clone()}, strict=False)
+    assert torch.equal(master, kept)
+    layer.bind_master(None)
+    layer.load_state_dict(copy.deepcopy(layer.state_dict()))            # a layer without master loads as before
+
+
 # -- the recipe -------------------------------------------------------------------------------------------------
 
 def test_registered_outside_the_default_run():
