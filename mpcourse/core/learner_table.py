@@ -14,17 +14,18 @@ The three places:
 * ``learner_functions(namespace, names)``: the one filter. From a notebook's ``globals()``, or the definitions
   ``mpcourse.experiment.learner.load_functions`` read from one, the callables named in the table (restricted
   to ``names``: what a recipe accepts); the library's own functions, imported into a notebook, are left out.
-* ``check_overrides(overrides, accepts, who)``: the one check, where a recipe is built (a TrainingRecipe,
-  the quant engine's ``quantizers``): an unknown name, a name the recipe does not accept, or a function that
+* ``check_overrides(overrides, accepts, who)``: the one check, where a recipe is built (a TrainingRecipe, a
+  quantization recipe made with ``functions=``): an unknown name, a name the recipe does not accept, or a function that
   cannot be called as the table's signature says stop with one line (``OverrideRefused``) naming the fix.
-  What passes comes back as ``CheckedFunctions``, a read-only mapping that says it was checked: the quant
-  engine takes one as it is, so a TrainingRecipe's functions are checked once on their way to a quantizer.
+  What passes comes back as ``CheckedFunctions``, a read-only mapping that says it was checked: a quantization
+  recipe takes one checked for it as it is, so a TrainingRecipe's functions are checked once on their way to a
+  quantizer.
 * ``returned(name, ...)``: at run time, what the learner's function returned, by its table entry's check
   (``SeamError`` naming the function and the fix).
 
 Which names a recipe accepts is said once per recipe, by the recipe: a TrainingRecipe's ``OVERRIDABLE``
-(``mpcourse.experiment.recipes``), the quant engine's ``OVERRIDABLE_BY_RECIPE`` for its recipes (``mpcourse.core.quant.engine``);
-both are written with ``exercise_names(...)``, which refuses a name that is not in the table.
+(``mpcourse.experiment.recipes``), a quantization recipe class's ``TAKES`` (``mpcourse.core.quant.recipe``); both are
+written with ``exercise_names(...)``, which refuses a name that is not in the table.
 """
 from __future__ import annotations
 
@@ -176,9 +177,9 @@ _MADE_BY_CHECK = object()     # only check_overrides (and CheckedFunctions.wrapp
 class CheckedFunctions(Mapping):
     """A learner's functions as ``check_overrides`` passed them: {exercise's name: function}, read-only, and the
     record that they were checked: ``who`` they were checked for, and ``checked_for``, the configuration the check
-    depended on (the quant engine's: the quantization recipe whose names and fields they were checked against;
-    None: none given). The quant engine takes one checked for its recipe as it is and checks anything else (a plain
-    dict): a TrainingRecipe's functions are checked once on their way to a quantizer.
+    depended on (the quantization recipe whose names and fields they were checked against; None: none given). A
+    quantization recipe takes one checked for it as it is and checks anything else (a plain dict): a
+    TrainingRecipe's functions are checked once on their way to a quantizer.
 
     Made only by ``check_overrides`` (TypeError otherwise) and by ``wrapped``; a mapping like any other (``in``,
     ``get``, ``**``, ``==`` a dict), without item or attribute assignment."""

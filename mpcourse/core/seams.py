@@ -3,8 +3,8 @@
 Several library pieces take, as an optional keyword, one function per concept with the signature of the
 lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(stochastic_round_bf16=...)``,
 ``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
-scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, the quant
-engine's ``functions={"compute_scale": ..., "quantize": ..., "update": ..., "block_quantize": ...,
+scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, a quantization
+recipe's ``functions={"compute_scale": ..., "quantize": ..., "update": ..., "block_quantize": ...,
 "mx_shared_exponent": ..., "nvfp4_scales": ...}``, the course autocast's ``cast_args`` / ``cached_cast``).
 The library calls the rule it is given and checks what comes back with one ``returned_*`` function here, so
 that a wrong return value stops with one line naming the function and the fix (``SeamError``) instead of
