@@ -205,7 +205,10 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.optim_fp8:nonzero_fp8_codes", "mpcourse.core.optim_int8:nonzero_int8_codes",
                "mpcourse.core.optim_blockwise:quantize_second_moment",
                "mpcourse.core.optim_blockwise:dequantize_second_moment",
-               "mpcourse.core.moment_decay:stopped_gradient_steps"]
+               "mpcourse.core.moment_decay:stopped_gradient_steps",
+               # a quantized moment under FSDP2: the whole tensor's blocks over each rank's rows
+               "mpcourse.core.optim_shards:span_of", "mpcourse.core.optim_shards:to_blocks",
+               "mpcourse.core.optim_shards:from_blocks", "mpcourse.core.optim_shards:block_amax"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

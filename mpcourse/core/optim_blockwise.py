@@ -72,18 +72,34 @@ Which tensors are quantized (torchao following bitsandbytes): those with at leas
 The state is plain tensors (``exp_avg``, ``exp_avg_sq`` codes; ``exp_avg_scale``, ``exp_avg_sq_scale`` per
 block; ``step`` an FP32 scalar), so ``state_dict``/``load_state_dict`` and ``mpcourse.experiment.measure.memory`` see
 what is stored; loading keeps each tensor's stored dtype (torch would cast FP8 codes to the parameter's dtype).
-``state_dict`` records the ``state_rule`` (the codes of ``exp_avg_sq`` mean ``v`` or ``sqrt(v)``); loading
-state stored under the other rule is refused, naming the rule to build the optimizer with.
+
+Checkpoints: what the stored numbers mean (``STORAGE_KEYS``: ``fmt``, the ``state_rule`` that says whether the codes
+of ``exp_avg_sq`` mean ``v`` or ``sqrt(v)``, and ``block_size``) is recorded in every param group, where torch's
+``state_dict`` and ``torch.distributed.checkpoint`` (which keeps only 'state' and 'param_groups') both keep it.
+Loading state stored otherwise is refused, naming both values and the one to build the optimizer with. State that
+holds quantized moments but records no rule is refused too, never read under a guessed one: a DCP checkpoint of an
+earlier version dropped the rule (then a top-level key), and before the option ``v`` itself was stored. A
+one-process state_dict of the version before this one (the rule as a top-level key) loads by what it records: its
+rule, and the ``fmt`` and ``block_size`` its codes show (their dtype; elements per scale).
+
+Under FSDP2 the parameters are DTensor shards of rows; the step runs on each rank's local rows and the blocks stay
+the whole tensor's (``mpcourse.core.optim_shards``: block amaxes all-reduced), so the weights, codes and scales are
+one process's bit for bit, whatever the number of ranks. torchao's optimizers quantize each local shard in blocks
+of its own and decide by the shard's size whether to quantize at all, so their state changes with the mesh
+(pytorch/ao#4912).
 """
 from __future__ import annotations
 
 import torch
 
-from .optim_fp8 import dequantize_fp8_state, nonzero_fp8_codes, quantize_fp8_state
-from .optim_int8 import dequantize_int8_state, dynamic_map, nonzero_int8_codes, quantize_int8_state
+from .optim_fp8 import dequantize_fp8_state, fp8_state_scale, nonzero_fp8_codes, quantize_fp8_state
+from .optim_int8 import dequantize_int8_state, dynamic_map, int8_state_absmax, nonzero_int8_codes, quantize_int8_state
+from .optim_shards import Span, block_amax, from_blocks, local, replicated_like, shard_like, span_of, to_blocks
 
 FORMATS = ("fp8", "int8")
 STATE_RULES = ("sqrt-nonzero", "torchao")    # how v is stored; the first is the default (module docstring)
+STORAGE_KEYS = ("fmt", "state_rule", "block_size")   # what the stored numbers mean: recorded in every param group
+CODE_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "int8"}   # the fmt a code dtype is
 MIN_QUANTIZED_NUMEL = 4096       # smaller tensors keep full-precision moments (bitsandbytes' rule)
 _QMAPS: dict = {}                # (signed, device) -> the int8 map
 
@@ -95,36 +111,59 @@ def _qmap(signed: bool, device) -> torch.Tensor:
     return _QMAPS[key]
 
 
-def quantize_state(x: torch.Tensor, fmt: str, signed: bool, block_size: int):
-    """fp32 moment -> (codes shaped like x, scale (numel // block_size,) fp32) in ``fmt``."""
+def quantize_state(x: torch.Tensor, fmt: str, signed: bool, block_size: int, span: Span | None = None):
+    """fp32 moment -> (codes shaped like x, scale (numel // block_size,) fp32) in ``fmt``. ``span``: ``x`` is this
+    rank's part of the moment (``mpcourse.core.optim_shards``): the blocks and scales are the whole moment's (every
+    block's scale returned, the same on every rank; collective), the codes ``x``'s."""
+    if span is not None and not span.whole:
+        blocks, first = to_blocks(x, span, block_size)                           # (k, block) fp32
+        amax = block_amax(blocks, first, span, block_size)                      # (B,) the whole moment's
+        scale = fp8_state_scale(amax) if fmt == "fp8" else int8_state_absmax(amax)
+        codes, _ = quantize_state_blocks(blocks, fmt, signed, block_size, scale[first:first + blocks.shape[0]])
+        return from_blocks(codes, span, block_size, x.shape), scale
+    return quantize_state_blocks(x, fmt, signed, block_size)
+
+
+def quantize_state_blocks(x: torch.Tensor, fmt: str, signed: bool, block_size: int, scale=None):
+    """``quantize_state`` of a tensor that holds whole blocks; ``scale`` (B,): the blocks' scales, else x's own."""
     if fmt == "fp8":
-        return quantize_fp8_state(x, block_size)
-    return quantize_int8_state(x, _qmap(signed, x.device), block_size)
+        return quantize_fp8_state(x, block_size, scale)
+    return quantize_int8_state(x, _qmap(signed, x.device), block_size, scale)
 
 
-def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool) -> torch.Tensor:
-    """(codes, scale) in ``fmt`` -> fp32 shaped like codes."""
+def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool,
+                     span: Span | None = None) -> torch.Tensor:
+    """(codes, scale) in ``fmt`` -> fp32 shaped like codes. ``span``: the codes are this rank's part of the moment,
+    ``scale`` every block's (as ``quantize_state`` returns them)."""
+    if span is not None and not span.whole:
+        if span.numel == 0:
+            return codes.float()                                                 # a rank that holds no row
+        block_size = span.total // scale.numel()
+        blocks, first = to_blocks(codes, span, block_size)                       # (k, block) codes
+        values = dequantize_state(blocks, scale[first:first + blocks.shape[0]], fmt, signed)
+        return from_blocks(values, span, block_size, codes.shape)
     if fmt == "fp8":
         return dequantize_fp8_state(codes, scale)
     return dequantize_int8_state(codes, scale, _qmap(signed, codes.device))
 
 
-def quantize_second_moment(v: torch.Tensor, fmt: str, block_size: int, state_rule: str):
+def quantize_second_moment(v: torch.Tensor, fmt: str, block_size: int, state_rule: str, span: Span | None = None):
     """fp32 second moment (>= 0) -> (codes shaped like v, scale per block) under ``state_rule``: ``"torchao"``
     quantizes ``v``; ``"sqrt-nonzero"`` quantizes ``sqrt(v)`` and gives a positive value that rounded to 0 the
-    smallest positive code."""
+    smallest positive code. ``span`` as in ``quantize_state``."""
     if state_rule == "torchao":
-        return quantize_state(v, fmt, False, block_size)
+        return quantize_state(v, fmt, False, block_size, span)
     root = v.sqrt()
-    codes, scale = quantize_state(root, fmt, False, block_size)
+    codes, scale = quantize_state(root, fmt, False, block_size, span)
     if fmt == "fp8":
         return nonzero_fp8_codes(codes, root), scale
     return nonzero_int8_codes(codes, root, _qmap(False, v.device)), scale
 
 
-def dequantize_second_moment(codes: torch.Tensor, scale: torch.Tensor, fmt: str, state_rule: str) -> torch.Tensor:
+def dequantize_second_moment(codes: torch.Tensor, scale: torch.Tensor, fmt: str, state_rule: str,
+                             span: Span | None = None) -> torch.Tensor:
     """(codes, scale) stored by ``quantize_second_moment`` -> fp32 ``v`` (squared back under "sqrt-nonzero")."""
-    stored = dequantize_state(codes, scale, fmt, False)
+    stored = dequantize_state(codes, scale, fmt, False, span)
     return stored if state_rule == "torchao" else stored.square()
 
 
@@ -141,13 +180,49 @@ def adamw_step(p, grad, step, m, v, lr, beta1: float, beta2: float, weight_decay
     return p32 - lr * (m / bias1) / denom, m, v
 
 
+def recorded_storage(state_dict) -> dict:
+    """What ``state_dict`` (a ``BlockQuantizedAdamW``'s) says about how its moments are stored: the ``STORAGE_KEYS``
+    its param groups record; from a one-process state_dict written before they were there, its top-level
+    ``state_rule`` and the ``fmt`` and ``block_size`` its codes show (their dtype; elements per scale), both read
+    from what is stored, not assumed. A key it does not tell is left out."""
+    groups = state_dict.get("param_groups") or [{}]
+    out = {k: groups[0][k] for k in STORAGE_KEYS if all(k in g for g in groups)}
+    if "state_rule" in state_dict and "state_rule" not in out:               # the key before the groups held it
+        out["state_rule"] = state_dict["state_rule"]
+    for st in state_dict.get("state", {}).values():
+        if "exp_avg_scale" in st and "exp_avg" in st:
+            out.setdefault("fmt", CODE_FORMATS.get(st["exp_avg"].dtype, str(st["exp_avg"].dtype)))
+            out.setdefault("block_size", st["exp_avg"].numel() // max(st["exp_avg_scale"].numel(), 1))
+    return out
+
+
+def storage_mismatch(saved: dict, mine: dict) -> str | None:
+    """Why moments stored as ``saved`` (``recorded_storage``) cannot be read by an optimizer storing as ``mine``
+    (``BlockQuantizedAdamW.storage()``), naming both; None if they agree. No rule recorded: refused, never
+    guessed (the codes of exp_avg_sq would be read as v or as sqrt(v) on a guess)."""
+    if "state_rule" not in saved:
+        return ("the optimizer state holds quantized moments but does not record its state_rule, so its "
+                "exp_avg_sq codes may stand for v (state_rule='torchao') or for sqrt(v) ('sqrt-nonzero'): it was "
+                "written by an older mpcourse (a torch.distributed.checkpoint dropped the rule; before the option "
+                "v itself was stored). Not guessing: resume it with the mpcourse version that wrote it, or start "
+                "the run again")
+    for k in STORAGE_KEYS:
+        if saved.get(k) != mine[k]:
+            return (f"the optimizer state was stored with {k}={saved.get(k)!r} and this optimizer uses "
+                    f"{k}={mine[k]!r}: build BlockQuantizedAdamW(..., {k}={saved.get(k)!r}) to load it")
+    return None
+
+
 class BlockQuantizedAdamW(torch.optim.Optimizer):
     """AdamW whose moments live blockwise-quantized (``fmt`` "fp8" as torchao's ``AdamWFp8``, "int8" as its
     ``AdamW8bit``) between steps; defaults are torchao's (weight_decay 1e-2, block_size 256) but for
     ``state_rule``: "sqrt-nonzero" (default) stores sqrt(v) and never 0 for a positive v, "torchao" is torchao's
-    storage bit for bit, which can store v = 0 under a surviving m (module docstring)."""
+    storage bit for bit, which can store v = 0 under a surviving m (module docstring). Parameters may be FSDP2
+    DTensor shards: the blocks stay the whole tensor's (``mpcourse.core.optim_shards``). ``fmt``, ``state_rule`` and
+    ``block_size`` are the optimizer's (one value for every parameter group) and every param group records them,
+    so its ``state_dict`` says how its numbers are stored, through torch.save and torch.distributed.checkpoint."""
 
-    EXTRA_STATE_KEYS = ("state_rule",)        # read by core.checkpoint.check_optimizer_state_dict
+    EXTRA_STATE_KEYS = ("state_rule",)   # a one-process state_dict's key before the groups held it (read, not written)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  fmt: str = "fp8", block_size: int = 256, state_rule: str = "sqrt-nonzero"):
@@ -159,11 +234,24 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"need lr >= 0, eps >= 0 and 0 <= betas < 1, got lr={lr}, eps={eps}, betas={betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.fmt, self.block_size, self.state_rule = fmt, block_size, state_rule
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      **self.storage()))
+
+    def storage(self) -> dict:
+        """How this optimizer stores its moments: {"fmt", "state_rule", "block_size"} (``STORAGE_KEYS``)."""
+        return {"fmt": self.fmt, "state_rule": self.state_rule, "block_size": self.block_size}
+
+    def add_param_group(self, param_group):
+        """torch's, refusing a group that sets ``fmt``, ``state_rule`` or ``block_size`` to another value."""
+        for k, mine in self.storage().items():
+            if k in param_group and param_group[k] != mine:
+                raise ValueError(f"{k} is set for the whole optimizer ({k}={mine!r}), not per parameter group "
+                                 f"(got {param_group[k]!r}): build one BlockQuantizedAdamW per {k}")
+        super().add_param_group(param_group)
 
     def quantizes(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s moments are stored quantized (else in ``p``'s dtype)."""
+        """Whether ``p``'s moments are stored quantized (else in ``p``'s dtype); a DTensor by its whole size."""
         return p.numel() >= MIN_QUANTIZED_NUMEL and p.numel() % self.block_size == 0
 
     def _init_state(self, p, st):
@@ -171,35 +259,40 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
         if not self.quantizes(p):
             st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
             return
-        zeros = torch.zeros_like(p, dtype=torch.float32)
-        st["exp_avg"], st["exp_avg_scale"] = quantize_state(zeros, self.fmt, True, self.block_size)
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_second_moment(zeros, self.fmt, self.block_size,
-                                                                          self.state_rule)
-        st["exp_avg_scale"].zero_()                       # torchao starts from zero scales
-        st["exp_avg_sq_scale"].zero_()
+        zeros = torch.zeros_like(local(p), dtype=torch.float32)
+        self._write(p, st, "exp_avg", zeros)
+        self._write(p, st, "exp_avg_sq", zeros)
+        local(st["exp_avg_scale"]).zero_()                # torchao starts from zero scales
+        local(st["exp_avg_sq_scale"]).zero_()
 
     def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``p``'s stored first and second moments, dequantized to FP32 (as the next step reads them)."""
+        """``p``'s stored first and second moments, dequantized to FP32 (as the next step reads them); for a
+        DTensor ``p``, this rank's rows."""
         st = self.state[p]
-        return self._read(st, "exp_avg"), self._read(st, "exp_avg_sq")
+        return self._read(p, st, "exp_avg"), self._read(p, st, "exp_avg_sq")
 
-    def _read(self, st, key):
+    def _read(self, p, st, key):
         if key + "_scale" not in st:
-            return st[key].float()
+            return local(st[key]).float()
+        codes, scale, span = local(st[key]), local(st[key + "_scale"]), span_of(p)
         if key == "exp_avg":
-            return dequantize_state(st[key], st[key + "_scale"], self.fmt, True)
-        return dequantize_second_moment(st[key], st[key + "_scale"], self.fmt, self.state_rule)
+            return dequantize_state(codes, scale, self.fmt, True, span)
+        return dequantize_second_moment(codes, scale, self.fmt, self.state_rule, span)
 
-    def _write(self, st, key, value):
-        if key + "_scale" not in st:
-            st[key].copy_(value)
-        elif key == "exp_avg":
-            st[key], st[key + "_scale"] = quantize_state(value, self.fmt, True, self.block_size)
+    def _write(self, p, st, key, value):
+        if key in st and key + "_scale" not in st:
+            local(st[key]).copy_(value)
+            return
+        if key == "exp_avg":
+            codes, scale = quantize_state(value, self.fmt, True, self.block_size, span_of(p))
         else:
-            st[key], st[key + "_scale"] = quantize_second_moment(value, self.fmt, self.block_size, self.state_rule)
+            codes, scale = quantize_second_moment(value, self.fmt, self.block_size, self.state_rule, span_of(p))
+        st[key], st[key + "_scale"] = shard_like(p, codes), replicated_like(p, scale)
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient (on a DTensor: its local rows, with collectives for the
+        block amaxes, so every rank of its mesh must step it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -216,43 +309,33 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
                 if not st:
                     self._init_state(p, st)
                 st["step"] += 1
-                m, v = self._read(st, "exp_avg"), self._read(st, "exp_avg_sq")
-                new_p, m, v = adamw_step(p, p.grad, st["step"], m, v, lr, beta1, beta2,
+                m, v = self._read(p, st, "exp_avg"), self._read(p, st, "exp_avg_sq")
+                new_p, m, v = adamw_step(local(p), local(p.grad), st["step"], m, v, lr, beta1, beta2,
                                          group["weight_decay"], group["eps"])
-                self._write(st, "exp_avg", m)
-                self._write(st, "exp_avg_sq", v)
-                p.copy_(new_p)                                              # to p's dtype, nearest
+                self._write(p, st, "exp_avg", m)
+                self._write(p, st, "exp_avg_sq", v)
+                local(p).copy_(new_p)                                       # to p's dtype, nearest
         return loss
 
-    def state_dict(self):
-        return {**super().state_dict(), "state_rule": self.state_rule}
-
     def state_dict_mismatch(self, state_dict) -> str | None:
-        """Why ``state_dict`` cannot load here (its quantized codes are in another ``fmt``, read from their dtype, or
-        its ``exp_avg_sq`` codes were stored under another ``state_rule``), or None. A state_dict without the
-        ``state_rule`` key predates the option: it was stored as torchao's."""
-        saved = state_dict.get("state_rule", "torchao")
-        quantized = [st for st in state_dict.get("state", {}).values() if "exp_avg_sq_scale" in st]
-        code_fmt = {torch.float8_e4m3fn: "fp8", torch.uint8: "int8"}
-        stored = sorted({code_fmt.get(st["exp_avg"].dtype, str(st["exp_avg"].dtype)) for st in quantized})
-        if stored and stored != [self.fmt]:     # the codes would be read in the wrong format
-            return (f"the optimizer state holds {'/'.join(stored)} codes and this optimizer uses fmt={self.fmt!r}: "
-                    f"build BlockQuantizedAdamW(..., fmt={stored[0]!r}) to load it")
-        if quantized and saved != self.state_rule:
-            return (f"the optimizer state was stored under state_rule={saved!r} and this optimizer uses "
-                    f"{self.state_rule!r}: build BlockQuantizedAdamW(..., state_rule={saved!r}) to load it")
-        return None
+        """Why ``state_dict`` cannot load here, or None: its quantized moments were stored with another ``fmt``,
+        ``state_rule`` or ``block_size`` (``recorded_storage``), or it does not record them. A state_dict with no
+        quantized moment has nothing to misread."""
+        if not any("exp_avg_scale" in st for st in state_dict.get("state", {}).values()):
+            return None
+        return storage_mismatch(recorded_storage(state_dict), self.storage())
 
     def load_state_dict(self, state_dict):
         """torch's load casts floating state to the parameter's dtype (FP8 codes to FP32, scales to a BF16
-        parameter's dtype); put back the tensors as stored, on the parameter's device. Refuses state stored in
-        another ``fmt`` or under another ``state_rule`` (ValueError) before anything loads."""
+        parameter's dtype); put back the tensors as stored, on the parameter's device. Refuses (ValueError, before
+        anything loads) state stored with another ``fmt``, ``state_rule`` or ``block_size``, or not saying how."""
         why = self.state_dict_mismatch(state_dict)
         if why is not None:
             raise ValueError(why)
         state_dict = {k: v for k, v in state_dict.items() if k != "state_rule"}
         super().load_state_dict(state_dict)
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(self.storage())                  # a saved group may predate the record
             for p, i in zip(group["params"], saved_group["params"]):
                 for k, v in state_dict["state"].get(i, {}).items():
                     if torch.is_tensor(v) and k != "step":

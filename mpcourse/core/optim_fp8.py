@@ -30,11 +30,19 @@ AMAX_FLOOR = 1e-12        # an all-zero block gets this amax (no division by zer
 SMALLEST_CODE = E4M3.min_subnormal  # E4M3's smallest positive value, 2**-9 (subnormal, bits 0x01)
 
 
-def quantize_fp8_state(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_state_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The blocks' amax (B,) fp32 -> their scales (B,) fp32: ``amax`` clipped to 1e-12, over 448."""
+    return amax.clamp_min(AMAX_FLOOR) / E4M3.max
+
+
+def quantize_fp8_state(x: torch.Tensor, block_size: int = BLOCK_SIZE,
+                       scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, fp32, numel % block_size == 0) -> (codes float8_e4m3fn shaped like x,
-    scale fp32 (numel // block_size,)). The block's amax maps to 448."""
+    scale fp32 (numel // block_size,)). The block's amax maps to 448. ``scale``: the blocks' scales when part of
+    a block lies elsewhere (a sharded moment, ``mpcourse.core.optim_shards``); None: from ``x``'s own blocks."""
     blocks = x.reshape(-1, block_size)                                        # (B, block)
-    scale = blocks.abs().amax(-1).clamp_min(AMAX_FLOOR) / E4M3.max             # (B,)
+    if scale is None:
+        scale = fp8_state_scale(blocks.abs().amax(-1))                         # (B,)
     codes = (blocks / scale[:, None]).to(E4M3.torch_dtype)                     # (B, block) e4m3, nearest even
     return codes.reshape(x.shape), scale
 

@@ -42,12 +42,19 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return torch.sort(torch.cat([v.reshape(-1) for v in values])).values   # (256,) fp32
 
 
-def quantize_int8_state(x: torch.Tensor, qmap: torch.Tensor,
-                        block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_state_absmax(amax: torch.Tensor) -> torch.Tensor:
+    """The blocks' amax (B,) fp32 -> the absmax each block is divided by (B,) fp32: clipped to 1e-12."""
+    return amax.clamp_min(ABSMAX_FLOOR)
+
+
+def quantize_int8_state(x: torch.Tensor, qmap: torch.Tensor, block_size: int = BLOCK_SIZE,
+                        absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, fp32, numel % block_size == 0), ``qmap`` (256,) -> (codes uint8 shaped like x,
-    absmax fp32 (numel // block_size,)). Nearest map value, ties to the larger."""
+    absmax fp32 (numel // block_size,)). Nearest map value, ties to the larger. ``absmax``: the blocks' when part
+    of a block lies elsewhere (a sharded moment, ``mpcourse.core.optim_shards``); None: from ``x``'s own blocks."""
     blocks = x.reshape(-1, block_size)                                         # (B, block)
-    absmax = blocks.abs().amax(-1).clamp_min(ABSMAX_FLOOR)                     # (B,)
+    if absmax is None:
+        absmax = int8_state_absmax(blocks.abs().amax(-1))                      # (B,)
     y = blocks / absmax[:, None]                                               # in [-1, 1]
     lo = (torch.searchsorted(qmap, y, right=True) - 1).clamp(0, qmap.numel() - 1)   # largest map value <= y
     hi = (lo + 1).clamp(max=qmap.numel() - 1)

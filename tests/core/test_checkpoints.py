@@ -353,3 +353,36 @@ def test_a_resume_from_a_checkpoint_file_gives_the_uninterrupted_losses(recipe, 
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
     a, b = _floats(resumed.recipe.model.state_dict()), _floats(straight.recipe.model.state_dict())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+LOW_STATE = ("fp8-moments", "int8-moments", "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr")
+
+
+def _bits(obj):
+    """A recipe state_dict's tensors as raw bits (floats bit for bit, -0.0 != 0.0), other values as they are."""
+    if isinstance(obj, dict):
+        return {k: _bits(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_bits(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return (str(obj.dtype), obj.detach().reshape(-1).view(torch.uint8).tolist() if obj.is_floating_point()
+                else obj.tolist())
+    return obj
+
+
+@pytest.mark.parametrize("recipe", LOW_STATE)
+def test_low_precision_optimizer_state_resumes_bit_for_bit(recipe, corpus, tmp_path):
+    """Every recipe whose optimizer state is stored in low precision (quantized FP8/8-bit moments, BF16 moments, BF16
+    moments rounded stochastically): saved after 2 steps, loaded in a fresh Trainer, the 3 steps after give the
+    uninterrupted run's losses and its whole state, bit for bit (the generators of the stochastic rounding too).
+    The control: the same resume with the generators reset to their seed ends elsewhere."""
+    path = tmp_path / "run.ckpt"
+    Trainer(recipe, corpus, cfg(5)).run(2).save(path)
+    straight = Trainer(recipe, corpus, cfg(5)).run()
+    resumed = Trainer(recipe, corpus, cfg(5)).load(path).run()
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
+    assert _bits(resumed.recipe.state_dict()) == _bits(straight.recipe.state_dict())
+    if recipe.endswith("-sr"):
+        planted = Trainer(recipe, corpus, cfg(5)).load(path)
+        planted.recipe.master.optimizer.load_rng_state({})          # fresh generators, seeded again
+        assert _bits(planted.run().recipe.state_dict()) != _bits(straight.recipe.state_dict())

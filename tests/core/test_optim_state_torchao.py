@@ -249,7 +249,7 @@ def test_state_dict_round_trip_keeps_the_fp8_codes(rule):
     p.grad = torch.randn(64, 128)
     opt.step()
     sd = opt.state_dict()
-    assert sd["state_rule"] == rule
+    assert sd["param_groups"][0]["state_rule"] == rule and "state_rule" not in sd    # recorded with the groups
     q = p.detach().clone().requires_grad_()
     opt2 = BlockQuantizedAdamW([q], fmt="fp8", state_rule=rule)
     opt2.load_state_dict(sd)
@@ -260,8 +260,8 @@ def test_state_dict_round_trip_keeps_the_fp8_codes(rule):
 
 def test_state_stored_under_the_other_rule_is_refused_naming_it():
     """The codes of exp_avg_sq mean v (torchao) or sqrt(v) (default): loading one as the other would be silently
-    wrong by a square, so it is refused before anything loads; a state_dict without the key (written before the
-    option existed) was torchao's."""
+    wrong by a square, so it is refused before anything loads, naming both rules (tests/core/
+    test_optim_state_checkpoint.py: a state_dict that does not record its rule is refused too)."""
     from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
     p = torch.randn(64, 128, requires_grad=True)
     old = BlockQuantizedAdamW([p], fmt="int8", state_rule="torchao")
@@ -269,11 +269,12 @@ def test_state_stored_under_the_other_rule_is_refused_naming_it():
     old.step()
     sd = old.state_dict()
     new = BlockQuantizedAdamW([p.detach().clone().requires_grad_()], fmt="int8")
-    for saved in (sd, {k: v for k, v in sd.items() if k != "state_rule"}):
-        with pytest.raises(ValueError, match=r"state_rule='torchao'.*build BlockQuantizedAdamW\(\.\.\., state_rule="):
-            new.load_state_dict(saved)
-        with pytest.raises(CheckpointError, match="state_rule='torchao'"):
-            check_optimizer_state_dict(new, saved)
+    msg = (r"stored with state_rule='torchao' and this optimizer uses state_rule='sqrt-nonzero': "
+           r"build BlockQuantizedAdamW\(\.\.\., state_rule='torchao'\)")
+    with pytest.raises(ValueError, match=msg):
+        new.load_state_dict(sd)
+    with pytest.raises(CheckpointError, match=msg):
+        check_optimizer_state_dict(new, sd)
     assert not new.state                                             # nothing loaded
     check_optimizer_state_dict(old, sd)                              # the same rule loads
 

@@ -11,21 +11,31 @@ What goes in (one state dict, flattened by DCP's default planner)::
               shard), plain tensors under DDP (replicated: DCP's planner writes them once). The FP8 layers'
               scales and amax histories ride in it as their ``_extra_state`` (fp32, identical on every rank
               because the amax is all-reduced before each update).
-    "optim"   get_state_dict's optimizer state, keyed by parameter name (sharded as the parameters).
-              For the master-weights recipes under DDP the optimizer steps the FP32 master, not the model:
-              "master" holds the master (by the model's parameter names) and "optim" its optimizer.
+    "optim"   get_state_dict's optimizer state, keyed by parameter name (sharded as the parameters): its
+              'state' and 'param_groups' only (a state_dict's other keys are dropped), so
+              ``BlockQuantizedAdamW`` records how its moments are stored (fmt, state_rule, block_size) in
+              the param groups. For the master-weights recipes under DDP the optimizer steps the FP32 master,
+              not the model: "master" holds the master (by the model's parameter names) and "optim" its
+              optimizer.
     "extra"   the loss scaler's state (``state_dict()``, Python scalars) and, for the pure-BF16 recipes,
               ``BF16Optimizer``'s stochastic-rounding generator and Kahan compensation.
-    "rank{r}" this rank's loop state: step, history, skipped steps, the batch generator's and torch's RNG.
+    "rank{r}" this rank's loop state: step, history, skipped steps, the batch generator's and torch's RNG,
+              and (``bf16-master-bf16-moments-sr``) the stochastic rounding's generators of its
+              ``LowPrecisionState`` optimizer, which differ by rank under FSDP2.
 
-Beside them, rank 0 writes ``mpcourse.json`` (recipe, parallel mode, world size, reduce dtype, step), read
-first by ``load``: a checkpoint saved by another number of ranks, another mode or another recipe is refused
+Beside them, rank 0 writes ``mpcourse.json`` (format, recipe, parallel mode, world size, reduce dtype, step),
+read first by ``load``: a checkpoint saved by another number of ranks, another mode or another recipe is refused
 with a message naming both (DCP itself could reshard the tensors to another world size, but each rank's
-batch slice and the reduction order change with it, so the run would not continue bit for bit).
+batch slice and the reduction order change with it, so the run would not continue bit for bit). Format 1
+(before the storage record and the generators were saved) is refused for the optimizers that need them
+(``fp8-moments``, ``int8-moments``, ``bf16-master-bf16-moments-sr``), saying what it lacks; the others resume
+from it. For ``BlockQuantizedAdamW`` the recorded storage is read next, alone (``check_storage``): moments
+stored otherwise are refused naming both, before anything is read into the trainer.
 
 Loading: the fresh trainer's own state dict is the template (``get_state_dict`` creates the optimizer state
 it needs with one zero-gradient step at learning rate 0, which changes no weight), ``dcp.load`` fills it in
-place (each rank reads its shards), ``set_state_dict`` puts it into the model and optimizer.
+place (each rank reads its shards), ``set_state_dict`` puts it into the model and optimizer, then the
+stochastic-rounding generators are set.
 
 Sources: torch.distributed.checkpoint docs and ``torch/distributed/checkpoint/state_dict.py``
 (``get_state_dict``, ``set_state_dict``, ``StateDictOptions``); the DCP recipe "Getting started with
@@ -46,11 +56,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.checkpoint import CheckpointError
+from mpcourse.core.optim_blockwise import STORAGE_KEYS, BlockQuantizedAdamW, storage_mismatch
 from ..recipes import MasterWeightsRecipe
 from ..training.train import check_same_corpus, corpus_id
 
 META_FILE = "mpcourse.json"
-FORMAT = 1
+FORMAT = 2                # 2: the optimizer's storage record and stochastic-rounding generators; 1 had neither
 
 
 class _MasterView(nn.Module):
@@ -87,18 +98,38 @@ def _extra(recipe) -> dict:
     return out
 
 
-def _loop_state(trainer) -> dict:
-    return {"step": trainer.step, "history": json.dumps(trainer.history), "skipped": trainer.skipped,
+def _optim_rng(opt) -> dict:
+    """This rank's stochastic-rounding generators of a ``LowPrecisionState`` optimizer ({} for any other): kept per
+    rank, since under FSDP2 each rank draws for its own shard."""
+    return opt.rng_state() if hasattr(opt, "rng_state") else {}
+
+
+def _loop_state(trainer, opt) -> dict:
+    loop = {"step": trainer.step, "history": json.dumps(trainer.history), "skipped": trainer.skipped,
             "diverged_at": trainer.diverged_at, "batch_rng": trainer.batches.get_state(),
             "torch_rng": torch.get_rng_state()}
+    if _optim_rng(opt):
+        loop["optim_rng"] = _optim_rng(opt)
+    return loop
+
+
+def _lost_in_format_1(opt) -> str | None:
+    """What a checkpoint of format 1 did not keep of ``opt``'s state (DCP keeps an optimizer's 'state' and
+    'param_groups' only), or None."""
+    if isinstance(opt, BlockQuantizedAdamW):
+        return ("how its quantized moments are stored (fmt, state_rule, block_size): its exp_avg_sq codes could be "
+                "read as v where they hold sqrt(v)")
+    if getattr(opt, "low_rounding", None) == "stochastic":
+        return "its stochastic-rounding generators: its draws would not continue the run"
+    return None
 
 
 def _state(trainer) -> tuple[dict, nn.Module, torch.optim.Optimizer, bool]:
     recipe = trainer.recipe
     module, opt, is_view = _stepped(recipe)
-    stepped_sd, optim_sd = get_state_dict(module, opt)
+    stepped_sd, optim_sd = get_state_dict(module, opt)      # a fresh optimizer takes one step at lr 0 first
     state = {"model": get_model_state_dict(recipe.model) if is_view else stepped_sd, "optim": optim_sd,
-             "extra": _extra(recipe), f"rank{trainer.rank}": _loop_state(trainer)}
+             "extra": _extra(recipe), f"rank{trainer.rank}": _loop_state(trainer, opt)}
     if is_view:
         state["master"] = stepped_sd
     return state, module, opt, is_view
@@ -128,8 +159,15 @@ def save(trainer, path) -> Path:
 def check_compatible(saved: dict, trainer) -> None:
     """CheckpointError (a ValueError) unless the checkpoint's ``mpcourse.json`` matches this job."""
     here = _meta(trainer)
-    if saved.get("format") != FORMAT:
-        raise CheckpointError(f"not an mpcourse distributed checkpoint of format {FORMAT} (got {saved.get('format')!r})")
+    if saved.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"not an mpcourse distributed checkpoint of format 1 or {FORMAT} (got "
+                              f"{saved.get('format')!r})")
+    lost = _lost_in_format_1(_stepped(trainer.recipe)[1]) if saved["format"] == 1 else None
+    if lost:
+        raise CheckpointError(
+            f"the checkpoint was written by an older mpcourse (distributed checkpoint format 1), which did not save, "
+            f"of recipe {saved['recipe']}'s optimizer, {lost}. Resume it with the mpcourse version that wrote it, or "
+            "start the run again")
     if saved["world_size"] != here["world_size"]:
         raise CheckpointError(
             f"world size mismatch: the checkpoint was saved by {saved['world_size']} ranks, this job has "
@@ -151,11 +189,26 @@ def read_meta(path) -> dict:
     return json.loads(meta.read_text())
 
 
+def check_storage(opt, path) -> None:
+    """CheckpointError unless the quantized moments in ``path`` were stored as ``opt`` (a ``BlockQuantizedAdamW``)
+    stores them: their ``fmt``, ``state_rule`` and ``block_size`` (recorded in the optimizer's param groups) read
+    alone from the checkpoint, before anything is read into the trainer; collective. Other optimizers: nothing."""
+    if not isinstance(opt, BlockQuantizedAdamW):
+        return
+    saved = {"optim": {"param_groups": [dict.fromkeys(STORAGE_KEYS) for _ in opt.param_groups]}}
+    dcp.load(saved, checkpoint_id=Path(path))              # those keys only
+    for group in saved["optim"]["param_groups"]:
+        why = storage_mismatch(group, opt.storage())
+        if why is not None:
+            raise CheckpointError(why)
+
+
 @torch.no_grad()
 def load(trainer, path):
     """Resume ``trainer`` (freshly built, the same recipe, mode and number of ranks) from ``save``'s directory;
     collective. Raises CheckpointError before anything is read if the checkpoint does not match this job."""
     check_compatible(read_meta(path), trainer)
+    check_storage(_stepped(trainer.recipe)[1], path)
     state, module, opt, is_view = _state(trainer)            # the template, tensors allocated
     dcp.load(state, checkpoint_id=Path(path))                # in place; non-tensor values replaced
     recipe = trainer.recipe
@@ -165,6 +218,9 @@ def load(trainer, path):
         recipe.master.copy_master_to_model(refresh=False)   # the model := the loaded master rounded, as saved
     else:
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loop = state[f"rank{trainer.rank}"]
+    if "optim_rng" in loop:                                 # set_state_dict passes 'state' and 'param_groups' only
+        opt.load_rng_state(loop["optim_rng"])
     extra = state["extra"]
     if "scaler" in extra:
         recipe.scaler.load_state_dict(extra["scaler"])
@@ -175,7 +231,6 @@ def load(trainer, path):
                                           "kahan": b["kahan"], "generator": b["generator"],
                                           "compensation": None if comp is None else
                                           [comp[str(i)] for i in range(len(comp))]})
-    loop = state[f"rank{trainer.rank}"]
     trainer.step, trainer.history = loop["step"], json.loads(loop["history"])
     trainer.skipped, trainer.diverged_at = loop["skipped"], loop["diverged_at"]
     trainer.batches.set_state(loop["batch_rng"])

@@ -13,6 +13,10 @@ surviving first moment; a coordinate whose gradient then stops (a rare token's e
 ``lr * m / eps``, thousands of times ``lr`` (``mpcourse.core.optim_blockwise`` has the measurements).
 ``BlockQuantizedAdamW(state_rule="torchao")`` is torchao's storage bit for bit.
 
+Under FSDP2 (``--parallel fsdp``) each rank steps its rows and the blocks stay the whole tensor's
+(``mpcourse.core.optim_shards``); a checkpoint records how the moments are stored (fmt, rule, block size) and a
+resume under another storage, or from a state that does not say, is refused.
+
 FP32 weights keep the comparison with ``fp32`` about the state alone (``bf16-master-bf16-moments`` also changes
 the model's dtype). Tensors under 4096 elements (norms, biases) keep FP32 moments, as torchao.
 

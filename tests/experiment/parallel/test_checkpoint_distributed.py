@@ -36,6 +36,10 @@ CFG = TrainConfig(steps=STEPS, batch_size=8, eval_interval=1000, eval_batches=1,
 CASES = [("ddp", "fp16-dynamic"), ("ddp", "fp8-delayed"), ("ddp", "bf16-pure-sr"),
          ("fsdp", "fp16-dynamic"), ("fsdp", "fp8-delayed"), ("fsdp", "torch-amp-fp16"), ("fsdp", "bf16-pure-sr"),
          ("fsdp", "bf16-pure-kahan")]
+#: the low-precision optimizer states: quantized moments (their fmt, state_rule and block size travel in the param
+#: groups), BF16 moments, and BF16 moments rounded stochastically (each rank's generators)
+LOW_STATE = ("fp8-moments", "int8-moments", "bf16-master-bf16-moments", "bf16-master-bf16-moments-sr")
+CASES += [(parallel, name) for name in LOW_STATE for parallel in ("ddp", "fsdp")]
 
 
 def _localize(obj):
@@ -76,7 +80,27 @@ def _resumed(rank, init_method, d):
             if isinstance(m, Float8Linear):
                 m._reset_scaling_state()                       # planted: scales 1, amax histories 0
         res["planted"] = _record(t.run())
+        res["other rule"] = _other_rule(corpus, os.path.join(d, "fsdp-fp8-moments"))
         torch.save(res, os.path.join(d, f"resumed{rank}.pt"))
+
+
+def _other_rule(corpus, path):
+    """An fp8-moments checkpoint (state_rule 'sqrt-nonzero') loaded by a trainer whose optimizer stores torchao's
+    rule: the error, and whether the trainer's weights stayed as built."""
+    from mpcourse.core.optim_blockwise import BlockQuantizedAdamW
+
+    t = DataParallelTrainer("fp8-moments", corpus, CFG, "fsdp")
+    o = t.recipe.optim
+    t.recipe.optimizer = BlockQuantizedAdamW(list(t.recipe.model.parameters()), lr=o.lr, betas=o.betas, eps=o.eps,
+                                             weight_decay=o.weight_decay, fmt="fp8", state_rule="torchao")
+    before = [local(p).detach().clone() for p in t.recipe.model.parameters()]
+    try:
+        t.load(path)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    after = [local(p) for p in t.recipe.model.parameters()]
+    return {"error": error, "untouched": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +181,46 @@ def test_a_mismatched_job_is_refused_by_name(runs, parallel, name, match):
                 t.load(path)                                # the trainer's API checks first, reads nothing
             with pytest.raises(CheckpointError, match="not a distributed checkpoint"):
                 t.load(os.path.join(runs["dir"], "nowhere"))
-        assert json.loads(json.dumps(meta))["format"] == 1
+        assert json.loads(json.dumps(meta))["format"] == dist_checkpoint.FORMAT
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_quantized_state_of_another_rule_is_refused_before_anything_loads(runs):
+    """The checkpoint's exp_avg_sq codes hold sqrt(v); an optimizer storing v would read them as v: refused, naming
+    both rules and the one to build, before the trainer's weights are touched."""
+    for rank in range(2):
+        got = runs["resumed"][rank]["other rule"]
+        assert got["error"] is not None and got["untouched"]
+        assert ("stored with state_rule='sqrt-nonzero' and this optimizer uses state_rule='torchao': build "
+                "BlockQuantizedAdamW(..., state_rule='sqrt-nonzero')") in got["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,name,refused", [
+    ("fsdp", "fp8-moments", r"how its quantized moments are stored \(fmt, state_rule, block_size\): its "
+                            r"exp_avg_sq codes could be read as v where they hold sqrt\(v\)"),
+    ("ddp", "int8-moments", "how its quantized moments are stored"),
+    ("ddp", "bf16-master-bf16-moments-sr", "its stochastic-rounding generators: its draws would not continue"),
+    ("ddp", "fp16-dynamic", None), ("fsdp", "bf16-master-bf16-moments", None),
+])
+def test_an_older_checkpoint_is_refused_where_it_lacks_what_the_optimizer_needs(runs, parallel, name, refused):
+    """Format 1 (before the storage record and the generators were saved): refused, saying what it lacks and what
+    to do, for the optimizers that need them; the others still resume from it."""
+    from mpcourse.experiment.parallel import dist_checkpoint
+
+    _one_rank_group(runs["dir"])
+    try:
+        t = DataParallelTrainer(name, load_corpus(None), CFG, parallel)
+        meta = {**dist_checkpoint.read_meta(os.path.join(runs["dir"], f"{parallel}-{name}")), "format": 1,
+                "world_size": 1}
+        if refused is None:
+            dist_checkpoint.check_compatible(meta, t)
+        else:
+            with pytest.raises(CheckpointError, match=rf"format 1\), which did not save, of recipe {name}'s "
+                                                      rf"optimizer, {refused}.*\. Resume it with the mpcourse "
+                                                      "version that wrote it, or start the run again"):
+                dist_checkpoint.check_compatible(meta, t)
     finally:
         dist.destroy_process_group()

@@ -153,7 +153,7 @@ def test_bad_inputs_name_the_fix():
         convert_to_fp8_weights(rowwise)
     with pytest.raises(ValueError, match="convert_to_float8_training first"):
         convert_to_fp8_weights(nn.Sequential(nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match="bare Float8Linear"):
+    with pytest.raises(ValueError, match="bare QuantizedLinear"):
         convert_to_fp8_weights(copy.deepcopy(ref))
     with pytest.raises(ValueError, match="float32 tensor of the weight's shape"):
         mine.bind_master(torch.zeros(48, 31))
