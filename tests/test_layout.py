@@ -204,7 +204,12 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.optim_fp8:nonzero_fp8_codes", "mpcourse.core.optim_int8:nonzero_int8_codes",
                "mpcourse.core.optim_blockwise:quantize_second_moment",
                "mpcourse.core.optim_blockwise:dequantize_second_moment",
-               "mpcourse.core.moment_decay:stopped_gradient_steps"]
+               "mpcourse.core.moment_decay:stopped_gradient_steps",
+               # experts in low precision: token grouping and one expert's three GEMMs (the dense rule per group)
+               "mpcourse.core.experts.grouping:token_groups", "mpcourse.core.experts.grouping:group_tokens",
+               "mpcourse.core.experts.grouping:pad_groups", "mpcourse.core.experts.grouping:unpad_groups",
+               "mpcourse.core.experts.expert_gemms:quantize", "mpcourse.core.experts.expert_gemms:forward",
+               "mpcourse.core.experts.expert_gemms:dgrad", "mpcourse.core.experts.expert_gemms:wgrad"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 
