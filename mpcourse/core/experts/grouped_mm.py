@@ -21,15 +21,18 @@ upstream kernels got wrong, and this rule makes structural:
   flashinfer#3103);
 * any group size works: the weight gradient pads a group to its block along the tokens (TransformerEngine#2966).
 
-The high-precision formats run with ``torch.autocast`` off inside (the format, not an enclosing region, says the
-GEMMs' dtype); their BF16/FP16 ``torch.mm`` is the tensor-core emulation inside ``emulation.tensor_cores()``.
+The GEMMs run with autocast off inside (``torch.autocast`` and the course's: the format, not an enclosing region,
+says their dtypes); their BF16/FP16 ``torch.mm`` is the tensor-core emulation inside ``emulation.tensor_cores()``.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import contextlib
+
 import torch
 
+from ..autocast import any_autocast_enabled, no_autocast
 from . import expert_gemms
 from .formats import GroupedFormat, grouped_format
 from .grouping import TokenGroups
@@ -49,6 +52,11 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, groups: TokenGroups) -> Non
         raise ValueError(f"grouped_mm takes floating-point x and w, got {x.dtype} and {w.dtype}")
 
 
+def own_dtypes(device_type: str):
+    """A region where no autocast (torch's or the course's) casts the GEMMs: the format says their dtypes."""
+    return no_autocast(device_type) if any_autocast_enabled(device_type) else contextlib.nullcontext()
+
+
 class GroupedMM(torch.autograd.Function):
     """y = grouped x @ W^T per expert (see the module docstring); the backward runs ``expert_gemms.dgrad`` and
     ``expert_gemms.wgrad`` on each expert's rows."""
@@ -56,7 +64,7 @@ class GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, groups: TokenGroups, fmt: GroupedFormat, out_dtype: torch.dtype):
         # x: (rows, K); w: (E, N, K)
-        with torch.autocast(x.device.type, enabled=False):
+        with own_dtypes(x.device.type):
             y = x.new_zeros(groups.rows, w.shape[1], dtype=out_dtype)            # (rows, N): padding stays zero
             for e, (s, n) in enumerate(groups.spans()):
                 if n:
@@ -73,7 +81,7 @@ class GroupedMM(torch.autograd.Function):
         E, N, K = w.shape
         dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None           # (rows, K): padding stays zero
         dws = []
-        with torch.autocast(x.device.type, enabled=False):
+        with own_dtypes(x.device.type):
             for e, (s, n) in enumerate(groups.spans()):
                 if dx is not None and n:
                     dx[s:s + n] = expert_gemms.dgrad(dy[s:s + n], w[e], fmt, x.dtype)
