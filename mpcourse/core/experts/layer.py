@@ -19,7 +19,8 @@ MLP of ``nn.Linear`` layers, which a recipe converts as it converts every other 
 
 Load balance: ``aux_loss`` = E * sum_e f_e * P_e (Switch Transformer eq. 4: f_e the fraction of assignments routed
 to e, P_e the mean router probability of e), 1 when balanced; the model adds ``coef * aux_loss`` to its loss.
-``tokens_per_expert`` holds the last forward's counts, ``routed`` their sum over the training forwards.
+``tokens_per_expert`` holds the last forward's counts, ``routed`` their sum over the training forwards, ``flipped``
+the fraction of the last forward's tokens a non-FP32 router sent elsewhere than the FP32 router would have.
 """
 from __future__ import annotations
 
@@ -53,6 +54,22 @@ def format_of_recipe(recipe) -> GroupedFormat:
     return GroupedFormat(name, recipe, None, ALIGNMENT[name])
 
 
+def route(tokens: torch.Tensor, router: torch.Tensor, top_k: int, dtype: torch.dtype = torch.float32
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(combine weights (S, k) fp32, experts (S, k) int64, probabilities (S, E) fp32) of tokens (S, C) under the
+    router (E, C): logits, softmax and top-k computed in ``dtype`` with no autocast (then upcast, exactly)."""
+    with own_dtypes(tokens.device.type):
+        probs = F.softmax(F.linear(tokens.to(dtype), router.to(dtype)), dim=-1)          # (S, E)
+        top, experts = probs.topk(top_k, dim=-1)                                           # (S, k)
+        weights = top / top.sum(-1, keepdim=True) if top_k > 1 else top
+    return weights.float(), experts, probs.float()
+
+
+def flipped(experts: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of tokens whose set of k experts (S, k) differs from the ``reference`` decisions (S, k)."""
+    return (experts.sort(-1).values != reference.sort(-1).values).any(-1).float().mean().item()
+
+
 class MoEFeedForward(nn.Module):
     """Top-k mixture of experts replacing a transformer block's MLP: (B, T, C) -> (B, T, C).
 
@@ -76,6 +93,7 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.routed = torch.zeros(n_experts, dtype=torch.long)
+        self.flipped = 0.0             # fraction of tokens routed elsewhere than the FP32 router would (last forward)
 
     @property
     def n_experts(self) -> int:
@@ -91,14 +109,8 @@ class MoEFeedForward(nn.Module):
         return grouped_format(DTYPE_FORMATS[dtype])
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(combine weights (S, k) fp32, experts (S, k) int64, probabilities (S, E) fp32) of tokens (S, C), computed
-        in ``router_dtype`` with no autocast."""
-        rd = self.router_dtype
-        with own_dtypes(tokens.device.type):
-            probs = F.softmax(F.linear(tokens.to(rd), self.router.to(rd)), dim=-1)        # (S, E)
-            top, experts = probs.topk(self.top_k, dim=-1)                                  # (S, k)
-            weights = top / top.sum(-1, keepdim=True) if self.top_k > 1 else top
-        return weights.float(), experts, probs.float()
+        """``route`` of tokens (S, C) with this layer's router, k and ``router_dtype``."""
+        return route(tokens, self.router, self.top_k, self.router_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                                   # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                                                # (S, C)
@@ -114,6 +126,8 @@ class MoEFeedForward(nn.Module):
             out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
             out = out.index_add(0, src, y.float() * g[:, None]).to(y.dtype)               # (S, C)
         self.record(counts, probs)
+        if self.router_dtype != torch.float32:                                             # the ablation's measure
+            self.flipped = flipped(experts, route(tokens.detach(), self.router.detach(), self.top_k)[1])
         if self.shared_fc is not None:
             out = out + self.shared_proj(F.gelu(self.shared_fc(tokens)))
         return out.reshape(x.shape[:-1] + (out.shape[-1],))

@@ -22,7 +22,7 @@ the blocks' mean balance loss), so the loss a run reports stays the cross-entrop
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -197,3 +197,21 @@ class GPT(nn.Module):
     def aux_loss(self) -> torch.Tensor:
         """The blocks' mean load-balancing loss of the last forward (FP32; 1 when every block is balanced)."""
         return torch.stack([b.mlp.aux_loss for b in self.blocks]).mean()
+
+
+def to_moe(model: GPT, **moe) -> GPT:
+    """The mixture-of-experts twin of a dense ``model``: ``GPTConfig`` with the ``moe`` fields (``n_experts``,
+    ``top_k``, ``expert_hidden``, ``shared_expert``, ``aux_loss_coef``), every parameter the two share (embeddings,
+    attention, norms) copied from ``model``, the experts and routers drawn from a generator seeded by torch's
+    initial seed (the run's seed), so every MoE recipe of a run starts from the same weights and the global RNG is
+    left as it was."""
+    cfg = replace(model.cfg, **moe)
+    if not cfg.n_experts:
+        raise ValueError("to_moe needs n_experts > 0 (e.g. to_moe(model, n_experts=4, top_k=2))")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + 1)
+        twin = GPT(cfg).to(next(model.parameters()).device)
+    shared = {k: v for k, v in model.state_dict().items() if ".mlp." not in k}
+    missing, unexpected = twin.load_state_dict(shared, strict=False)
+    assert not unexpected and all(".mlp." in k for k in missing), (missing, unexpected)
+    return twin
