@@ -175,20 +175,26 @@ class EmulatedGroupedMM(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("counts", [[32, 64, 0, 96], [64, 32, 32, 128]])
+@pytest.mark.parametrize("counts", [[32, 64, 0, 96], [64, 32, 32, 128], [5, 37, 0, 70]])
 def test_mxfp8_equals_torchao_emulated_forward_and_backward_bit_for_bit(counts):
+    """Groups of multiples of 32 as they are; other sizes through torchao's own padding
+    (``pad_token_groups_for_grouped_mm=True``), compared on the tokens (torchao unpads its outputs)."""
     moe = _moe_training()
     from torchao.quantization.quantize_.common import KernelPreference
 
-    x, w, dy, g = operands("mxfp8", counts, dtype=torch.bfloat16)   # group sizes multiples of 32: no padding
+    x, w, dy, g = operands("mxfp8", counts, dtype=torch.bfloat16)
     dy = dy.bfloat16()
-    xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    pad = any(n % 32 for n in counts)
+    xa = (unpad_groups(x, g) if pad else x).clone().requires_grad_(True)
+    wa = w.clone().requires_grad_(True)
     with EmulatedGroupedMM():
-        ya = moe._to_mxfp8_then_scaled_grouped_mm(xa, wa.transpose(-2, -1), g.padded_offs,
-                                                  out_dtype=torch.bfloat16,
+        ya = moe._to_mxfp8_then_scaled_grouped_mm(xa, wa.transpose(-2, -1), g.offs if pad else g.padded_offs,
+                                                  out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=pad,
                                                   kernel_preference=KernelPreference.EMULATED)
-        ya.backward(dy)
+        ya.backward(unpad_groups(dy, g) if pad else dy)
     y, dx, dw = ours("mxfp8", x, w, dy, g, out_dtype=torch.bfloat16)
+    if pad:
+        y, dx = unpad_groups(y, g), unpad_groups(dx, g)
     assert torch.equal(y, ya.detach())
     assert torch.equal(dx, xa.grad)
     assert torch.equal(dw, wa.grad)
