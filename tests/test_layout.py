@@ -208,7 +208,12 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.moment_decay:stopped_gradient_steps",
                # a quantized moment under FSDP2: the whole tensor's blocks over each rank's rows
                "mpcourse.core.optim_shards:span_of", "mpcourse.core.optim_shards:to_blocks",
-               "mpcourse.core.optim_shards:from_blocks", "mpcourse.core.optim_shards:block_amax"]
+               "mpcourse.core.optim_shards:from_blocks", "mpcourse.core.optim_shards:block_amax",
+               # experts in low precision: token grouping and one expert's three GEMMs (the dense rule per group)
+               "mpcourse.core.experts.grouping:token_groups", "mpcourse.core.experts.grouping:group_tokens",
+               "mpcourse.core.experts.grouping:pad_groups", "mpcourse.core.experts.grouping:unpad_groups",
+               "mpcourse.core.experts.expert_gemms:quantize", "mpcourse.core.experts.expert_gemms:forward",
+               "mpcourse.core.experts.expert_gemms:dgrad", "mpcourse.core.experts.expert_gemms:wgrad"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

@@ -23,7 +23,7 @@ def corpus():
 
 
 # 1x128 / 128x128 blocks need widths and token counts in multiples of 128 (4 x 32 tokens, width 128)
-BLOCK_SCALED = ("fp8-block", "mxfp8", "mxfp8-floor", "nvfp4")
+BLOCK_SCALED = ("fp8-block", "mxfp8", "mxfp8-floor", "nvfp4", "moe-fp8-block", "moe-mxfp8")
 SMALL_BLOCKS = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=128)
 
 

@@ -12,15 +12,23 @@ Precision notes (what the lessons point at):
   all ``-inf`` and no softmax row can be NaN, in any dtype. (Adding a large negative constant such
   as the FP16 minimum -65504 instead can overflow to -inf in FP16: lesson 05.)
 * The loss is computed in FP32 from the logits (``logits.float()``), in every recipe.
+
+A config switch makes it a mixture of experts (lesson 13): ``n_experts > 0`` replaces every block's MLP by
+``mpcourse.core.experts.MoEFeedForward`` (top-``top_k`` routing in FP32, the experts' GEMMs grouped in the format
+the recipe's region gives, an optional shared expert); ``n_experts=0`` (the default) builds the dense model exactly
+as before. The load-balancing loss enters the gradient only (``loss + (b - b.detach())``, b = ``aux_loss_coef`` x
+the blocks' mean balance loss), so the loss a run reports stays the cross-entropy, comparable with the dense rows.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from mpcourse.core.experts.layer import MoEFeedForward, expert_hidden
 
 
 @dataclass
@@ -36,6 +44,11 @@ class GPTConfig:
         dropout: dropout probability (default 0.0: training is deterministic).
         tie_weights: share the token embedding with the output head (default True, as GPT-2).
         bias: biases in Linear layers (default True).
+        n_experts: experts per block (default 0: the dense MLP); > 0 makes every block's MLP a mixture of experts.
+        top_k: experts each token visits (default 2).
+        expert_hidden: each expert's hidden width (default 0: 4 * n_embd / top_k, rounded up to a multiple of 128).
+        shared_expert: add a dense MLP of that width beside the routed experts (DeepSeek-V3; default False).
+        aux_loss_coef: weight of the load-balancing loss (default 0.01, Switch Transformer's).
 
     With ``vocab_size=103`` (the default corpus) the model has about 1.0M parameters.
     """
@@ -48,6 +61,11 @@ class GPTConfig:
     dropout: float = 0.0
     tie_weights: bool = True
     bias: bool = True
+    n_experts: int = 0
+    top_k: int = 2
+    expert_hidden: int = 0
+    shared_expert: bool = False
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -55,6 +73,9 @@ class GPTConfig:
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.n_experts < 0 or self.expert_hidden < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"GPTConfig: n_experts >= 0, expert_hidden >= 0 and 1 <= top_k <= n_experts, got "
+                             f"n_experts={self.n_experts}, top_k={self.top_k}, expert_hidden={self.expert_hidden}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -100,7 +121,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.n_experts else MoEFeedForward(
+            cfg.n_embd, expert_hidden(cfg.n_embd, cfg.top_k, cfg.expert_hidden), cfg.n_experts, cfg.top_k,
+            cfg.shared_expert, cfg.bias, out_std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, x):                                              # (B, T, C)
         x = x + self.attn(self.ln1(x))
@@ -166,4 +189,29 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(B * T, -1), targets.view(B * T))  # fp32 ()
+            if self.cfg.n_experts and torch.is_grad_enabled():
+                balance = self.cfg.aux_loss_coef * self.aux_loss()             # fp32 (): its gradient only
+                loss = loss + (balance - balance.detach())
         return logits, loss
+
+    def aux_loss(self) -> torch.Tensor:
+        """The blocks' mean load-balancing loss of the last forward (FP32; 1 when every block is balanced)."""
+        return torch.stack([b.mlp.aux_loss for b in self.blocks]).mean()
+
+
+def to_moe(model: GPT, **moe) -> GPT:
+    """The mixture-of-experts twin of a dense ``model``: ``GPTConfig`` with the ``moe`` fields (``n_experts``,
+    ``top_k``, ``expert_hidden``, ``shared_expert``, ``aux_loss_coef``), every parameter the two share (embeddings,
+    attention, norms) copied from ``model``, the experts and routers drawn from a generator seeded by torch's
+    initial seed (the run's seed), so every MoE recipe of a run starts from the same weights and the global RNG is
+    left as it was."""
+    cfg = replace(model.cfg, **moe)
+    if not cfg.n_experts:
+        raise ValueError("to_moe needs n_experts > 0 (e.g. to_moe(model, n_experts=4, top_k=2))")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + 1)
+        twin = GPT(cfg).to(next(model.parameters()).device)
+    shared = {k: v for k, v in model.state_dict().items() if ".mlp." not in k}
+    missing, unexpected = twin.load_state_dict(shared, strict=False)
+    assert not unexpected and all(".mlp." in k for k in missing), (missing, unexpected)
+    return twin

@@ -14,6 +14,7 @@ from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
 from . import fp8_directions  # noqa: F401  mxfp8-fwd-nvfp4-bwd
 from . import selective  # noqa: F401  nvfp4-selective
+from . import moe  # noqa: F401  moe-fp32, moe-bf16, moe-fp8-rowwise, moe-fp8-block, moe-mxfp8, moe-bf16-router
 
 TABLE_ORDER = (
     # anchors: FP32 and PyTorch's own AMP
@@ -34,6 +35,8 @@ TABLE_ORDER = (
     "nvfp4-selective",
     # a format per GEMM direction: MXFP8 forward, NVFP4 backward
     "mxfp8-fwd-nvfp4-bwd",
+    # experts in low precision: the MoE GPT per format, and its router in BF16
+    "moe-fp32", "moe-bf16", "moe-fp8-rowwise", "moe-fp8-block", "moe-mxfp8", "moe-bf16-router",
 )
 
 # Left out of a plain ``mpcourse compare`` (name them with ``--recipes``); ``mpcourse recipes`` and ``--recipes``
@@ -51,8 +54,12 @@ TABLE_ORDER = (
 # ``fp8-moments`` and ``int8-moments`` change only the optimizer state's storage (blockwise, after torchao's
 # AdamWFp8 / AdamW8bit): memory savers named beside ``bf16-master-bf16-moments``; the default table and its 3-seed
 # spread predate them.
+# The ``moe-*`` rows train another model (the MoE twin of the run's GPT, lesson 13): a table of their own, named
+# together (``--recipes moe-fp32,moe-bf16,moe-fp8-rowwise,moe-fp8-block,moe-mxfp8,moe-bf16-router``).
+MOE_RECIPES = ("moe-fp32", "moe-bf16", "moe-fp8-rowwise", "moe-fp8-block", "moe-mxfp8", "moe-bf16-router")
 NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
-                                       "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
+                                       "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd"
+                                       ) + MOE_RECIPES
 
 
 def default_recipes() -> list[str]:

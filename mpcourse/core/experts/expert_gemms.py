@@ -1,0 +1,80 @@
+"""The three GEMMs of one expert, y = x @ W^T, in a ``GroupedFormat``: the dense layer's rule on one group of tokens.
+
+For expert e with tokens x (M_e, K) and weight W (N, K)::
+
+    forward  y  = Q(x, 1) @ Q(W, 1)^T        (M_e, N)  out dtype      blocks along K
+    dgrad    dx = Q(dy, 1) @ Q(W, 0)         (M_e, K)  x's dtype      blocks along N
+    wgrad    dW = Q(dy, 0)^T @ Q(x, 0)       (N, K)    W's dtype      blocks along the tokens M_e
+
+Q(t, axis) is the format's dense recipe quantizing ``t`` in blocks along ``axis`` (``block_recipes.block_for``:
+the block the dense ``Float8Linear`` uses for that role and axis), each copy from the high-precision tensor, by the
+library's rules (``blockwise.quantize_fp32_scaled``, ``mx.quantize_mx``); the GEMM is ``block_gemm.scaled_gemm``
+(``F.scaled_mm`` where the device takes the scaling, else dequantize, one FP32 GEMM, one rounding). These are the
+GEMMs of ``block_linear.BlockScaledLinearFunction`` on the expert's tokens alone, so no scale spans two experts.
+
+In the weight gradient the contraction runs over the expert's tokens, which the format scales in blocks along M
+(32 for MXFP8, 128 for 1x128 tiles, one column for rowwise): ``wgrad`` pads the group with zero rows to a multiple
+of that block (``block_recipes.token_multiple``). Zero rows add exact zeros to every sum and never raise a block's
+amax, so any group size trains (Transformer Engine's MXFP8 grouped linear refused sizes that are not multiples of
+32, TransformerEngine#2966). An expert with no token gets an exactly zero weight gradient, computed from no GEMM.
+
+High precision (``fmt.dtype``): operands cast to that dtype, ``torch.mm``, the result in that dtype, as a linear
+layer under ``torch.autocast`` computes it (a BF16/FP16 ``torch.mm`` on a CPU inside ``emulation.tensor_cores()``
+is the tensor-core emulation: exact products, FP32 sums, one rounding, as for the dense layers); the operand
+layouts are those of ``torch.nn.functional.linear``'s forward and autograd backward, so the bits are too.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant.block_recipes import Float8BlockScaling, MXFP8BlockScaling, block_for, token_multiple
+from ..quant.layers.block_gemm import scaled_gemm
+from ..quant.rules.blockwise import quantize_fp32_scaled
+from ..quant.rules.mx import quantize_mx
+from ..quant.rules.scaled import ScaledTensor
+from .formats import GroupedFormat
+
+
+def quantize(t: torch.Tensor, fmt: GroupedFormat, role: str, axis: int) -> ScaledTensor:
+    """``t`` (2-D) quantized as the format's dense recipe quantizes ``role``'s tensor along ``axis``."""
+    recipe = fmt.recipe
+    block = block_for(recipe, role, axis)
+    if isinstance(recipe, MXFP8BlockScaling):
+        elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
+        return quantize_mx(t, block, elem, recipe.scale_rule)
+    if isinstance(recipe, Float8BlockScaling):
+        return quantize_fp32_scaled(t, block, "e4m3", power_2_scale=recipe.power_2_scales,
+                                    amax_epsilon=recipe.amax_epsilon)
+    return quantize_fp32_scaled(t, block, "e4m3", power_2_scale=recipe.round_scales_to_power_of_2)   # rowwise
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x @ W^T for one expert: x (M_e, K), w (N, K) -> (M_e, N) ``out_dtype`` (high precision: ``fmt.dtype``)."""
+    if not fmt.quantized:
+        return torch.mm(x.to(fmt.dtype), w.to(fmt.dtype).t())
+    return scaled_gemm(quantize(x, fmt, "input", 1), quantize(w, fmt, "weight", 1).t(), out_dtype)
+
+
+def dgrad(dy: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, x_dtype: torch.dtype) -> torch.Tensor:
+    """dx = dy @ W for one expert: dy (M_e, N), w (N, K) -> (M_e, K) ``x_dtype``."""
+    if not fmt.quantized:
+        return torch.mm(dy.to(fmt.dtype), w.to(fmt.dtype)).to(x_dtype)
+    return scaled_gemm(quantize(dy, fmt, "grad_output", 1), quantize(w, fmt, "weight", 0), x_dtype)
+
+
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` (M, C) with zero rows appended up to a multiple of ``multiple`` rows (itself if it is one)."""
+    extra = -t.shape[0] % multiple
+    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int
+          ) -> torch.Tensor:
+    """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0."""
+    if dy.shape[0] == 0:
+        return torch.zeros(n, k, dtype=w_dtype, device=dy.device)
+    if not fmt.quantized:
+        return torch.mm(dy.to(fmt.dtype).t(), x.to(fmt.dtype)).to(w_dtype)
+    m = token_multiple(fmt.recipe)                   # the block the tokens are scaled in (1: any count)
+    dy, x = pad_rows(dy, m), pad_rows(x, m)          # (M_e', N), (M_e', K): zero rows add exact zeros
+    return scaled_gemm(quantize(dy, fmt, "grad_output", 0).t(), quantize(x, fmt, "input", 0), w_dtype)
