@@ -197,18 +197,18 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.quant.layers.fsdp_fp8:quantize_shard_for_all_gather",
                "mpcourse.core.quant.layers.fsdp_fp8:padded_shard_rows", "mpcourse.core.quant.layers.fsdp_fp8:pad_rows",
                # low-precision optimizer state (torchao's AdamWFp8 / AdamW8bit as rules)
-               "mpcourse.core.optim_fp8:quantize_fp8_state", "mpcourse.core.optim_fp8:dequantize_fp8_state",
-               "mpcourse.core.optim_int8:dynamic_map", "mpcourse.core.optim_int8:quantize_int8_state",
-               "mpcourse.core.optim_int8:dequantize_int8_state", "mpcourse.core.optim_blockwise:adamw_step",
-               "mpcourse.core.moment_decay:second_moment_ratio",
+               "mpcourse.core.optim.fp8:quantize_fp8_state", "mpcourse.core.optim.fp8:dequantize_fp8_state",
+               "mpcourse.core.optim.int8:dynamic_map", "mpcourse.core.optim.int8:quantize_int8_state",
+               "mpcourse.core.optim.int8:dequantize_int8_state", "mpcourse.core.optim.blockwise:adamw_step",
+               "mpcourse.core.optim.moment_decay:second_moment_ratio",
                # the course's default second moment (sqrt(v), never 0 for a positive value) and its lesson table
-               "mpcourse.core.optim_fp8:nonzero_fp8_codes", "mpcourse.core.optim_int8:nonzero_int8_codes",
-               "mpcourse.core.optim_blockwise:quantize_second_moment",
-               "mpcourse.core.optim_blockwise:dequantize_second_moment",
-               "mpcourse.core.moment_decay:stopped_gradient_steps",
+               "mpcourse.core.optim.fp8:nonzero_fp8_codes", "mpcourse.core.optim.int8:nonzero_int8_codes",
+               "mpcourse.core.optim.blockwise:quantize_second_moment",
+               "mpcourse.core.optim.blockwise:dequantize_second_moment",
+               "mpcourse.core.optim.moment_decay:stopped_gradient_steps",
                # a quantized moment under FSDP2: the whole tensor's blocks over each rank's rows
-               "mpcourse.core.optim_shards:span_of", "mpcourse.core.optim_shards:to_blocks",
-               "mpcourse.core.optim_shards:from_blocks", "mpcourse.core.optim_shards:block_amax",
+               "mpcourse.core.optim.shards:span_of", "mpcourse.core.optim.shards:to_blocks",
+               "mpcourse.core.optim.shards:from_blocks", "mpcourse.core.optim.shards:block_amax",
                # experts in low precision: token grouping and one expert's three GEMMs (the dense rule per group)
                "mpcourse.core.experts.grouping:token_groups", "mpcourse.core.experts.grouping:group_tokens",
                "mpcourse.core.experts.grouping:pad_groups", "mpcourse.core.experts.grouping:unpad_groups",

@@ -42,7 +42,7 @@ reduce-scatters its gradients. Per recipe:
   ``AllGatherLog`` counts what each rank sends into FSDP2's all-gathers (every FSDP2 run).
   ``fp8-moments`` and ``int8-moments`` step their quantized AdamW on each rank's rows; the moments' blocks of 256
   stay the whole tensor's, also where a rank's rows end inside a block (the block amaxes are all-reduced,
-  ``mpcourse.core.optim_shards``), so the optimizer gives one process's bits whatever the number of ranks.
+  ``mpcourse.core.optim.shards``), so the optimizer gives one process's bits whatever the number of ranks.
 * ``fp16-pure``: FP16 parameters sharded as they are (plain AdamW over FP16 shards).
 * ``bf16-pure``, ``bf16-pure-sr``, ``bf16-pure-kahan``: BF16 parameters sharded as they are, gradients
   reduce-scattered in BF16 (or ``reduce_dtype``). ``BF16Optimizer`` steps FP32 temporaries of the DTensor shards

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.checkpoint import CheckpointError
-from mpcourse.core.optim_blockwise import STORAGE_KEYS, BlockQuantizedAdamW, storage_mismatch
+from mpcourse.core.optim.blockwise import STORAGE_KEYS, BlockQuantizedAdamW, storage_mismatch
 from ..recipes import MasterWeightsRecipe
 from ..training.train import check_same_corpus, corpus_id
 

@@ -12,7 +12,7 @@
   2020, "Revisiting BFloat16 Training", Algorithm 2 for Kahan). The three differ only in that write-back,
   so the rows isolate its effect. Gradients are accumulated in FP32 (``accumulate_grads``) and clipped there.
 * ``bf16-master-bf16-moments``: ``bf16-master`` with AdamW's moments stored in BF16 between steps
-  (``mpcourse.core.optim_state.LowPrecisionState``; DeepSeek-V3, arXiv 2412.19437 section 3.3.3), rounded to
+  (``mpcourse.core.optim.state.LowPrecisionState``; DeepSeek-V3, arXiv 2412.19437 section 3.3.3), rounded to
   nearest: a moment whose per-step change is under half a BF16 step stalls (the second moment stops decaying
   when the gradients go quiet: ``v * 0.999`` rounds back to ``v``).
 * ``bf16-master-bf16-moments-sr``: the same with the moments rounded stochastically into BF16 (unbiased, so
@@ -35,7 +35,7 @@ import torch
 from mpcourse.core.autocast import autocast
 from mpcourse.core.bf16 import BF16Optimizer
 from mpcourse.core.learner_table import exercise_names
-from mpcourse.core.optim_state import LowPrecisionState
+from mpcourse.core.optim.state import LowPrecisionState
 from .base import MasterWeightsRecipe, TrainingRecipe, StepResult, register
 
 SR_SEED = 0          # seeds bf16-pure-sr's stochastic-rounding generator (checkpointed with the recipe)

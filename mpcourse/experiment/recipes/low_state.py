@@ -2,19 +2,19 @@
 
 * ``fp8-moments``: FP32 model, gradients and AdamW arithmetic; both moments stored between steps as
   blockwise-scaled E4M3 (blocks of 256, scale = amax / 448), as torchao's ``AdamWFp8``
-  (``mpcourse.core.optim_blockwise.BlockQuantizedAdamW(fmt="fp8")``, rule in ``mpcourse.core.optim_fp8``).
+  (``mpcourse.core.optim.blockwise.BlockQuantizedAdamW(fmt="fp8")``, rule in ``mpcourse.core.optim.fp8``).
 * ``int8-moments``: the same with 8-bit dynamic-tree codes (signed map for the first moment, unsigned for the
   second, absmax per block of 256), as torchao's ``AdamW8bit`` and Dettmers et al. 2021 (arXiv 2110.02861)
-  (``fmt="int8"``, rule in ``mpcourse.core.optim_int8``).
+  (``fmt="int8"``, rule in ``mpcourse.core.optim.int8``).
 
 Both store the second moment by the course's rule (``state_rule="sqrt-nonzero"``): ``sqrt(v)`` in place of ``v``,
 and never 0 for a positive value, in the same bytes. torchao stores ``v`` itself and can store it as 0 under a
 surviving first moment; a coordinate whose gradient then stops (a rare token's embedding row) steps
-``lr * m / eps``, thousands of times ``lr`` (``mpcourse.core.optim_blockwise`` has the measurements).
+``lr * m / eps``, thousands of times ``lr`` (``mpcourse.core.optim.blockwise`` has the measurements).
 ``BlockQuantizedAdamW(state_rule="torchao")`` is torchao's storage bit for bit.
 
 Under FSDP2 (``--parallel fsdp``) each rank steps its rows and the blocks stay the whole tensor's
-(``mpcourse.core.optim_shards``); a checkpoint records how the moments are stored (fmt, rule, block size) and a
+(``mpcourse.core.optim.shards``); a checkpoint records how the moments are stored (fmt, rule, block size) and a
 resume under another storage, or from a state that does not say, is refused.
 
 FP32 weights keep the comparison with ``fp32`` about the state alone (``bf16-master-bf16-moments`` also changes
@@ -29,7 +29,7 @@ Bytes per parameter (``memory()``, after the step, before ``zero_grad``)::
 """
 from __future__ import annotations
 
-from mpcourse.core.optim_blockwise import BlockQuantizedAdamW
+from mpcourse.core.optim.blockwise import BlockQuantizedAdamW
 from .base import TrainingRecipe, register
 
 

@@ -7,7 +7,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from mpcourse.core.emulation import tensor_cores
-from mpcourse.core.optim_state import LowPrecisionState
+from mpcourse.core.optim.state import LowPrecisionState
 from mpcourse.core.quant import Float8Linear
 from mpcourse.core.quant.kernels import fastpath
 from mpcourse.experiment.gpt.data import load_corpus

@@ -87,7 +87,7 @@ def _resumed(rank, init_method, d):
 def _other_rule(corpus, path):
     """An fp8-moments checkpoint (state_rule 'sqrt-nonzero') loaded by a trainer whose optimizer stores torchao's
     rule: the error, and whether the trainer's weights stayed as built."""
-    from mpcourse.core.optim_blockwise import BlockQuantizedAdamW
+    from mpcourse.core.optim.blockwise import BlockQuantizedAdamW
 
     t = DataParallelTrainer("fp8-moments", corpus, CFG, "fsdp")
     o = t.recipe.optim

@@ -4,7 +4,7 @@ The oracle is the same optimizer in this process on the whole tensors. Under FSD
 by rows as ``torch.chunk`` splits it, so a rank's rows need not start or end on a block of 256: 144 x 48 on 2
 ranks (13.5 blocks each, ``n_embd=48``'s attention weight), 64 x 64 on 3 ranks (22, 22 and 20 rows: 5.5, 5.5 and 5
 blocks; ``n_embd=64``'s attention projection), 2 x 2048 on 3 ranks (one rank holds no row). The optimizer keeps
-the whole tensor's blocks (``mpcourse.core.optim_shards``: block amaxes all-reduced with MAX), so given the same
+the whole tensor's blocks (``mpcourse.core.optim.shards``: block amaxes all-reduced with MAX), so given the same
 gradients each rank's rows of the weights, the codes and the dequantized moments are the one-process ones bit for
 bit, and every rank holds the one-process scales. Before, the step raised DTensor's own errors ("Sharding
 propagation failed for aten.view.default", "Cannot unflatten unevenly sharded tensor").
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import mpcourse
-from mpcourse.core.optim_blockwise import BlockQuantizedAdamW
+from mpcourse.core.optim.blockwise import BlockQuantizedAdamW
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.gpt.model import GPTConfig
 from mpcourse.experiment.parallel.distributed import DataParallelTrainer, ranks, rendezvous, spawn

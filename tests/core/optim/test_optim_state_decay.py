@@ -1,5 +1,5 @@
 """The second moment's decay over a quiet run, stored in BF16 (nearest, stochastic), FP8 and 8-bit blockwise
-(``mpcourse.core.moment_decay.second_moment_ratio``), against FP32 ``torch.optim.AdamW`` run side by side.
+(``mpcourse.core.optim.moment_decay.second_moment_ratio``), against FP32 ``torch.optim.AdamW`` run side by side.
 
 Oracles: FP32 AdamW on the same gradients (inside the function), ``ml_dtypes.bfloat16`` for why the nearest BF16
 value stalls, and the closed form ``0.999 ** -quiet`` for how far it stalls."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpcourse.core.moment_decay import STORAGES, second_moment_ratio
+from mpcourse.core.optim.moment_decay import STORAGES, second_moment_ratio
 
 QUIET = 500
 KW = dict(loud_steps=20, quiet_steps=QUIET, numel=4096)

@@ -1,6 +1,6 @@
 """The blocks of a blockwise-quantized optimizer moment when each rank holds only some rows of it (FSDP2).
 
-``mpcourse.core.optim_fp8`` and ``optim_int8`` quantize a moment in blocks of ``block_size`` consecutive
+``mpcourse.core.optim.fp8`` and ``optim.int8`` quantize a moment in blocks of ``block_size`` consecutive
 elements of the tensor read flat, one scale per block (torchao's ``AdamWFp8`` / ``AdamW8bit``). Under FSDP2 a
 parameter is a DTensor sharded by rows (``Shard(0)``, ``torch.chunk``'s split: ``ceil(rows / N)`` rows per
 rank, the last ranks shorter or empty), so a rank holds a run of consecutive flat elements that need not
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import all_reduce_max_
+from ..distributed import all_reduce_max_
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import round_to
+from ..formats import round_to
 
 LOW_STATE_DTYPES = (torch.bfloat16, torch.float16)
 STATE_ROUNDINGS = ("nearest", "stochastic")

@@ -14,7 +14,7 @@ rule:
 torchao stores both AdamW moments with this rule, the second moment as it is (not its square root), so E4M3's
 sign bit is spent on a value that is never negative. The course's default stores ``sqrt(v)`` with the same rule and
 gives a positive value that would round to 0 E4M3's smallest positive code instead (``nonzero_fp8_codes``); why, in
-``mpcourse.core.optim_blockwise``. Tensors with fewer than 4096 elements or a ``numel`` that is not a multiple of
+``mpcourse.core.optim.blockwise``. Tensors with fewer than 4096 elements or a ``numel`` that is not a multiple of
 the block size are not quantized at all (torchao follows bitsandbytes there). 1 byte per element plus 4 bytes per
 block: 1 + 4/256 = 1.016 bytes, whichever rule.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import get_format
+from ..formats import get_format
 
 E4M3 = get_format("e4m3")
 BLOCK_SIZE = 256
@@ -39,7 +39,7 @@ def quantize_fp8_state(x: torch.Tensor, block_size: int = BLOCK_SIZE,
                        scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, fp32, numel % block_size == 0) -> (codes float8_e4m3fn shaped like x,
     scale fp32 (numel // block_size,)). The block's amax maps to 448. ``scale``: the blocks' scales when part of
-    a block lies elsewhere (a sharded moment, ``mpcourse.core.optim_shards``); None: from ``x``'s own blocks."""
+    a block lies elsewhere (a sharded moment, ``mpcourse.core.optim.shards``); None: from ``x``'s own blocks."""
     blocks = x.reshape(-1, block_size)                                        # (B, block)
     if scale is None:
         scale = fp8_state_scale(blocks.abs().amax(-1))                         # (B,)

@@ -4,13 +4,13 @@ After the gradients go quiet, AdamW's second moment should shrink by ``beta2`` p
 beta2 = 0.999, a relative change of 2**-10. Stored in BF16 rounded to nearest (8 significant bits, relative
 spacing 2**-7 to 2**-8) that change is under half a step, so ``v`` rounds back to itself and stays: after 500
 quiet steps it is ``1 / 0.999**500 = 1.65`` times FP32's, and the steps AdamW takes are about
-``sqrt(1.65) = 1.28`` times too small (``mpcourse.core.optim_state``). Stochastic rounding makes the stored value
-FP32's in expectation. The blockwise formats (``mpcourse.core.optim_blockwise``: FP8 as torchao's ``AdamWFp8``,
+``sqrt(1.65) = 1.28`` times too small (``mpcourse.core.optim.state``). Stochastic rounding makes the stored value
+FP32's in expectation. The blockwise formats (``mpcourse.core.optim.blockwise``: FP8 as torchao's ``AdamWFp8``,
 8-bit dynamic codes as its ``AdamW8bit``, Dettmers et al. 2021, arXiv 2110.02861) carry the decay in the block's
 FP32 scale: the whole block shrinks together, its absmax with it, so the codes stay and the scale decays. (Under
 the course's default ``state_rule``, ``sqrt(v)`` is stored: its scale shrinks by ``sqrt(beta2)``, ``v`` by
 ``beta2``. FP8's ratio comes out 1.02, not 1.00, from the loud steps before the quiet ones: E4M3's codes follow
-``sqrt(v)`` more coarsely than ``v``; see ``optim_blockwise``.)
+``sqrt(v)`` more coarsely than ``v``; see ``optim.blockwise``.)
 
 ``second_moment_ratio(storage)`` runs the same gradients through FP32 AdamW and through AdamW with
 ``storage``'s moments, and returns sum(stored v) / sum(FP32 v) at the end: 1 is no drift.
@@ -19,14 +19,14 @@ The other way a stored ``v`` goes wrong is at the bottom of its block: a coordin
 against its block's largest and then stops. ``stopped_gradient_steps`` (``stopped_gradient_table`` prints it)
 puts one such coordinate through FP32 AdamW, torchao's FP8 and 8-bit storage (``state_rule="torchao"``: ``v``
 stored as 0 under a surviving ``m``, a step of ``lr * m / eps``) and the course's default (``"sqrt-nonzero"``:
-``sqrt(v)`` stored, never 0 for a positive value; ``mpcourse.core.optim_blockwise`` says why).
+``sqrt(v)`` stored, never 0 for a positive value; ``mpcourse.core.optim.blockwise`` says why).
 """
 from __future__ import annotations
 
 import torch
 
-from .optim_blockwise import BlockQuantizedAdamW
-from .optim_state import LowPrecisionState
+from .blockwise import BlockQuantizedAdamW
+from .state import LowPrecisionState
 
 STORAGES = ("fp32", "bf16", "bf16-sr", "fp8", "int8")
 #: (label, fmt, state_rule) of ``stopped_gradient_steps``; fmt None is torch.optim.AdamW with FP32 state

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mpcourse.core.checkpoint import CheckpointError, check_optimizer_state_dict
-from mpcourse.core.optim_blockwise import STORAGE_KEYS, BlockQuantizedAdamW
-from mpcourse.core.optim_state import LowPrecisionState
+from mpcourse.core.optim.blockwise import STORAGE_KEYS, BlockQuantizedAdamW
+from mpcourse.core.optim.state import LowPrecisionState
 
 SHAPES = [(64, 128), (48,), (4096,)]          # quantized, FP32 moments (small), quantized 1-D
 STEPS, K = 6, 3

@@ -1,4 +1,4 @@
-"""Blockwise 8-bit AdamW state (``mpcourse.core.optim_fp8``, ``optim_int8``, ``optim_blockwise``) side by side with
+"""Blockwise 8-bit AdamW state (``mpcourse.core.optim.fp8``, ``optim.int8``, ``optim.blockwise``) side by side with
 torchao 0.18's ``AdamWFp8`` and ``AdamW8bit`` (the oracle).
 
 Two oracles from torchao:
@@ -16,7 +16,7 @@ Two oracles from torchao:
   Compiling takes a minute or two on a CPU (and needs a C++ compiler): marked slow.
 
 The step comparisons build ``BlockQuantizedAdamW(state_rule="torchao")``: the course's default stores sqrt(v) and
-never 0 for a positive v (``mpcourse.core.optim_blockwise``), because torchao's rule stores v = 0 under a surviving
+never 0 for a positive v (``mpcourse.core.optim.blockwise``), because torchao's rule stores v = 0 under a surviving
 m and then steps lr * m / eps (tests/core/test_optim_state_stopped.py); torchao's own optimizers do the same, tested
 below. The default's storage is checked against torchao's quantizers applied to sqrt(v), with the one change.
 """
@@ -30,10 +30,10 @@ from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.quant_utils import create_dynamic_map, quantize_8bit_with_qmap, scale_tensor  # noqa: E402
 from torchao.optim.subclass_fp8 import OptimStateFp8, quantize_fp8  # noqa: E402
 
-from mpcourse.core.optim_blockwise import (BlockQuantizedAdamW, adamw_step, dequantize_second_moment,  # noqa: E402
+from mpcourse.core.optim.blockwise import (BlockQuantizedAdamW, adamw_step, dequantize_second_moment,  # noqa: E402
                                            quantize_second_moment)
-from mpcourse.core.optim_fp8 import dequantize_fp8_state, quantize_fp8_state  # noqa: E402
-from mpcourse.core.optim_int8 import dequantize_int8_state, dynamic_map, quantize_int8_state  # noqa: E402
+from mpcourse.core.optim.fp8 import dequantize_fp8_state, quantize_fp8_state  # noqa: E402
+from mpcourse.core.optim.int8 import dequantize_int8_state, dynamic_map, quantize_int8_state  # noqa: E402
 
 TORCHAO = {"fp8": ao_optim.AdamWFp8, "int8": ao_optim.AdamW8bit}
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from mpcourse.core.optim_state import LowPrecisionState
+from mpcourse.core.optim.state import LowPrecisionState
 
 QUIET = 500
 

@@ -12,7 +12,7 @@ thousands of ``lr`` (torchao's ``AdamWFp8`` / ``AdamW8bit`` do the same: tests/c
 Oracle: FP32 AdamW on the same coordinates steps 0.91 lr after the stop, then less (m decays by beta1 = 0.9).
 Bound: every step of the stopped coordinate within 2x FP32 AdamW's largest step over the same 30 steps (1.8 lr).
 (Per step the ratio to FP32's grows: where 0.9 m rounds back to m, the 8-bit default's step stays 0.85 lr while
-FP32's decays; bounded, and not the failure tested here: ``mpcourse.core.optim_blockwise``.)
+FP32's decays; bounded, and not the failure tested here: ``mpcourse.core.optim.blockwise``.)
 Quantization moves each moment by a relative rounding error (E4M3: 2**-4; the 8-bit map's coarsest decade:
 under 50%), so 2x is "the same step up to rounding"; the failure is 4 orders of magnitude over it. It is also
 under Adam's own bound lr * (1 - beta1) / sqrt(1 - beta2) = 3.16 lr (Kingma & Ba 2015, arXiv 1412.6980,
@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from mpcourse.core.optim_blockwise import STATE_RULES, BlockQuantizedAdamW
+from mpcourse.core.optim.blockwise import STATE_RULES, BlockQuantizedAdamW
 
 LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8
 ON, OFF, N = 50, 30, 4096          # steps with the small gradient, steps after it stopped, elements (quantized)
@@ -145,7 +145,7 @@ def _fp32_closed_form(ratio, on, k):
 def test_lesson_table_of_the_stopped_coordinate():
     """``moment_decay.stopped_gradient_steps`` (lesson 11's side-by-side): the FP32 row against Adam's closed form,
     torchao's rows blown up, the default's rows within 2x of FP32's."""
-    from mpcourse.core.moment_decay import STOPPED_RULES, stopped_gradient_steps, stopped_gradient_table
+    from mpcourse.core.optim.moment_decay import STOPPED_RULES, stopped_gradient_steps, stopped_gradient_table
     steps = stopped_gradient_steps(ratio=1e-4, on_steps=50, after=5)
     assert list(steps) == [label for label, _, _ in STOPPED_RULES] and all(len(r) == 5 for r in steps.values())
     exact = [_fp32_closed_form(1e-4, 50, k) for k in range(5)]
@@ -162,7 +162,7 @@ def test_lesson_table_of_the_stopped_coordinate():
 @pytest.mark.parametrize("bad, msg", [(dict(numel=1000), "numel must be a multiple of 256"),
                                       (dict(after=0), "on_steps and after must be at least 1")])
 def test_lesson_table_refuses_what_would_show_nothing(bad, msg):
-    from mpcourse.core.moment_decay import stopped_gradient_steps
+    from mpcourse.core.optim.moment_decay import stopped_gradient_steps
     with pytest.raises(ValueError, match=msg):
         stopped_gradient_steps(**bad)
 

@@ -2,7 +2,7 @@
 
 The optimizer torchao 0.18 ships as ``torchao.optim.AdamWFp8`` and ``torchao.optim.AdamW8bit``
 (``torchao/optim/adam.py``: ``_AdamBase.step``, ``_new_buffer`` and ``single_param_adam``), stated as plain
-rules: the storage of a moment is ``mpcourse.core.optim_fp8`` (``fmt="fp8"``) or ``mpcourse.core.optim_int8``
+rules: the storage of a moment is ``mpcourse.core.optim.fp8`` (``fmt="fp8"``) or ``mpcourse.core.optim.int8``
 (``fmt="int8"``, Dettmers et al. 2021, arXiv 2110.02861); the step is ``adamw_step`` below.
 
 One step of one parameter (``adamw_step``; the order of the operations is torchao's, so results match it bit
@@ -65,7 +65,7 @@ How the second moment is stored (``state_rule``; the first moment is torchao's u
   back to ``m`` where the codes are more than 20% apart (E4M3's subnormals, the 8-bit map's lowest decades), so
   a stopped coordinate keeps a constant step (8-bit, r = 1e-4: 0.85 lr every step, where FP32's shrinks by 0.9
   per step) until its block's scale moves. That is bounded, and a rounding question (stochastic rounding of
-  ``m``, as ``mpcourse.core.optim_state`` does for BF16), not one of range.
+  ``m``, as ``mpcourse.core.optim.state`` does for BF16), not one of range.
 
 Which tensors are quantized (torchao following bitsandbytes): those with at least 4096 elements and a
 ``numel`` divisible by the block size; the others keep FP32-exact moments in the parameter's dtype.
@@ -83,7 +83,7 @@ one-process state_dict of the version before this one (the rule as a top-level k
 rule, and the ``fmt`` and ``block_size`` its codes show (their dtype; elements per scale).
 
 Under FSDP2 the parameters are DTensor shards of rows; the step runs on each rank's local rows and the blocks stay
-the whole tensor's (``mpcourse.core.optim_shards``: block amaxes all-reduced), so the weights, codes and scales are
+the whole tensor's (``mpcourse.core.optim.shards``: block amaxes all-reduced), so the weights, codes and scales are
 one process's bit for bit, whatever the number of ranks. torchao's optimizers quantize each local shard in blocks
 of its own and decide by the shard's size whether to quantize at all, so their state changes with the mesh
 (pytorch/ao#4912).
@@ -92,9 +92,9 @@ from __future__ import annotations
 
 import torch
 
-from .optim_fp8 import dequantize_fp8_state, fp8_state_scale, nonzero_fp8_codes, quantize_fp8_state
-from .optim_int8 import dequantize_int8_state, dynamic_map, int8_state_absmax, nonzero_int8_codes, quantize_int8_state
-from .optim_shards import Span, block_amax, from_blocks, local, replicated_like, shard_like, span_of, to_blocks
+from .fp8 import dequantize_fp8_state, fp8_state_scale, nonzero_fp8_codes, quantize_fp8_state
+from .int8 import dequantize_int8_state, dynamic_map, int8_state_absmax, nonzero_int8_codes, quantize_int8_state
+from .shards import Span, block_amax, from_blocks, local, replicated_like, shard_like, span_of, to_blocks
 
 FORMATS = ("fp8", "int8")
 STATE_RULES = ("sqrt-nonzero", "torchao")    # how v is stored; the first is the default (module docstring)
@@ -113,7 +113,7 @@ def _qmap(signed: bool, device) -> torch.Tensor:
 
 def quantize_state(x: torch.Tensor, fmt: str, signed: bool, block_size: int, span: Span | None = None):
     """fp32 moment -> (codes shaped like x, scale (numel // block_size,) fp32) in ``fmt``. ``span``: ``x`` is this
-    rank's part of the moment (``mpcourse.core.optim_shards``): the blocks and scales are the whole moment's (every
+    rank's part of the moment (``mpcourse.core.optim.shards``): the blocks and scales are the whole moment's (every
     block's scale returned, the same on every rank; collective), the codes ``x``'s."""
     if span is not None and not span.whole:
         blocks, first = to_blocks(x, span, block_size)                           # (k, block) fp32
@@ -218,7 +218,7 @@ class BlockQuantizedAdamW(torch.optim.Optimizer):
     ``AdamW8bit``) between steps; defaults are torchao's (weight_decay 1e-2, block_size 256) but for
     ``state_rule``: "sqrt-nonzero" (default) stores sqrt(v) and never 0 for a positive v, "torchao" is torchao's
     storage bit for bit, which can store v = 0 under a surviving m (module docstring). Parameters may be FSDP2
-    DTensor shards: the blocks stay the whole tensor's (``mpcourse.core.optim_shards``). ``fmt``, ``state_rule`` and
+    DTensor shards: the blocks stay the whole tensor's (``mpcourse.core.optim.shards``). ``fmt``, ``state_rule`` and
     ``block_size`` are the optimizer's (one value for every parameter group) and every param group records them,
     so its ``state_dict`` says how its numbers are stored, through torch.save and torch.distributed.checkpoint."""
 

@@ -20,7 +20,7 @@ values that spends its codes on small magnitudes). torchao 0.18's ``torchao/opti
 1 byte per element plus 4 bytes per block: 1.016 bytes at block 256. The first moment uses the signed map,
 the second moment the unsigned one (torchao stores ``v``; the course's default stores ``sqrt(v)`` and gives a
 positive value that would take the code of 0 the code of the smallest positive map value instead,
-``nonzero_int8_codes``; why, in ``mpcourse.core.optim_blockwise``).
+``nonzero_int8_codes``; why, in ``mpcourse.core.optim.blockwise``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def quantize_int8_state(x: torch.Tensor, qmap: torch.Tensor, block_size: int = B
                         absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, fp32, numel % block_size == 0), ``qmap`` (256,) -> (codes uint8 shaped like x,
     absmax fp32 (numel // block_size,)). Nearest map value, ties to the larger. ``absmax``: the blocks' when part
-    of a block lies elsewhere (a sharded moment, ``mpcourse.core.optim_shards``); None: from ``x``'s own blocks."""
+    of a block lies elsewhere (a sharded moment, ``mpcourse.core.optim.shards``); None: from ``x``'s own blocks."""
     blocks = x.reshape(-1, block_size)                                         # (B, block)
     if absmax is None:
         absmax = int8_state_absmax(blocks.abs().amax(-1))                      # (B,)
