@@ -6,7 +6,7 @@ carries over to blocks (``scaled.resolve_block``): a whole-dimension block (-1) 
 as one block, a fixed-size block along it gives none; every scale is the one an all-zero block gets. Checked for the
 rules and both kernels (``fastpath``'s torch bodies and ``fused``'s numba passes), with and without the kept FP32
 copy, for FP32-scaled FP8 (1x128, 128x1, 128x128, rowwise, columnwise, tensorwise, 1x32, 1x16, 16x16), MX (1x32,
-32x1; every element format, both scale rules, both edge policies), NVFP4 (1x16, 16x1, 16x16, whole dimensions;
+32x1; every element format, both scale rules, both edge policies), NVFP4 (1x16, 16x1, 16x16, its only blocks;
 nearest and stochastic, with the random Hadamard transform of the weight-gradient path) and the per-tensor casts,
 in float32 and bfloat16; then the GEMMs (emulated, ``F.scaled_mm`` where the CPU runs it, per-tensor FP8, the
 accumulator model): an (M, 0) @ (0, N) product is (M, N) zeros. Last, a converted linear layer under every recipe
@@ -31,7 +31,7 @@ from mpcourse.core.quant.rules.scaled import block_amax, grid, resolve_block
 SHAPES = [(0, 256), (256, 0), (0, 0)]
 FP32_BLOCKS = [(1, 128), (128, 1), (128, 128), (1, -1), (-1, 1), (-1, -1), (1, 32), (32, 1), (1, 16), (16, 16)]
 MX_BLOCKS = [(1, 32), (32, 1)]
-NVFP4_BLOCKS = [(1, 16), (16, 1), (16, 16), (1, -1), (-1, 1), (-1, -1)]
+NVFP4_BLOCKS = [(1, 16), (16, 1), (16, 16)]            # nvfp4.NVFP4_BLOCKS: any other is refused
 PATHS = ["rule", "numba", "torch"]
 
 
