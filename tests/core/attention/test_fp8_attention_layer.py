@@ -102,7 +102,8 @@ def test_no_grad_records_nothing_and_disabled_region_is_fp32():
 def test_forward_only_fp8_backward_is_fp32_attention():
     """fp8_dpa_bwd=False (TE NVTE_FP8_DPA_BWD=0; FlashAttention-3's FP8 is forward only): the forward is FP8, the
     gradients those of FP32 attention at the same inputs, bit for bit."""
-    fwd_only, fp32 = FP8DotProductAttention(DS, kv_block=8, fp8_dpa_bwd=False), FP8DotProductAttention(roles=(), kv_block=8)
+    fwd_only = FP8DotProductAttention(DS, kv_block=8, fp8_dpa_bwd=False)
+    fp32 = FP8DotProductAttention(roles=(), kv_block=8)
     a, b = qkv(), qkv()
     oa, ob = fwd_only(*a), fp32(*b)
     assert not torch.equal(oa, ob)
