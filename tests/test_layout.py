@@ -204,7 +204,12 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.optim_fp8:nonzero_fp8_codes", "mpcourse.core.optim_int8:nonzero_int8_codes",
                "mpcourse.core.optim_blockwise:quantize_second_moment",
                "mpcourse.core.optim_blockwise:dequantize_second_moment",
-               "mpcourse.core.moment_decay:stopped_gradient_steps"]
+               "mpcourse.core.moment_decay:stopped_gradient_steps",
+               # FP8 attention (TE fp8_dpa; cuDNN's FP8 SDPA reference): the products, the online softmax, both passes
+               "mpcourse.core.attention.fp8_attention:fp8_matmul",
+               "mpcourse.core.attention.fp8_attention:softmax_pv_blocks",
+               "mpcourse.core.attention.fp8_attention:attention_forward",
+               "mpcourse.core.attention.fp8_attention:attention_backward"]
 KERNEL_WORDS = ("fused", "_amp_", "numba", "fastpath", "fast_path", "kernel", "hook")
 
 

@@ -43,11 +43,12 @@ Blocks of keys versus whole rows. ``kv_block=None`` computes the softmax over wh
 *normalized* P = softmax(S) (what TE's unfused FP8 emulation, ``UnfusedDotProductAttention`` with
 ``FP8EmulationFunc``, does). ``kv_block=128`` (the default, cuDNN's ``BLOCK``) casts each block's *unnormalized*
 P_blk = exp(S_blk - m'), relative to the running maximum m' of the blocks seen so far, and divides by l only after
-the P @ V product, in FP32. So the values rounded to FP8 differ: a whole row is rounded at P = exp(S - m) / l, a
-block at exp(S - m') with m' <= m; the two agree only where both sides of the cast carry the same factor, which
-they do not in general (1 / l is not a power of two). Both have amax_s at most 1: in blocks exactly 1 (every row's
-largest element is exp(0)), so delayed scaling settles at scale_s = fp8_max. The difference is measured in
-``tests/core/attention/test_fp8_attention_rule.py`` (``test_blocks_versus_whole_rows``).
+the P @ V product, in FP32. So different numbers are rounded to FP8: a whole row rounds exp(S - m) / l (m the row's
+max), a block rounds exp(S - m') (m' <= m, the max so far) and scales by exp(m' - m) / l after the product; as 1 / l
+is not a power of two, the roundings differ. P's amax is at most 1 either way, and exactly 1 in blocks (each row's
+largest element is exp(0)), so delayed scaling settles at scale_s = fp8_max. Measured in
+``tests/core/attention/test_fp8_attention_rule.py`` (``test_blocks_versus_whole_rows``: the outputs differ, their
+errors against float64 are of one size) and, in training, by the ``fp8-attention`` ablation's ``p`` and ``p-rows``.
 
 Scales. Each role's ``RoleCast`` gives its format and its scale: a given FP32 scale (delayed scaling, or a fixed
 one), or None for current scaling from the tensor itself (``tensor.quantize_current``). P's cast in blocks needs its
