@@ -27,7 +27,8 @@ def test_default_jobs_one_worker_per_core_and_at_most_one_per_run(runs, cores, w
 def test_every_main_recipe_is_in_the_default_run():
     """The default run is the 19 rows of the published tables; the variants of a row are named beside it."""
     assert NOT_IN_DEFAULT_RUN == ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
-                                  "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd")
+                                  "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd",
+                                  "fp8-attention", "fp8-attention-current")
     assert {"fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"} <= set(default_recipes())
     assert len(default_recipes()) == 19
 

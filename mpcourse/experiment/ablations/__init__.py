@@ -11,6 +11,7 @@ loads. NAME is one of ``ABLATIONS``:
     op-precision     (iii) softmax, LayerNorm and the loss in low precision vs FP32
     fp8-format       (iv)  FP8 HYBRID (E5M2 gradients) vs E4M3 everywhere
     failures               gradient overflow and a loss scale too high (logs for the lesson's exercise)
+    fp8-attention          (lesson 14) each attention tensor alone in FP8, forward-only FP8, all; per-op errors
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ ABLATIONS = {
     "op-precision": "op_precision",
     "fp8-format": "fp8_format",
     "failures": "failures",
+    "fp8-attention": "fp8_attention",
 }
 
 

@@ -12,6 +12,8 @@ Precision notes (what the lessons point at):
   all ``-inf`` and no softmax row can be NaN, in any dtype. (Adding a large negative constant such
   as the FP16 minimum -65504 instead can overflow to -inf in FP16: lesson 05.)
 * The loss is computed in FP32 from the logits (``logits.float()``), in every recipe.
+* ``CausalSelfAttention.core_attention`` is None (the attention written out) unless a recipe puts a module there:
+  the ``fp8-attention`` recipes put ``mpcourse.core.attention.FP8DotProductAttention`` (lesson 14).
 
 A config switch makes it a mixture of experts (lesson 13): ``n_experts > 0`` replaces every block's MLP by
 ``mpcourse.core.experts.MoEFeedForward`` (top-``top_k`` routing in FP32, the experts' GEMMs grouped in the format
@@ -87,6 +89,7 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)  # True above the diagonal
         self.register_buffer("mask", mask, persistent=False)
+        self.core_attention = None   # None: the attention written out in forward; else a causal module (q, k, v, scale)
 
     def forward(self, x):                                              # x: (B, T, C)
         B, T, C = x.shape
@@ -95,6 +98,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)              # (B, H, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)              # (B, H, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)              # (B, H, T, hs)
+        if self.core_attention is not None:                            # e.g. FP8 attention (lesson 14)
+            y = self.core_attention(q, k, v, 1.0 / math.sqrt(hs))      # (B, H, T, hs)
+            return self.drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))        # (B, H, T, T)
         att = att.masked_fill(self.mask[:T, :T], float("-inf"))        # future positions -> -inf
         att = F.softmax(att, dim=-1)                                   # (B, H, T, T)

@@ -11,6 +11,7 @@ from . import bf16  # noqa: F401  bf16-autocast, bf16-master, bf16-pure, bf16-pu
 from . import low_state  # noqa: F401  fp8-moments, int8-moments
 from . import fp8  # noqa: F401  fp8-current, fp8-delayed
 from . import fp8_weights  # noqa: F401  fp8-delayed-fp8-weights
+from . import fp8_attention  # noqa: F401  fp8-attention, fp8-attention-current
 from . import fp8_blocks  # noqa: F401  fp8-rowwise, fp8-block, mxfp8, mxfp8-floor, nvfp4
 from . import fp8_directions  # noqa: F401  mxfp8-fwd-nvfp4-bwd
 from . import selective  # noqa: F401  nvfp4-selective
@@ -29,6 +30,8 @@ TABLE_ORDER = (
     "fp8-current", "fp8-delayed",
     # memory savers: FP8 weights with an FP32 master (TE quantized_model_init)
     "fp8-delayed-fp8-weights",
+    # FP8 attention: fp8-delayed / fp8-current plus Q, K, V, P, O and their gradients in FP8 (TE fp8_dpa)
+    "fp8-attention", "fp8-attention-current",
     # finer-grained scaling: per row, 1x128/128x128 blocks, MX (E8M0), NVFP4
     "fp8-rowwise", "fp8-block", "mxfp8", "mxfp8-floor", "nvfp4",
     # which layers: nvfp4 with the last block's linears kept high
@@ -53,13 +56,14 @@ TABLE_ORDER = (
 # block's linears kept in high precision (NVIDIA's NVFP4 recipe), the slowest kind of row: name it beside ``nvfp4``.
 # ``fp8-moments`` and ``int8-moments`` change only the optimizer state's storage (blockwise, after torchao's
 # AdamWFp8 / AdamW8bit): memory savers named beside ``bf16-master-bf16-moments``; the default table and its 3-seed
-# spread predate them.
+# spread predate them. ``fp8-attention`` and ``fp8-attention-current`` put attention itself in FP8, which production
+# recipes keep high: lesson 14's rows, named beside ``fp8-delayed`` and ``fp8-current``.
 # The ``moe-*`` rows train another model (the MoE twin of the run's GPT, lesson 13): a table of their own, named
 # together (``--recipes moe-fp32,moe-bf16,moe-fp8-rowwise,moe-fp8-block,moe-mxfp8,moe-bf16-router``).
 MOE_RECIPES = ("moe-fp32", "moe-bf16", "moe-fp8-rowwise", "moe-fp8-block", "moe-mxfp8", "moe-bf16-router")
 NOT_IN_DEFAULT_RUN: tuple[str, ...] = ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
-                                       "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd"
-                                       ) + MOE_RECIPES
+                                       "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd",
+                                       "fp8-attention", "fp8-attention-current") + MOE_RECIPES
 
 
 def default_recipes() -> list[str]:
