@@ -220,7 +220,21 @@ def _normalise(nb: nbformat.NotebookNode) -> None:
         if "jupyter" in cell.metadata and not view:
             del cell.metadata["jupyter"]
         cell["id"] = f"cell-{i:03d}"                    # stable ids: re-executing changes no line
+        if cell.cell_type == "code":                    # one stream output per run of prints, however the
+            cell.outputs = _coalesce_streams(cell.outputs)   # kernel happened to flush them
     hide_answers(nb)                                    # predict-first answers stay collapsed
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Consecutive outputs of the same stream merged into one (the text a reader sees, unchanged)."""
+    merged = []
+    for out in outputs:
+        if merged and out.output_type == "stream" and merged[-1].output_type == "stream" \
+                and merged[-1].name == out.name:
+            merged[-1].text += out.text
+        else:
+            merged.append(out)
+    return merged
 
 
 def execute(path: Path, timeout: int = 600) -> None:

@@ -84,3 +84,14 @@ def test_nbval_compares_a_hidden_answer(tmp_path):
                                      capture_output=True, text=True, timeout=300)
     assert rcs["42\n"].returncode == 0, rcs["42\n"].stdout[-2000:]
     assert rcs["41\n"].returncode == 1 and "41" in rcs["41\n"].stdout, rcs["41\n"].stdout[-2000:]
+
+
+def test_storing_a_notebook_merges_the_chunks_of_a_stream():
+    """How a busy kernel happened to flush its prints is not stored: consecutive stdout chunks become one output,
+    the same text (re-executing under load gives the same file)."""
+    nb = nbformat.v4.new_notebook()
+    out = lambda name, text: nbformat.v4.new_output("stream", name=name, text=text)
+    nb.cells = [nbformat.v4.new_code_cell("...", execution_count=1, outputs=[
+        out("stdout", "a\n"), out("stdout", "b"), out("stdout", "\n"), out("stderr", "w\n"), out("stdout", "c\n")])]
+    _normalise(nb)
+    assert [(o.name, o.text) for o in nb.cells[0].outputs] == [("stdout", "a\nb\n"), ("stderr", "w\n"), ("stdout", "c\n")]
