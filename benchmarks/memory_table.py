@@ -22,6 +22,15 @@ from mpcourse.experiment.gpt.model import GPT, GPTConfig
 from mpcourse.experiment.recipes import RECIPES, OptimConfig
 
 
+def measure(name: str, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor):
+    """``measure_step`` of one first step of recipe ``name`` on a GPT of ``cfg`` seeded 0 (a ``StepMemory``)."""
+    torch.manual_seed(0)
+    r = RECIPES[name](GPT(cfg), OptimConfig())
+    with tensor_cores():
+        _, _, m = measure_step(r, x, y)
+    return m
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=16)
@@ -45,11 +54,7 @@ def main():
         p.error(f"unknown recipes {unknown}; choose from {', '.join(RECIPES)}")
     rows = {}
     for name in names:
-        cls = RECIPES[name]
-        torch.manual_seed(0)
-        r = cls(GPT(cfg), OptimConfig())
-        with tensor_cores():
-            _, _, m = measure_step(r, x, y)
+        m = measure(name, cfg, x, y)
         b = m.bytes_per_param()
         parts = "+".join(f"{b[k]:.3g}" for k in ("weights", "grads", "master", "optimizer", "extra"))
         print(f"{name:<26} {parts + '=' + format(sum(b.values()), '.3g'):<22} {fmt(m.state):>10} "
