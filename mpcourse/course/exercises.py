@@ -46,6 +46,8 @@ from pathlib import Path
 
 import nbformat
 
+from .predict_first import hide_answers
+
 ROOT = Path(__file__).resolve().parents[2]   # the repository root (mpcourse/course/exercises.py)
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
@@ -204,15 +206,35 @@ def check_drift(root: Path = ROOT) -> list[str]:
 
 
 def _normalise(nb: nbformat.NotebookNode) -> None:
-    """Drop machine- and run-specific metadata so re-executing gives a stable file."""
+    """Drop machine- and run-specific metadata so re-executing gives a stable file; collapse the predict-first
+    answers (``predict_first.hide_answers``)."""
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nb.metadata["language_info"] = {"name": "python"}
     nb.nbformat_minor = max(nb.nbformat_minor, 5)
     for i, cell in enumerate(nb.cells):
         cell.metadata.pop("execution", None)
-        cell.metadata.pop("collapsed", None)
+        cell.metadata.pop("collapsed", None)            # view state (JupyterLab writes both keys), except where
+        view = cell.metadata.get("jupyter", {})         # hide_answers sets them below
+        view.pop("outputs_hidden", None)
+        if "jupyter" in cell.metadata and not view:
+            del cell.metadata["jupyter"]
         cell["id"] = f"cell-{i:03d}"                    # stable ids: re-executing changes no line
+        if cell.cell_type == "code":                    # one stream output per run of prints, however the
+            cell.outputs = _coalesce_streams(cell.outputs)   # kernel happened to flush them
+    hide_answers(nb)                                    # predict-first answers stay collapsed
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Consecutive outputs of the same stream merged into one (the text a reader sees, unchanged)."""
+    merged = []
+    for out in outputs:
+        if merged and out.output_type == "stream" and merged[-1].output_type == "stream" \
+                and merged[-1].name == out.name:
+            merged[-1].text += out.text
+        else:
+            merged.append(out)
+    return merged
 
 
 def execute(path: Path, timeout: int = 600) -> None:

@@ -1,7 +1,7 @@
 """``mpcourse site``: the course as a static website, built offline from the stored notebooks.
 
-The site holds the lessons (``notebooks/``, rendered with their stored outputs and figures; nothing
-is executed), each lesson's exercise (``exercises/``: the instructions and the cells to fill in),
+The site holds the lessons (``notebooks/``, rendered with their stored outputs and figures, the
+predict-first answers behind a click as in JupyterLab; nothing is executed), each lesson's exercise (``exercises/``: the instructions and the cells to fill in),
 the results pages (``docs/*.md`` where the repository has them, else the README's results
 section), and the library map (the README's library section), with navigation between lessons and
 full-text search. Each lesson page links to its exercise and says how to open both in JupyterLab
@@ -26,6 +26,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from .predict_first import is_hidden
 
 DEFAULT_OUT = Path("mpcourse-site")
 MARKER = ".mpcourse-site"          # written into a built site; a non-empty folder without it is never cleaned
@@ -99,6 +101,9 @@ def stage_lesson(src: Path, dest: Path, exercise: Path | None) -> None:
     """Copy a lesson notebook, outputs kept, with a note under its title: its exercise, JupyterLab.
     (A notebook's markdown is rendered by nbconvert, which MkDocs does not rewrite: links name the pages.)"""
     nb = json.loads(src.read_text(encoding="utf-8"))
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code" and cell.get("outputs") and is_hidden(cell):
+            cell["outputs"] = [behind_a_click(cell["outputs"])]
     note = [_lab_note("notebooks", src.name)]
     if exercise is not None:
         note.insert(0, f"**Exercise:** [{notebook_title(exercise)}](../exercises/{exercise.stem}.html) "
@@ -106,6 +111,36 @@ def stage_lesson(src: Path, dest: Path, exercise: Path | None) -> None:
     _insert_after_title(nb, "\n\n".join(note))
     dest.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
     toc_anchors(dest)
+
+
+#: the summary line of an output the notebook keeps collapsed (a predict-first answer)
+HIDDEN_SUMMARY = "Output hidden: predict first, then click to show it"
+_IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif")
+
+
+def behind_a_click(outputs: list[dict]) -> dict:
+    """One HTML output holding ``outputs`` (streams, text, figures) inside a closed ``<details>`` element: the
+    page shows only its summary until the reader clicks (mkdocs-jupyter renders a collapsed cell's outputs open;
+    ``predict_first`` hides them in the notebook)."""
+    import html
+
+    parts = []
+    for out in outputs:
+        data = out.get("data", {})
+        if out.get("output_type") == "stream":
+            parts.append(f"<pre>{html.escape(''.join(out.get('text', '')))}</pre>")
+        elif any(t in data for t in _IMAGE_TYPES):
+            kind = next(t for t in _IMAGE_TYPES if t in data)
+            src = "".join(data[kind]).replace("\n", "")
+            parts.append(f'<img src="data:{kind};base64,{src}" alt="figure">')
+        elif "image/svg+xml" in data or "text/html" in data:
+            parts.append("".join(data.get("image/svg+xml") or data["text/html"]))
+        elif "text/plain" in data:
+            parts.append(f"<pre>{html.escape(''.join(data['text/plain']))}</pre>")
+    body = "\n".join(parts)
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": f'<details class="mpcourse-hidden-output"><summary>{HIDDEN_SUMMARY}</summary>\n'
+                                  f"{body}\n</details>", "text/plain": HIDDEN_SUMMARY}}
 
 
 def stage_exercise(src: Path, dest: Path, lesson: Path | None) -> None:

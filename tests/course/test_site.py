@@ -368,3 +368,56 @@ def test_search_finds_hysteresis(browser_page, base_url):
     hits = page.eval_on_selector_all(".md-search-result__item a", "els => els.map(a => a.href)")
     assert any("notebooks/04_dynamic_loss_scaling.html" in h for h in hits), hits
     assert not page.outside
+
+
+PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def test_a_predict_first_answer_is_behind_a_click(tmp_path):
+    """A lesson's collapsed output (a predict-first answer) is built into a closed <details> element, its text and
+    figure inside it; an output the notebook shows stays on the page."""
+    _need("mkdocs", "material", "mkdocs_jupyter")
+    import html.parser
+
+    from mpcourse.course.predict_first import PROMPT, hide_answers
+
+    root = _empty_course(tmp_path / "course")
+    shown = {"cell_type": "code", "id": "c1", "metadata": {}, "execution_count": 1, "source": "print('shown')",
+             "outputs": [{"output_type": "stream", "name": "stdout", "text": "the table everyone sees\n"}]}
+    prompt = {"cell_type": "markdown", "id": "p", "metadata": {}, "source": f"{PROMPT} what comes out?"}
+    answer = {"cell_type": "code", "id": "c2", "metadata": {}, "execution_count": 2, "source": "print(6 * 7)",
+              "outputs": [{"output_type": "stream", "name": "stdout", "text": "the answer <is> 42\n"},
+                          {"output_type": "display_data", "metadata": {},
+                           "data": {"image/png": PNG_1X1, "text/plain": "<Figure>"}}]}
+    nb = json.loads(_notebook("09 — Hidden", shown, prompt, answer))
+    assert hide_answers(nb) == 1
+    (root / "notebooks" / "09_hidden.ipynb").write_text(json.dumps(nb))
+    out = site.build_site(tmp_path / "site", root)
+    page = (out / "notebooks" / "09_hidden.html").read_text(encoding="utf-8")
+
+    class Where(html.parser.HTMLParser):
+        """The text of the page outside any <details>, and inside closed ones; the images inside them."""
+        def __init__(self):
+            super().__init__()
+            self.depth, self.outside, self.inside, self.hidden_imgs, self.open_details = 0, [], [], 0, 0
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "details":
+                self.depth += 1
+                self.open_details += any(k == "open" for k, _ in attrs)
+            elif tag == "img" and self.depth and any(k == "src" and v.startswith("data:image/png") for k, v in attrs):
+                self.hidden_imgs += 1
+
+        def handle_endtag(self, tag):
+            if tag == "details":
+                self.depth -= 1
+
+        def handle_data(self, data):
+            (self.inside if self.depth else self.outside).append(data)
+
+    w = Where()
+    w.feed(page)
+    outside, inside = "".join(w.outside), "".join(w.inside)
+    assert "the table everyone sees" in outside and "the answer <is> 42" not in outside
+    assert "the answer <is> 42" in inside and site.HIDDEN_SUMMARY in inside
+    assert w.hidden_imgs == 1 and w.open_details == 0
