@@ -246,7 +246,7 @@ def test_a_run_other_than_the_default_never_writes_into_the_default_folder(flags
     seen = {}
     monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", _fake_run(seen))
     monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
-    monkeypatch.setattr("mpcourse.experiment.learner.load_functions", lambda nb: {})
+    monkeypatch.setattr("mpcourse.experiment.cli.with_notebooks.load_functions", lambda nb: {})  # where it is called
     monkeypatch.chdir(tmp_path)
     assert main(["compare", *flags]) == 0
     assert seen["out"] == Path(folder)
