@@ -293,8 +293,6 @@ MAX_FUNCTION_LINES = 60
 #: long (``test_the_long_function_allow_list_is_not_stale``), so it empties as they are split
 LONG_FUNCTIONS_BEING_SPLIT = {
     "mpcourse.course.site:stage",
-    "mpcourse.experiment.cli.compare:_compare_here",
-    "mpcourse.experiment.compare.run:run_compare",
 }
 
 

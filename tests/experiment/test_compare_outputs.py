@@ -233,7 +233,7 @@ def test_each_recipes_declared_gemm_dtype_is_what_its_gemms_compute_in(name, cor
 def test_a_row_above_its_peak_has_the_peak_measured_again(corpus, tmp_path):
     """run_compare: a row faster than its peak makes it measure that dtype's peak again (the better of the two
     counts); a row below its peak measures nothing; a row still above after that prints 100.0* with the note."""
-    from mpcourse.experiment.compare.run import run_compare
+    from mpcourse.experiment.compare.run import Execution, Measurement, run_compare
     from mpcourse.experiment.gpt.model import GPTConfig
 
     cfg = TrainConfig(steps=2, batch_size=4, eval_interval=2, eval_batches=1,
@@ -244,8 +244,8 @@ def test_a_row_above_its_peak_has_the_peak_measured_again(corpus, tmp_path):
         def remeasure(key, again=again):
             calls.append(key)
             return again
-        run_compare(["fp32"], corpus, cfg, tmp_path, progress=False, echo=lines.append, peak_flops={"fp32": start},
-                    remeasure_peak=remeasure)
+        run_compare(["fp32"], corpus, cfg, tmp_path, execution=Execution(progress=False, echo=lines.append),
+                    measurement=Measurement(peak_flops={"fp32": start}, remeasure_peak=remeasure))
         assert calls == ([] if again is None else ["fp32"])
         assert _peak_cells(lines[0]) == {"fp32": cell}
         assert ("*: ran faster than the peak" in lines[0]) == cell.endswith("*")

@@ -28,7 +28,7 @@ import torch
 from mpcourse.experiment.measure import machine
 from mpcourse.cli import main
 from mpcourse.experiment.cli.out_folder import QUICK_OUT
-from mpcourse.experiment.compare.run import CompareFailed, run_compare
+from mpcourse.experiment.compare.run import CompareFailed, Execution, run_compare
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.learner import load_functions
 from mpcourse.experiment.gpt.model import GPTConfig
@@ -39,6 +39,12 @@ from mpcourse.course.yours import Comparison
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 CFG = TrainConfig(steps=3, batch_size=4, eval_interval=3, eval_batches=1, model=SMALL)
+QUIET = Execution(progress=False, echo=lambda *_: None)          # no bars, no table
+
+
+def _into(lines: list[str]) -> Execution:
+    """A job run in this process, its table and the lines under it appended to ``lines``."""
+    return Execution(progress=False, echo=lines.append)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +78,11 @@ def test_a_rows_bits_do_not_depend_on_jobs_company_or_process(corpus, tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(2)                       # what a laptop's torch has: several threads
     try:
-        alone = run_compare(["fp16-dynamic"], corpus, CFG, tmp_path / "alone", progress=False, echo=lambda *_: None)
+        alone = run_compare(["fp16-dynamic"], corpus, CFG, tmp_path / "alone", execution=QUIET)
         lines: list[str] = []
         mine = load_functions(ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb")
-        pooled = run_compare(["fp32", "fp16-dynamic"], corpus, CFG, tmp_path / "pooled", progress=False,
-                             echo=lines.append, jobs=2, learner=mine)
+        pooled = run_compare(["fp32", "fp16-dynamic"], corpus, CFG, tmp_path / "pooled", learner=mine,
+                             execution=Execution(jobs=2, progress=False, echo=lines.append))
     finally:
         torch.set_num_threads(before)
     by = {r.recipe: r for r in pooled}
@@ -97,7 +103,7 @@ def test_a_rows_bits_do_not_depend_on_jobs_company_or_process(corpus, tmp_path):
 def test_not_implemented_yet_comes_after_the_table_not_between_progress_bars(corpus, tmp_path):
     lines: list[str] = []
     stubs = load_functions(ROOT / "exercises" / "04_dynamic_loss_scaling.ipynb")
-    run_compare(["fp16-dynamic"], corpus, CFG, tmp_path, progress=False, echo=lines.append, learner=stubs)
+    run_compare(["fp16-dynamic"], corpus, CFG, tmp_path, learner=stubs, execution=_into(lines))
     table = next(i for i, ln in enumerate(lines) if ln.startswith("recipe"))
     said = [i for i, ln in enumerate(lines) if "not implemented yet" in ln]
     assert len(said) == 1 and said[0] > table, lines
@@ -110,7 +116,7 @@ def test_a_failed_recipe_keeps_the_finished_rows_and_names_itself(corpus, tmp_pa
     # fp8-block's 1x128 tiles need token counts in multiples of 128: 4 x 16 = 64 tokens fail, fp32 finishes
     cfg = dataclasses.replace(CFG, model=dataclasses.replace(SMALL, n_embd=128))
     with pytest.raises(CompareFailed) as err:
-        run_compare(["fp32", "fp8-block"], corpus, cfg, tmp_path, progress=False, echo=lambda *_: None, jobs=jobs)
+        run_compare(["fp32", "fp8-block"], corpus, cfg, tmp_path, execution=dataclasses.replace(QUIET, jobs=jobs))
     assert [r.recipe for r in err.value.results] == ["fp32"]
     payload = json.loads((tmp_path / "results.json").read_text())
     assert [r["recipe"] for r in payload["results"]] == ["fp32"]
@@ -145,8 +151,7 @@ def test_cli_refuses_a_batch_the_blocks_cannot_take_before_training(tmp_path, ca
 
 def test_seeds_write_the_tables_mean_and_std(corpus, tmp_path):
     lines: list[str] = []
-    runs = run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path, progress=False, echo=lines.append,
-                       seeds=[0, 1])
+    runs = run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path, seeds=[0, 1], execution=_into(lines))
     summary = json.loads((tmp_path / "results.json").read_text())["seed_summary"]
     assert set(summary) == {"fp32", "bf16-pure"}
     for name in summary:
@@ -173,7 +178,7 @@ def test_results_json_records_the_cpu_kind(corpus, tmp_path):
     info = machine.describe(CPUINFO)
     assert info["flags"] == ["fma", "avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
     assert info["model"] == "Some CPU" and machine.cpuinfo_flags("nothing here") == frozenset()
-    run_compare(["fp32"], corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+    run_compare(["fp32"], corpus, CFG, tmp_path, execution=QUIET)
     cpu = json.loads((tmp_path / "results.json").read_text())["environment"]["cpu"]
     assert cpu["capability"] == torch.backends.cpu.get_cpu_capability()
     assert cpu["gemm"] == {"bfloat16": "emulated" if emulation.emulation_enabled(torch.bfloat16) else "native",
@@ -241,7 +246,7 @@ def test_a_run_other_than_the_default_never_writes_into_the_default_folder(flags
     seen = {}
     monkeypatch.setattr("mpcourse.experiment.compare.run.run_compare", _fake_run(seen))
     monkeypatch.setattr("mpcourse.experiment.cli.compare._peak_flops", lambda device, threads=None: {"fp32": 1e11})
-    monkeypatch.setattr("mpcourse.experiment.learner.load_functions", lambda nb: {})
+    monkeypatch.setattr("mpcourse.experiment.cli.with_notebooks.load_functions", lambda nb: {})  # where it is called
     monkeypatch.chdir(tmp_path)
     assert main(["compare", *flags]) == 0
     assert seen["out"] == Path(folder)
@@ -355,8 +360,7 @@ def test_an_interrupted_run_keeps_the_finished_rows(corpus, tmp_path, monkeypatc
         return real(name, *args, **kwargs)
     monkeypatch.setattr(compare_module, "train", planted)
     with pytest.raises(KeyboardInterrupt) as err:
-        run_compare(["fp32", "bf16-pure", "fp16-master"], corpus, CFG, tmp_path / "a", progress=False,
-                    echo=lambda *_: None)
+        run_compare(["fp32", "bf16-pure", "fp16-master"], corpus, CFG, tmp_path / "a", execution=QUIET)
     assert isinstance(err.value, CompareInterrupted) and [r.recipe for r in err.value.results] == ["fp32"]
     payload = json.loads((tmp_path / "a" / "results.json").read_text())
     assert [r["recipe"] for r in payload["results"]] == ["fp32"] and payload["interrupted"] is True
@@ -386,7 +390,7 @@ def test_an_interrupted_yours_row_is_named_as_not_finished(corpus, tmp_path, mon
     mine = load_functions(ROOT / "solutions" / "04_dynamic_loss_scaling.ipynb")
     lines: list[str] = []
     with pytest.raises(CompareInterrupted):
-        run_compare(["fp16-dynamic", "fp32"], corpus, CFG, tmp_path, progress=False, echo=lines.append, learner=mine)
+        run_compare(["fp16-dynamic", "fp32"], corpus, CFG, tmp_path, learner=mine, execution=_into(lines))
     payload = json.loads((tmp_path / "results.json").read_text())
     assert [r["recipe"] for r in payload["results"]] == ["fp16-dynamic"]
     assert [(f["recipe"], f["error"]) for f in payload["failed"]] == \
@@ -402,7 +406,7 @@ def test_an_interrupted_rerun_keeps_the_earlier_complete_results(corpus, tmp_pat
     from mpcourse.experiment.compare.run import CompareInterrupted
 
     names = ["fp32", "bf16-pure"]
-    run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+    run_compare(names, corpus, CFG, tmp_path, execution=QUIET)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real = compare_module.train
 
@@ -412,13 +416,13 @@ def test_an_interrupted_rerun_keeps_the_earlier_complete_results(corpus, tmp_pat
         return real(name, *args, **kwargs)
     monkeypatch.setattr(compare_module, "train", planted)
     with pytest.raises(CompareInterrupted) as err:
-        run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None)
+        run_compare(names, corpus, CFG, tmp_path, execution=QUIET)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
     assert err.value.path == tmp_path / "results.partial.json" and (tmp_path / "loss_curves.partial.png").is_file()
     partial = json.loads((tmp_path / "results.partial.json").read_text())
     assert [r["recipe"] for r in partial["results"]] == ["fp32"] and partial["interrupted"] is True
     with pytest.raises(CompareInterrupted) as err:
-        run_compare(names, corpus, CFG, tmp_path / "fresh", progress=False, echo=lambda *_: None)
+        run_compare(names, corpus, CFG, tmp_path / "fresh", execution=QUIET)
     assert err.value.path == tmp_path / "fresh" / "results.json"
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["loss_curves.png", "results.json"]
 
@@ -489,7 +493,7 @@ def test_an_interrupt_in_the_pool_keeps_the_rows_the_workers_finished(corpus, tm
     monkeypatch.setattr(pool_module, "wait", wait_then_interrupt)
     names = ["fp32", "bf16-pure", "fp16-master"]
     with pytest.raises(CompareInterrupted) as err:
-        run_compare(names, corpus, CFG, tmp_path, progress=False, echo=lambda *_: None, jobs=2)
+        run_compare(names, corpus, CFG, tmp_path, execution=dataclasses.replace(QUIET, jobs=2))
     payload = json.loads((tmp_path / "results.json").read_text())
     kept = [r["recipe"] for r in payload["results"]]
     assert len(kept) == len(came_back) >= 1 and kept == [r.recipe for r in err.value.results]
@@ -541,7 +545,7 @@ def test_readme_table_check_finds_a_changed_number_and_ignores_timing(corpus, tm
     and names the recipe and column of a number changed in the README (a tok/s change is not a difference)."""
     check = _check_script()
     lines: list[str] = []
-    run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    run_compare(["fp32", "bf16-pure"], corpus, CFG, tmp_path / "run", execution=_into(lines))
     table = "\n".join(lines[0].splitlines()[:4])                   # header, dashes, two rows
     readme = tmp_path / "README.md"
     results = str(tmp_path / "run" / "results.json")
@@ -572,7 +576,7 @@ def test_readme_table_check_names_the_file_and_compares_peak_mb_on_the_tables_ke
     without numba is not failed on it, and a note says so); every other column still is."""
     check = _check_script()
     lines: list[str] = []
-    run_compare(["fp32", "nvfp4"], corpus, CFG, tmp_path / "run", progress=False, echo=lines.append)
+    run_compare(["fp32", "nvfp4"], corpus, CFG, tmp_path / "run", execution=_into(lines))
     table = lines[0].splitlines()[:4]
     head, rows = check.parse_table(table)
     peak, act = rows["nvfp4"][head.index("peak MB")], rows["nvfp4"][head.index("act MB")]

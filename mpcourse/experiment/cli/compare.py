@@ -9,6 +9,7 @@ flag gets a "did you mean"). Then it trains the job in this process or its ``--j
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -157,28 +158,42 @@ def _compare(args: argparse.Namespace) -> int:
     return _compare_here(args, corpus, cfg, recipes, side)
 
 
-def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: list[str], side: bool) -> int:
-    """The job in this process or its ``--jobs`` workers: the start-up lines, the learner's notebooks, the jobs and
-    the peaks, then the run and the lines that say where its rows are."""
+class _Refused(Exception):
+    """A refusal before training, found while the job is being set up: its one line (exit code 2, ``refuse``)."""
+
+
+def _print_start(out: Path, side: bool, corpus, cfg: TrainConfig, recipes: list[str]) -> None:
+    """The start-up lines: the corpus, the job's size, where it writes, the tensor cores, the CPU."""
+    from ..measure import machine
+
     print(f"corpus: {corpus.name}, {len(corpus.text):,} chars, vocab {corpus.vocab_size}, "
           f"unigram entropy {corpus.unigram_entropy():.3f} nats")
     print(f"recipes: {', '.join(recipes)}; {cfg.steps} steps x {cfg.batch_size} x {cfg.model.block_size} tokens")
-    print(where_line(args.out, side))
+    print(where_line(out, side))
     print(f"tensor cores: {emulation.status()}")
-    from ..measure import machine
     print(f"cpu: {machine.summary()}")
-    learner = {}
-    if args.with_notebooks:
-        from mpcourse.core.learner_table import OverrideRefused
-        from ..learner import LearnerLoadError
-        from .with_notebooks import exercise_functions
-        try:
-            learner = exercise_functions(args.with_notebooks, recipes)
-        except (LearnerLoadError, OverrideRefused) as e:
-            return refuse(f"--with{':' * isinstance(e, OverrideRefused)} {e}")
-        print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
-    n_runs = len(recipes) * len(args.seeds or [args.seed])
+
+
+def _learner_functions(notebooks: list, recipes: list[str]) -> dict:
+    """The functions of the ``--with`` notebooks the recipes take ({} without --with), and the line naming them."""
+    if not notebooks:
+        return {}
+    from mpcourse.core.learner_table import OverrideRefused
+    from ..learner import LearnerLoadError
+    from .with_notebooks import exercise_functions
+    try:
+        learner = exercise_functions(notebooks, recipes)
+    except (LearnerLoadError, OverrideRefused) as e:
+        raise _Refused(f"--with{':' * isinstance(e, OverrideRefused)} {e}") from None
+    print(f"your functions: {', '.join(sorted(learner)) or 'none found'}")
+    return learner
+
+
+def _jobs(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
+    """(worker processes, intra-op threads per run): ``--jobs``, else one process on a GPU, else one worker per core
+    (``pool.default_jobs``); the line naming them where there are workers."""
     from ..training.threads import TRAINING_THREADS
+
     if args.jobs is not None:
         jobs, threads = args.jobs, TRAINING_THREADS
     elif args.device == "cuda":
@@ -187,49 +202,83 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
         from ..compare.pool import default_jobs
         jobs, threads = default_jobs(n_runs)
     if jobs > 1 and args.device == "cuda":
-        return refuse("--jobs > 1 trains on the CPU; drop --jobs with --device cuda")
+        raise _Refused("--jobs > 1 trains on the CPU; drop --jobs with --device cuda")
     if jobs > 1:
         print(f"jobs: {jobs} worker processes x {threads} thread(s)")
+    return jobs, threads
+
+
+def _measurement(args: argparse.Namespace, cfg: TrainConfig, vocab_size: int, n_runs: int, threads: int):
+    """What the job measures besides the loss (``compare.run.Measurement``): the peaks for %peak, taken on
+    ``threads`` threads and named in one line (with a warning for ``--preset large`` on the CPU), how a CPU peak is
+    measured again, and ``--inspect``."""
+    from ..compare.run import Measurement
+
     peaks = _peak_flops(args.device, threads)
     if isinstance(peaks, (int, float)):          # one number: the FP32 (CPU) or BF16 (GPU) peak
         peaks = {"bf16" if args.device == "cuda" else "fp32": float(peaks)}
     print(_peak_line(peaks, args.device, threads))
     if args.preset == "large" and args.device != "cuda" and peaks.get("fp32"):
-        print(large_on_cpu_warning(cfg, corpus.vocab_size, n_runs, peaks["fp32"]), file=sys.stderr)
+        print(large_on_cpu_warning(cfg, vocab_size, n_runs, peaks["fp32"]), file=sys.stderr)
     remeasure = None
     if args.device != "cuda":
         from ..measure.speed import measure_gemm_peak
-        remeasure = lambda key: measure_gemm_peak(key, threads=threads)      # noqa: E731
-    earlier = earlier_run(args.out)
+        remeasure = functools.partial(measure_gemm_peak, threads=threads)
+    return Measurement(peak_flops=peaks or None, remeasure_peak=remeasure, inspect_every=args.inspect or 0)
+
+
+def _make_out(out: Path):
+    """``out`` created (``out_folder.make_folder``: what it created, for ``remove_if_empty``)."""
     try:
-        created = make_folder(args.out)
+        return make_folder(out)
     except OSError as e:
-        return refuse(f"--out {args.out}: cannot create the output folder ({e.strerror}); pass another folder")
-    t0 = time.time()
-    from ..compare.pool import WorkerError
-    from ..compare.run import CompareFailed, CompareInterrupted, run_compare
-    try:
-        run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds,
-                    peak_flops=peaks or None, inspect_every=args.inspect or 0, learner=learner, jobs=jobs,
-                    remeasure_peak=remeasure)
-    except WorkerError as e:
+        raise _Refused(f"--out {out}: cannot create the output folder ({e.strerror}); pass another folder") from None
+
+
+def _say_unfinished(e: Exception, out: Path, earlier) -> int:
+    """The lines after a job that did not finish (a worker lost, runs failed, Ctrl-C); the exit code."""
+    from ..compare.run import CompareFailed, CompareInterrupted
+
+    if isinstance(e, CompareInterrupted):
+        print(_interrupted_line(e, out, earlier), file=sys.stderr)
+        say_overwrite(out, earlier)
+        return 130
+    if not isinstance(e, CompareFailed):         # a worker process lost (pool.WorkerError)
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
         return 1
-    except CompareFailed as e:
-        for f in e.failed:
-            print(f"mpcourse compare: error: {f['recipe']} (seed {f['seed']}) failed: {f['error']}", file=sys.stderr)
-        if e.results:
-            print(f"mpcourse compare: {len(e.failed)} run(s) failed; the {len(e.results)} finished rows are in "
-                  f"{args.out / 'results.json'} (its \"failed\" list names the others)", file=sys.stderr)
-        else:
-            print(f"mpcourse compare: no run finished: nothing written ({args.out}/ keeps what it held)",
-                  file=sys.stderr)
-        say_overwrite(args.out, earlier)
-        return 1
-    except CompareInterrupted as e:
-        print(_interrupted_line(e, args.out, earlier), file=sys.stderr)
-        say_overwrite(args.out, earlier)
-        return 130
+    for f in e.failed:
+        print(f"mpcourse compare: error: {f['recipe']} (seed {f['seed']}) failed: {f['error']}", file=sys.stderr)
+    if e.results:
+        print(f"mpcourse compare: {len(e.failed)} run(s) failed; the {len(e.results)} finished rows are in "
+              f"{out / 'results.json'} (its \"failed\" list names the others)", file=sys.stderr)
+    else:
+        print(f"mpcourse compare: no run finished: nothing written ({out}/ keeps what it held)", file=sys.stderr)
+    say_overwrite(out, earlier)
+    return 1
+
+
+def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: list[str], side: bool) -> int:
+    """The job in this process or its ``--jobs`` workers: the start-up lines, the learner's notebooks, the jobs and
+    the peaks, then the run and the lines that say where its rows are."""
+    from ..compare.pool import WorkerError
+    from ..compare.run import CompareFailed, CompareInterrupted, Execution, run_compare
+
+    _print_start(args.out, side, corpus, cfg, recipes)
+    n_runs = len(recipes) * len(args.seeds or [args.seed])
+    try:
+        learner = _learner_functions(args.with_notebooks, recipes)
+        jobs, threads = _jobs(args, n_runs)
+        measurement = _measurement(args, cfg, corpus.vocab_size, n_runs, threads)
+        earlier = earlier_run(args.out)
+        created = _make_out(args.out)
+    except _Refused as e:
+        return refuse(str(e))
+    t0 = time.time()
+    try:
+        run_compare(recipes, corpus, cfg, args.out, seeds=args.seeds, learner=learner, measurement=measurement,
+                    execution=Execution(jobs=jobs, progress=not args.no_progress))
+    except (WorkerError, CompareFailed, CompareInterrupted) as e:
+        return _say_unfinished(e, args.out, earlier)
     finally:
         remove_if_empty(created)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'loss_curves.png'} ({time.time() - t0:.0f} s)")
