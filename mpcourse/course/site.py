@@ -318,8 +318,8 @@ name; `mpcourse grade exercises/NN_name.ipynb` grades it.
 """
 
 
-def stage(root: Path, docs: Path) -> list:
-    """Write the site's sources under ``docs`` from the course at ``root``; returns MkDocs' nav."""
+def _stage_notebooks(root: Path, docs: Path) -> tuple[list, dict, list, list]:
+    """The lessons and exercises staged under ``docs``: (lessons, exercises by name, lesson nav, exercise nav)."""
     lessons = sorted((root / "notebooks").glob("[0-9]*.ipynb"))
     if not lessons:
         raise SiteError(f"no lesson notebooks in {root / 'notebooks'}: run it from your clone of the course")
@@ -334,10 +334,13 @@ def stage(root: Path, docs: Path) -> list:
     for ex in exercises.values():
         stage_exercise(ex, docs / "exercises" / ex.name, by_name.get(ex.name))
         exercise_nav.append({notebook_title(ex): f"exercises/{ex.name}"})
+    return lessons, exercises, lesson_nav, exercise_nav
 
-    readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
-    # docs/*.md keep their layout (so the README's links into docs/ and its pages' links to each other hold);
-    # nothing else of docs/ comes along but the files those pages link to (below)
+
+def _stage_pages(root: Path, docs: Path, readme: str) -> tuple[list, list, str | None]:
+    """docs/*.md staged with their layout (so the README's links into docs/ and its pages' links to each other
+    hold; nothing else of docs/ comes along but the files those pages link to): (guide nav, result nav, the
+    library map's page or None). Without a results page or a library map, the README's sections stand in."""
     for page in sorted(p for p in (root / "docs").glob("*.md") if p.is_file()):
         (docs / "docs").mkdir(exist_ok=True)
         shutil.copyfile(page, docs / "docs" / page.name)
@@ -345,24 +348,28 @@ def stage(root: Path, docs: Path) -> list:
     doc_pages = sorted((docs / "docs").glob("*.md")) if (docs / "docs").is_dir() else []
     library_doc = next((p for p in doc_pages if p.stem.lower() in ("library", "library_map")), None)
     for p in doc_pages:
-        if p is library_doc:
-            continue
-        title = markdown_title(p.read_text(encoding="utf-8"), p.stem.replace("_", " "))
-        (guide_nav if p.stem in GUIDES else result_nav).append({title: f"docs/{p.name}"})
+        if p is not library_doc:
+            title = markdown_title(p.read_text(encoding="utf-8"), p.stem.replace("_", " "))
+            (guide_nav if p.stem in GUIDES else result_nav).append({title: f"docs/{p.name}"})
     if not result_nav:
         section = readme_section(readme, "results")
         if section:
             (docs / "results.md").write_text(section, encoding="utf-8")
             result_nav.append({markdown_title(section, "Results"): "results.md"})
     if library_doc is not None:
-        library_nav = f"docs/{library_doc.name}"
-    else:
-        section = readme_section(readme, "the library") or readme_section(readme, "library")
-        library_nav = None
-        if section:
-            (docs / "library.md").write_text(section, encoding="utf-8")
-            library_nav = "library.md"
+        return guide_nav, result_nav, f"docs/{library_doc.name}"
+    section = readme_section(readme, "the library") or readme_section(readme, "library")
+    if not section:
+        return guide_nav, result_nav, None
+    (docs / "library.md").write_text(section, encoding="utf-8")
+    return guide_nav, result_nav, "library.md"
 
+
+def stage(root: Path, docs: Path) -> list:
+    """Write the site's sources under ``docs`` from the course at ``root``; returns MkDocs' nav."""
+    lessons, exercises, lesson_nav, exercise_nav = _stage_notebooks(root, docs)
+    readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
+    guide_nav, result_nav, library_nav = _stage_pages(root, docs, readme)
     pages = [(t, p) for d in guide_nav + result_nav for t, p in d.items()]
     if library_nav:
         pages.append(("The library map", library_nav))
@@ -370,14 +377,10 @@ def stage(root: Path, docs: Path) -> list:
     copy_linked_files(root, docs)
     for md in docs.rglob("*.md"):
         md.write_text(unlink_outside(md.read_text(encoding="utf-8"), md, docs.resolve()), encoding="utf-8")
-
     nav: list = [{"Home": "index.md"}, {"Lessons": lesson_nav}]
-    if exercise_nav:
-        nav.append({"Exercises": exercise_nav})
-    if guide_nav:
-        nav.append({"Guides": guide_nav})
-    if result_nav:
-        nav.append({"Results": result_nav})
+    for title, section in (("Exercises", exercise_nav), ("Guides", guide_nav), ("Results", result_nav)):
+        if section:
+            nav.append({title: section})
     if library_nav:
         nav.append({"The library map": library_nav})
     return nav
