@@ -404,18 +404,25 @@ def train(recipe_name: str, corpus: Corpus, cfg: TrainConfig, *, progress: bool 
 
 def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int, progress: bool,
                     on_step=None) -> RunResult:
-    """``train`` with the numerics inspector every ``every`` steps; writes ``out/inspect-NAME.json`` and
-    ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients). Used by
-    ``mpcourse compare --inspect-every`` in this process and in the pool's workers."""
+    """``train`` with the numerics inspector every ``every`` steps; writes ``out/inspect-NAME.json`` (every record:
+    the element formats' fractions and every recipe's quantizer statistics, ``mpcourse.core.inspect``),
+    ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients),
+    ``out/inspect-NAME-recipes.png`` (layer x recipe, per role: the underflow fraction under each recipe's
+    quantizer, mean over the inspected steps) and ``out/inspect-NAME-hist.png`` (log2|x| of the last inspected
+    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked). Used by
+    ``mpcourse compare --inspect`` in this process and in the pool's workers."""
     from pathlib import Path
 
-    from mpcourse.core.inspect import plot_heatmap
+    from mpcourse.core.inspect import plot_binades, plot_heatmap, plot_recipe_heatmap
 
     out = Path(out)
     trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress, on_step=on_step)
+    records = trainer.inspector.records
     trainer.inspector.to_json(out / f"inspect-{name}.json")
-    if trainer.inspector.records:
-        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
-                     kind="subnormal")
+    if records:
+        plot_heatmap(records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16", kind="subnormal")
+        plot_recipe_heatmap(records, out / f"inspect-{name}-recipes.png")
+        last = [r for r in records if r["step"] == records[-1]["step"] and r["role"] == "output_grad"] or records
+        plot_binades(max(last, key=lambda r: r["dynamic_range_binades"]), out / f"inspect-{name}-hist.png")
     trainer.inspector.remove()
     return trainer.result()
