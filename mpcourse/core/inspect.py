@@ -26,9 +26,9 @@ dynamic range, MSE and relative error (``inspect_quant.quantized_stats`` defines
 
 ``Inspector(model, every=N)`` hooks every ``nn.Linear`` (FP8 layers included) and records, on every N-th
 step, the stats of its input activation, weight, output gradient and weight gradient. Off unless built;
-``remove()`` takes the hooks out. ``observe(layer, role, tensor)`` records any other tensor the same way (the
-extension point for tensors that are not a linear layer's, e.g. attention's: name the role's quantizer role in
-``inspect_quant.QUANTIZER_ROLE``). ``to_json`` writes the log; ``plot_heatmap`` (layer x step, one fraction of
+``remove()`` takes the hooks out. ``observe(layer, role, tensor, as_role=..., own=...)`` records any other tensor
+the same way: the extension point for tensors that are not a linear layer's (FP8 attention's Q, K, V, P, O, dO, dP:
+a module calls it with its own quantizer of each). ``to_json`` writes the log; ``plot_heatmap`` (layer x step, one fraction of
 one role in one format or recipe), ``plot_recipe_heatmap`` (layer x recipe, per role) and ``plot_histogram`` /
 ``plot_binades`` (one tensor's log2|x| against a format's range) draw it.
 """
@@ -58,16 +58,19 @@ def format_scale(name: str, amax: float, loss_scale: float = 1.0) -> float:
     return loss_scale
 
 
-def binades(a: torch.Tensor, n_nonzero: int) -> dict:
+def binades(a: torch.Tensor, amin: float) -> dict:
     """{"lo": k0, "counts": [n_k0, n_k0+1, ...]}: how many of the magnitudes ``a`` (>= 0, finite) have
-    floor(log2|x|) = k, from the lowest binade a nonzero one is in to the highest; zeros are not counted
-    (``n_nonzero`` of them are nonzero; none: lo 0, no counts). Exact: the binade is read from ``frexp``."""
-    if n_nonzero == 0:
+    floor(log2|x|) = k, from the binade of ``amin`` (their smallest nonzero; 0: none, lo 0 and no counts) to the
+    highest; zeros are not counted. Exact: the binade is the FP32 exponent field where every nonzero is normal,
+    else ``frexp``'s."""
+    if amin == 0:
         return {"lo": 0, "counts": []}
-    k = torch.frexp(a).exponent - 1                                   # floor(log2 a) for a > 0, int32
-    lo = int(torch.where(a > 0, k, torch.iinfo(k.dtype).max).amin())
-    k = torch.where(a > 0, k - (lo - 1), 0)                          # zeros to bin 0, dropped below
-    return {"lo": lo, "counts": torch.bincount(k.reshape(-1))[1:].tolist()}
+    lo = math.frexp(amin)[1] - 1                                     # floor(log2 amin)
+    if amin >= FORMATS["fp32"].min_normal:                          # the exponent field: e - 127, zeros at e = 0
+        idx = (a.view(torch.int32) >> 23) - (126 + lo)               # binade - lo + 1; zeros land <= 0
+    else:
+        idx = torch.where(a > 0, torch.frexp(a).exponent - lo, 0)    # frexp's exponent is floor(log2 a) + 1
+    return {"lo": lo, "counts": torch.bincount(idx.clamp(min=0).reshape(-1))[1:].tolist()}
 
 
 def _count(mask: torch.Tensor) -> int:
@@ -91,17 +94,18 @@ def tensor_stats(t: torch.Tensor, formats=INSPECT_FORMATS, *, loss_scale: float 
     out = {"numel": t.numel(), "nonfinite": nonfinite, "zeros": a.numel() - nonfinite - n_nz, "amax": amax,
            "min_nonzero": amin,
            "dynamic_range_binades": math.log2(amax) - math.log2(amin) if n_nz else 0.0,
-           "binades": binades(a, n_nz), "formats": {}}
+           "binades": binades(a, amin), "formats": {}}
     n, zeros = max(n_nz, 1), a.numel() - n_nz                       # zeros here: the nonfinite ones too
     for name in formats:
         f = FORMATS[name]
         s = (scales or {}).get(name, format_scale(name, amax, loss_scale))
         y = a * s                                                    # zeros stay 0 (s is finite)
         half = f.min_subnormal / 2
+        flushed = _count(y <= half)                                  # the zeros too
         out["formats"][name] = {
             "scale": s,
-            "underflow": (_count(y <= half) - zeros) / n,
-            "subnormal": _count((y > half) & (y < f.min_normal - half)) / n,
+            "underflow": (flushed - zeros) / n,
+            "subnormal": (_count(y < f.min_normal - half) - flushed) / n,     # half < |y| < min_normal - half
             "overflow": _count(y > f.max) / n,
         }
     return out
@@ -122,18 +126,19 @@ class Inspector:
     returning the current one) is applied to the FP16/BF16 what-if of the two gradient roles, which carry it.
     ``what_ifs``: the recipes of ``inspect_quant.WHAT_IFS`` each GEMM operand is also quantized with (default all;
     () for none); ``run``: also the layer's own quantizer's statistics, as "run" (default True); ``roles``: which of
-    ``ROLES`` to record (default all). The output
+    ``ROLES`` to record (default all); ``summary=False`` leaves ``tensor_stats`` out of the records (a reader of
+    ``recipes`` alone, as ``mpcourse.core.autoswitch``, pays for nothing else). The output
     gradient is recorded before the layer's backward uses it (a backward pre-hook), so "run" reads the delayed
     scale that backward casts with. Recording draws no random number from the run's stream.
     """
 
     def __init__(self, model: nn.Module, every: int = 10, formats=INSPECT_FORMATS, loss_scale=1.0,
-                 what_ifs=ALL_WHAT_IFS, run: bool = True, roles=ROLES):
+                 what_ifs=ALL_WHAT_IFS, run: bool = True, roles=ROLES, summary: bool = True):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not set(roles) <= set(ROLES):
             raise ValueError(f"roles must be among {ROLES}, got {tuple(roles)}")
-        self.roles = tuple(roles)
+        self.roles, self.summary = tuple(roles), summary
         self.every, self.formats, self.loss_scale = every, tuple(formats), loss_scale
         self.quantizers, self.run = WhatIfQuantizers(tuple(what_ifs)), run
         self.records: list[dict] = []
@@ -165,16 +170,27 @@ class Inspector:
     def _scale(self) -> float:
         return float(self.loss_scale() if callable(self.loss_scale) else self.loss_scale)
 
-    def observe(self, layer: str, role: str, t: torch.Tensor, loss_scale: float = 1.0, module=None) -> dict:
+    def observe(self, layer: str, role: str, t: torch.Tensor, loss_scale: float = 1.0, module=None,
+                as_role: str | None = None, own=None) -> dict:
         """Record ``t`` as ``role`` of ``layer`` on the current step and return the record: ``tensor_stats`` and,
-        where ``QUANTIZER_ROLE`` maps the role to a quantizer role, every what-if recipe's statistics (and
-        ``module``'s own quantizer's, as "run"). The hooks call it; so can code that holds other tensors."""
+        where the tensor is a GEMM operand, every what-if recipe's statistics and its own quantizer's ("run").
+        The hooks call it; so can code that holds other tensors, the extension point for tensors that are no
+        linear layer's (e.g. FP8 attention's Q, K, V, P, O, dO, dP):
+
+            as_role  the quantizer role the what-ifs quantize it as, "input" (a forward operand: E4M3 under
+                     HYBRID) or "grad_output" (a gradient: E5M2); default ``QUANTIZER_ROLE[role]``, none: no
+                     what-if. The tensor is read as (-1, last dim), blocks along its last dimension: pass it with
+                     its GEMM's contraction dimension last (V^T for P @ V).
+            own      the quantizer that cast it in training (its statistics are "run"); default
+                     ``run_quantizer(module, as_role)``: a linear layer's own."""
         rec = {"step": self.step, "layer": layer, "role": role,
-               **tensor_stats(t, self.formats, loss_scale=loss_scale), "recipes": {}, "skipped": {}}
-        qrole = QUANTIZER_ROLE.get(role)
+               **(tensor_stats(t, self.formats, loss_scale=loss_scale) if self.summary else {}),
+               "recipes": {}, "skipped": {}}
+        qrole = as_role if as_role is not None else QUANTIZER_ROLE.get(role)
         if qrole is not None:
-            own = run_quantizer(module, qrole) if (self.run and module is not None) else None
-            rec["recipes"], rec["skipped"] = self.quantizers.stats(t, qrole, own)
+            if own is None and self.run and module is not None:
+                own = run_quantizer(module, qrole)
+            rec["recipes"], rec["skipped"] = self.quantizers.stats(t, qrole, own if self.run else None)
         self.records.append(rec)
         return rec
 
@@ -198,6 +214,11 @@ class Inspector:
             if self.active and param.grad is not None:
                 self.observe(name, "weight_grad", param.grad, self._scale())
         return hook
+
+    def stop(self, name: str) -> None:
+        """Record layer ``name`` no more (its hooks out)."""
+        for h in self._handles.pop(name, []):
+            h.remove()
 
     def remove(self) -> None:
         for hs in self._handles.values():

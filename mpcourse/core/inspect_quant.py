@@ -85,8 +85,8 @@ WHAT_IFS: dict[str, WhatIf] = {
     "nvfp4": WhatIf(NVFP4BlockScaling(), ALL_ROLES, "E2M1, E4M3 scale per 16 (16x16 for W) and an FP32 tensor "
                     "scale, gradients rounded stochastically (TE NVFP4BlockScaling)"),
 }
-#: the inspector's role names -> the quantizers' (``mpcourse.core.quant.ROLES``); the extension point for other
-#: tensors (e.g. attention's Q, K, V, P: "input"; dO, dP: "grad_output") is one more entry here
+#: the inspector's role names -> the quantizers' (``mpcourse.core.quant.ROLES``); other tensors (e.g. attention's Q,
+#: K, V, P: "input"; dO, dP: "grad_output") name theirs to ``Inspector.observe(..., as_role=...)``
 QUANTIZER_ROLE = {"activation": "input", "weight": "weight", "output_grad": "grad_output"}
 STATISTICS = ("underflow", "saturation", "block_dynamic_range", "mse", "rel_error", "scale_inv_min",
               "scale_inv_max", "nonfinite_out")
@@ -101,15 +101,20 @@ def overflow_point(fmt: str) -> tuple[float, bool]:
     return f.max + step / 2, int(f.max / step) % 2 == 1
 
 
-def _decoded(q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], str]:
-    """(elements (M, K) fp32, multiplier broadcastable to (M, K) or per block, dequantized (M, K) fp32, block,
-    element format) of a quantized tensor."""
+def zero_codes(data: torch.Tensor) -> torch.Tensor:
+    """Which elements of a float8 container (E4M3, E5M2, or E2M1 held in E4M3) are +0 or -0: all bits but the
+    sign clear (TE's ``count_nonzero_fp8`` reads the same bytes). Read from the bytes, not upcast: faster, exact."""
+    return (data.view(torch.uint8) & 0x7F) == 0
+
+
+def _decoded(q) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], str]:
+    """(multiplier per block (M/r, K/c) fp32, dequantized (M, K) fp32, block, element format) of a quantized
+    tensor."""
     if isinstance(q, Float8Tensor):
-        elem = q.data.float()
         m = q.scale_inv.float().reshape(1, 1)                            # (1, 1): the whole tensor is one block
-        return elem, m, elem * q.scale_inv, tuple(q.shape), q.fp8_format
+        return m, q.dequantize(torch.float32), tuple(q.shape), q.fp8_format
     if isinstance(q, ScaledTensor):
-        return q.data.float(), q.block_scale_inv(), q.dequantize_fp32(), q.block, q.elem_format
+        return q.block_scale_inv(), q.dequantize_fp32(), q.block, q.elem_format
     raise TypeError(f"quantized_stats takes a Float8Tensor or a ScaledTensor, got {type(q).__name__}")
 
 
@@ -129,40 +134,61 @@ def _count(mask: torch.Tensor) -> int:
     return int(torch.count_nonzero(mask))            # a bool tensor's sum() is far slower on a CPU
 
 
+class Operand:
+    """What the statistics of one tensor x (M, K) share across recipes, computed once: x in FP32, |x| with
+    inf/NaN read as 0 (``finite``: their mask, None when there are none), the nonzero mask and count, ||x||, and
+    the block dynamic range per block shape (``dynamic_range``, cached)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.xf = x.detach().float()
+        a = self.xf.abs()                                                  # (M, K) fp32
+        self.finite = None if bool(torch.isfinite(a.amax())) else torch.isfinite(a)
+        self.a = a if self.finite is None else torch.where(self.finite, a, 0.0)
+        self.nz = self.a > 0
+        self.n_nonzero = _count(self.nz)
+        self.n = max(self.n_nonzero, 1)
+        self.norm = float(self.a.norm())
+        self.n_finite = a.numel() if self.finite is None else _count(self.finite)
+        self._ranges: dict[tuple[int, int], float] = {}
+
+    def dynamic_range(self, block: tuple[int, int]) -> float:
+        if block not in self._ranges:
+            self._ranges[block] = block_dynamic_range(self.a, block)
+        return self._ranges[block]
+
+
 @torch.no_grad()
-def quantized_stats(x: torch.Tensor, q) -> dict:
-    """The statistics (module docstring) of ``x`` (M, K), any float dtype, against its quantization ``q``."""
-    elem, m, deq, block, fmt = _decoded(q)
-    xf = x.detach().float()
-    a = xf.abs()                                                           # (M, K) fp32
-    finite = None if bool(torch.isfinite(a.amax())) else torch.isfinite(a)  # NaN or inf: mask them out
-    if finite is not None:
-        a = torch.where(finite, a, 0.0)
-    nz = a > 0
-    n = max(_count(nz), 1)
+def quantized_stats(x: torch.Tensor, q, operand: Optional[Operand] = None) -> dict:
+    """The statistics (module docstring) of ``x`` (M, K), any float dtype, against its quantization ``q``
+    (``operand``: ``Operand(x)`` if already made, shared by the recipes of one tensor)."""
+    m, deq, block, fmt = _decoded(q)
+    o = operand if operand is not None else Operand(x)
     mid, tie_up = overflow_point(fmt)
     top = mid * expand(m, block)                                           # (M/r, 1, K/c, 1) the overflow point
-    blocks = block_view(a, block)                                          # (M/r, r, K/c, c)
-    past = ((blocks >= top) if tie_up else (blocks > top)).reshape(a.shape)
-    deq_ok = bool(torch.isfinite(deq.abs().amax())) if deq.numel() else True
-    err = xf - deq                                                         # (M, K) fp32
-    if finite is not None or not deq_ok:
-        ok = torch.isfinite(xf) & torch.isfinite(deq)
-        err = torch.where(ok, err, 0.0)
-    norm = float(a.norm())
-    sq = float(err.pow(2).sum())                                           # the squared error, summed
+    blocks = block_view(o.a, block)                                        # (M/r, r, K/c, c); a zero is never past
+    past = _count((blocks >= top) if tie_up else (blocks > top))           # (m_b > 0: NVFP4's t = 0 has a = 0)
+    err = o.xf - deq                                                       # (M, K) fp32
+    sq = float(torch.linalg.vector_norm(err)) ** 2                          # the squared error, summed
+    clean = o.finite is None and math.isfinite(sq)                          # no inf or NaN in x or its copy
+    if clean:
+        lost = _count(zero_codes(q.data)) - (o.a.numel() - o.n_nonzero)    # a zero of x is a zero of its copy
+        bad = 0
+    else:
+        ok = torch.isfinite(o.xf) & torch.isfinite(deq)
+        sq = float(torch.linalg.vector_norm(torch.where(ok, err, 0.0))) ** 2
+        lost = _count(o.nz & zero_codes(q.data))
+        bad = _count(torch.isfinite(o.xf) & ~torch.isfinite(deq))
     scales = m.reshape(-1)
     scales = scales[torch.isfinite(scales)] if not bool(torch.isfinite(scales).all()) else scales
-    n_finite = a.numel() if finite is None else _count(finite)
     return {"elem_format": fmt, "block": list(block),
-            "underflow": _count(nz & (elem == 0)) / n,
-            "saturation": _count(nz & past) / n,
-            "block_dynamic_range": block_dynamic_range(a, block),
-            "mse": sq / max(n_finite, 1),
-            "rel_error": math.sqrt(sq) / norm if norm > 0 else 0.0,
+            "underflow": lost / o.n,
+            "saturation": past / o.n,
+            "block_dynamic_range": o.dynamic_range(tuple(block)),
+            "mse": sq / max(o.n_finite, 1),
+            "rel_error": math.sqrt(sq) / o.norm if o.norm > 0 else 0.0,
             "scale_inv_min": float(scales.min()) if scales.numel() else 0.0,
             "scale_inv_max": float(scales.max()) if scales.numel() else 0.0,
-            "nonfinite_out": 0 if deq_ok else _count(torch.isfinite(xf) & ~torch.isfinite(deq))}
+            "nonfinite_out": bad}
 
 
 def quantize_as_training(quantizer, x2d: torch.Tensor):
@@ -226,9 +252,10 @@ class WhatIfQuantizers:
             else:
                 todo.append((name, self.get(name, role)))
         devices = [x.device] if x.device.type == "cuda" else []
+        operand = Operand(x)
         for name, q in todo:
             with torch.random.fork_rng(devices=devices):     # each draws what the layer's own cast would draw
-                out[name] = quantized_stats(x, quantize_as_training(q, x))
+                out[name] = quantized_stats(x, quantize_as_training(q, x), operand)
         return out, skipped
         devices = [x.device] if x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):

@@ -200,3 +200,16 @@ def test_inspecting_moves_no_bit_of_an_nvfp4_run():
     seen, ins = run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, seen))
     assert {r["step"] for r in ins.records} == {0, 1, 2} and "run" in ins.records[0]["recipes"]
+
+
+def test_observe_records_a_tensor_that_is_no_linear_layers():
+    """The extension point (e.g. FP8 attention): any tensor, the quantizer role its what-ifs take, and the
+    quantizer that cast it in training as "run"."""
+    ins = Inspector(nn.Linear(4, 4), every=1)
+    p = torch.softmax(torch.randn(2, 4, 32, 32), dim=-1)          # (B, H, T, T): read as (-1, 32)
+    own = quantizer(MXFP8BlockScaling(), "input")
+    rec = ins.observe("blocks.0.attn", "P", p, as_role="input", own=own)
+    assert rec["recipes"]["run"] == rec["recipes"]["mxfp8"] and rec["skipped"] == {"fp8-block": rec["skipped"]["fp8-block"]}
+    assert ins.observe("blocks.0.attn", "S", p)["recipes"] == {}     # no quantizer role: element formats only
+    assert rec["role"] == "P" and ins.records[-1]["formats"]["e4m3"]["underflow"] >= 0
+    ins.remove()

@@ -42,6 +42,17 @@ def _out_path(text: str) -> Path:
     return Path(text)
 
 
+def _switch_rules(text: str) -> str:
+    """An argparse type: an ``--autoswitch`` spec that ``autoswitch.parse_rules`` takes (kept as the text)."""
+    from mpcourse.core.autoswitch import parse_rules
+
+    try:
+        parse_rules(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--autoswitch takes", "must be")) from None
+    return text
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``compare`` and its flags to ``sub`` (the ``mpcourse`` parser's sub-commands); its parser."""
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
@@ -67,6 +78,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
+    c.add_argument("--autoswitch", type=_switch_rules, default=None, metavar="STAT=THRESHOLD",
+                   help="move a quantized layer's GEMMs to high precision for the rest of the run once the inspector "
+                        "sees one of its tensors pass the threshold, e.g. underflow=0.05 (TE's AutoswitchGemm; "
+                        "statistics: underflow, saturation, rel_error, mse; several: comma-separated, any one "
+                        "switches); the switches are printed and kept in results.json's history")
     c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
@@ -153,6 +169,14 @@ def _compare(args: argparse.Namespace) -> int:
             print(f"mpcourse compare: error: {bad[0]}", file=sys.stderr)
             return 2
     from ..parallel.distributed import launched_by_torchrun
+    if args.autoswitch and args.with_notebooks:
+        print("mpcourse compare: error: --autoswitch with --with: your rows would train without the switch and "
+              "their verdicts compare other runs; drop one of them", file=sys.stderr)
+        return 2
+    if args.autoswitch and (args.nproc > 1 or args.parallel or launched_by_torchrun()):
+        print("mpcourse compare: error: --autoswitch trains in one process (each rank would switch on its own "
+              "shard's statistics); drop --nproc/--parallel or --autoswitch", file=sys.stderr)
+        return 2
     if args.nproc > 1 or args.parallel or launched_by_torchrun():
         return compare_parallel(args, corpus, cfg, recipes, side)
     return _compare_here(args, corpus, cfg, recipes, side)
@@ -215,7 +239,7 @@ def _compare_here(args: argparse.Namespace, corpus, cfg: TrainConfig, recipes: l
     try:
         run_compare(recipes, corpus, cfg, args.out, progress=not args.no_progress, seeds=args.seeds,
                     peak_flops=peaks or None, inspect_every=args.inspect or 0, learner=learner, jobs=jobs,
-                    remeasure_peak=remeasure)
+                    remeasure_peak=remeasure, autoswitch=args.autoswitch)
     except WorkerError as e:
         print(f"mpcourse compare: error: {e}", file=sys.stderr)
         return 1

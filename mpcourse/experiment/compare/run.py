@@ -54,7 +54,7 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
                 progress: bool = True, echo=print, seeds: list[int] | None = None,
                 peak_flops: float | Mapping[str, float] | None = None, inspect_every: int = 0,
                 learner: dict | None = None, jobs: int = 1, threads: int | None = None,
-                remeasure_peak=None) -> list[RunResult]:
+                remeasure_peak=None, autoswitch: str | None = None) -> list[RunResult]:
     """Train every recipe in ``recipes`` on ``corpus`` (once per seed in ``seeds``; default: ``cfg.seed``); print
     the table; write JSON and plot to ``out``. ``peak_flops``: the machine's peaks for the %peak column, by GEMM
     dtype key (``speed.cpu_peaks`` / ``gpu_peaks``: each row against its dtype's, ``speed.peak_key``), or one
@@ -62,7 +62,9 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
     a row still above it prints ``100.0*``, see ``format_table``).
     ``inspect_every=N`` runs the numerics inspector on the first seed's runs and writes, per recipe,
     ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` (layer x step: fraction of the output gradients that are
-    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``).
+    FP16 subnormals; in an FP16 run the ones that underflowed are already zeros, counted in ``zeros``), and the
+    figures ``train_inspected`` names. ``autoswitch`` (e.g. "underflow=0.05"): every run of the library's rows
+    moves a quantized layer to high precision once its tensors pass the threshold (``Trainer.switching``).
     ``learner``: functions loaded from exercise notebooks (``mpcourse.experiment.learner``); each recipe
     that accepts some of them gets a second row, ``"name [yours]"``, trained with them (every seed), and one
     verdict line under the table (``learner_verdicts``).
@@ -90,8 +92,8 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
         from .pool import Task, run_pool
         if inspect_every:
             out.mkdir(parents=True, exist_ok=True)           # the workers' inspector files go there
-        tasks = [Task(name, dataclasses.replace(cfg, seed=seed), inspect_every if seed == seeds[0] else 0, out)
-                 for seed in seeds for name in recipes]
+        tasks = [Task(name, dataclasses.replace(cfg, seed=seed), inspect_every if seed == seeds[0] else 0, out,
+                      autoswitch) for seed in seeds for name in recipes]
         errors: dict[int, str] = {}
         finished: dict[int, RunResult] = {}
         try:
@@ -121,9 +123,10 @@ def run_compare(recipes: list[str], corpus: Corpus, cfg: TrainConfig, out: Path,
                             rows.append(pooled[seed, name])
                         elif inspect_every and seed == seeds[0]:
                             out.mkdir(parents=True, exist_ok=True)
-                            rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress))
+                            rows.append(train_inspected(name, corpus, scfg, out, inspect_every, progress,
+                                                        autoswitch=autoswitch))
                         else:
-                            rows.append(train(name, corpus, scfg, progress=progress))
+                            rows.append(train(name, corpus, scfg, progress=progress, autoswitch=autoswitch))
                     except Exception as e:          # keep the other rows: this one is named in results.json
                         failed[seed, name] = _error_line(e)
                         continue
