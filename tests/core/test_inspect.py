@@ -95,3 +95,21 @@ def test_trainer_inspect_every_hooks_the_inspector(tmp_path):
     trainer = Trainer("fp32", corpus, cfg, inspect_every=2).run()
     assert trainer.inspector is not None and {r["step"] for r in trainer.inspector.records} == {0, 2}
     trainer.inspector.remove()
+
+
+def test_binades_count_floor_log2_exactly():
+    """Oracle: floor(log2 |x|) in float64 for every nonzero element (normals, FP32 subnormals, powers of two
+    and the values just below them); zeros, infs and NaNs are not counted."""
+    torch.manual_seed(0)
+    for tiny in (False, True):
+        x = torch.exp2(torch.empty(5000).uniform_(-140 if tiny else -40, 20)) * torch.randn(5000).sign()
+        x[:10] = torch.exp2(torch.arange(-5.0, 5.0))
+        x[10:20] = torch.nextafter(x[:10], torch.zeros(10))
+        x[20:23] = torch.tensor([0.0, float("inf"), float("nan")])
+        b = tensor_stats(x)["binades"]
+        a = x.double().abs()
+        a = a[(a > 0) & torch.isfinite(a)]
+        k = torch.floor(torch.log2(a)).long()
+        assert b["lo"] == int(k.min())
+        assert b["counts"] == torch.bincount(k - k.min()).tolist()
+        assert sum(b["counts"]) == 4997

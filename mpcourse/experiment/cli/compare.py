@@ -45,6 +45,17 @@ def _out_path(text: str) -> Path:
     return Path(text)
 
 
+def _switch_rules(text: str) -> str:
+    """An argparse type: an ``--autoswitch`` spec that ``autoswitch.parse_rules`` takes (kept as the text)."""
+    from mpcourse.core.autoswitch import parse_rules
+
+    try:
+        parse_rules(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--autoswitch takes", "must be")) from None
+    return text
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``compare`` and its flags to ``sub`` (the ``mpcourse`` parser's sub-commands); its parser."""
     c = sub.add_parser("compare", help="train one model under every precision recipe and report side by side")
@@ -70,6 +81,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"batch {PRESET_BATCH['large']} unless --batch-size)")
     c.add_argument("--inspect", type=positive_int, default=None, metavar="N",
                    help="record the numerics inspector every N steps (first seed); writes inspect-RECIPE.json/.png")
+    c.add_argument("--autoswitch", type=_switch_rules, default=None, metavar="STAT=THRESHOLD",
+                   help="move a quantized layer's GEMMs to high precision for the rest of the run once the inspector "
+                        "sees one of its tensors pass the threshold, e.g. underflow=0.05 (TE's AutoswitchGemm; "
+                        "statistics: underflow, saturation, rel_error, mse; several: comma-separated, any one "
+                        "switches); the switches are printed and kept in results.json's history")
     c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
@@ -153,6 +169,12 @@ def _compare(args: argparse.Namespace) -> int:
         bad = [why for why in map(fp8_all_gather_error, recipes) if why]
         if bad:
             return refuse(bad[0])
+    if args.autoswitch and args.with_notebooks:
+        return refuse("--autoswitch with --with: your rows would train without the switch and their verdicts "
+                      "compare other runs; drop one of them")
+    if args.autoswitch and (args.nproc > 1 or args.parallel or world is not None):
+        return refuse("--autoswitch trains in one process (each rank would switch on its own shard's statistics); "
+                      "drop --nproc/--parallel or --autoswitch")
     if args.nproc > 1 or args.parallel or world is not None:
         return compare_parallel(args, corpus, cfg, recipes, side)
     return _compare_here(args, corpus, cfg, recipes, side)
@@ -211,7 +233,7 @@ def _jobs(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
 def _measurement(args: argparse.Namespace, cfg: TrainConfig, vocab_size: int, n_runs: int, threads: int):
     """What the job measures besides the loss (``compare.run.Measurement``): the peaks for %peak, taken on
     ``threads`` threads and named in one line (with a warning for ``--preset large`` on the CPU), how a CPU peak is
-    measured again, and ``--inspect``."""
+    measured again, ``--inspect`` and ``--autoswitch``."""
     from ..compare.run import Measurement
 
     peaks = _peak_flops(args.device, threads)
@@ -224,7 +246,8 @@ def _measurement(args: argparse.Namespace, cfg: TrainConfig, vocab_size: int, n_
     if args.device != "cuda":
         from ..measure.speed import measure_gemm_peak
         remeasure = functools.partial(measure_gemm_peak, threads=threads)
-    return Measurement(peak_flops=peaks or None, remeasure_peak=remeasure, inspect_every=args.inspect or 0)
+    return Measurement(peak_flops=peaks or None, remeasure_peak=remeasure, inspect_every=args.inspect or 0,
+                       autoswitch=args.autoswitch)
 
 
 def _make_out(out: Path):

@@ -58,6 +58,8 @@ def run_changes(args: argparse.Namespace) -> list[str]:
         rest.append(f"preset={args.preset}")
     if args.inspect:
         rest.append(f"inspect={args.inspect}")
+    if getattr(args, "autoswitch", None):
+        rest.append(f"autoswitch={args.autoswitch}")
     if args.with_notebooks:
         rest.append("with=" + ",".join(Path(nb).stem for nb in args.with_notebooks))
     if args.nproc != 1:

@@ -79,12 +79,13 @@ def default_jobs(n_runs: int, cores: Optional[int] = None) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Task:
     """One run: recipe ``name`` under ``cfg`` (its seed included); ``inspect_every`` > 0 also writes the
-    numerics inspector's files into ``out``."""
+    numerics inspector's files into ``out``; ``autoswitch``: a spec such as "underflow=0.05" (``Trainer.switching``)."""
 
     name: str
     cfg: TrainConfig
     inspect_every: int = 0
     out: Optional[Path] = None
+    autoswitch: Optional[str] = None
 
 
 _progress: Optional[mp.Queue] = None
@@ -120,8 +121,9 @@ def _run_task(task: Task, corpus: Corpus) -> RunResult:
             _progress.put(1)
 
     if task.inspect_every:
-        return train_inspected(task.name, corpus, task.cfg, task.out, task.inspect_every, False, on_step=tick)
-    return Trainer(task.name, corpus, task.cfg).run(on_step=tick).result()
+        return train_inspected(task.name, corpus, task.cfg, task.out, task.inspect_every, False, on_step=tick,
+                               autoswitch=task.autoswitch)
+    return Trainer(task.name, corpus, task.cfg, autoswitch=task.autoswitch).run(on_step=tick).result()
 
 
 def run_pool(tasks: list[Task], corpus: Corpus, jobs: int, threads: int = TRAINING_THREADS, *, progress: bool = True,

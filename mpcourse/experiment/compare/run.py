@@ -72,11 +72,13 @@ class Measurement:
     a row still above it prints ``100.0*``, see ``format_table``). ``inspect_every=N``: the numerics inspector on
     the first seed's runs, writing ``inspect-RECIPE.json`` and ``inspect-RECIPE.png`` per recipe (layer x step:
     fraction of the output gradients that are FP16 subnormals; in an FP16 run the ones that underflowed are already
-    zeros, counted in ``zeros``)."""
+    zeros, counted in ``zeros``). ``autoswitch`` (e.g. "underflow=0.05"): every run of the library's rows moves a
+    quantized layer to high precision once its tensors pass the threshold (``Trainer.switching``)."""
 
     peak_flops: float | Mapping[str, float] | None = None
     remeasure_peak: Callable[[str], float | None] | None = None
     inspect_every: int = 0
+    autoswitch: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +145,7 @@ def _train_in_workers(job: _Job, tally: _Tally) -> None:
 
     if job.measurement.inspect_every:
         job.out.mkdir(parents=True, exist_ok=True)           # the workers' inspector files go there
-    tasks = [Task(name, job.cfg_for(seed), job.inspect_every(seed), job.out)
+    tasks = [Task(name, job.cfg_for(seed), job.inspect_every(seed), job.out, job.measurement.autoswitch)
              for seed in job.seeds for name in job.recipes]
     errors: dict[int, str] = {}
     finished: dict[int, RunResult] = {}
@@ -163,11 +165,11 @@ def _library_row(job: _Job, tally: _Tally, seed: int, name: str) -> RunResult:
     """Recipe ``name`` on ``seed``: the workers' row, else trained here (inspected on the first seed)."""
     if (seed, name) in tally.pooled:
         return tally.pooled[seed, name]
-    every, progress = job.inspect_every(seed), job.execution.progress
+    every, progress, switch = job.inspect_every(seed), job.execution.progress, job.measurement.autoswitch
     if every:
         job.out.mkdir(parents=True, exist_ok=True)
-        return train_inspected(name, job.corpus, job.cfg_for(seed), job.out, every, progress)
-    return train(name, job.corpus, job.cfg_for(seed), progress=progress)
+        return train_inspected(name, job.corpus, job.cfg_for(seed), job.out, every, progress, autoswitch=switch)
+    return train(name, job.corpus, job.cfg_for(seed), progress=progress, autoswitch=switch)
 
 
 def _learner_row(job: _Job, tally: _Tally, seed: int, name: str) -> RunResult | None:

@@ -151,7 +151,8 @@ class Trainer:
     ride in the class (``get_recipe(name).with_functions(...)``), checked where the recipe is built.
 
     ``inspect_every=N`` hooks the numerics inspector on the model and records every N-th step
-    (``self.inspector.records``); its time is part of the step time.
+    (``self.inspector.records``); its time is part of the step time. ``autoswitch`` (e.g. "underflow=0.05", see
+    ``switching``) moves a quantized layer to high precision once its tensors pass a threshold; off by default.
 
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
@@ -162,7 +163,8 @@ class Trainer:
     #: (the same bits; the tests compare the two)
     fast_emulation = True
 
-    def __init__(self, recipe: str | type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, inspect_every: int = 0):
+    def __init__(self, recipe: str | type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, inspect_every: int = 0,
+                 autoswitch=None):
         recipe_cls = get_recipe(recipe) if isinstance(recipe, str) else recipe
         mcfg = GPTConfig(**{**asdict(cfg.model), "vocab_size": corpus.vocab_size})
         torch.manual_seed(cfg.seed)
@@ -172,6 +174,7 @@ class Trainer:
             built = self.build_recipe(recipe_cls, model)
         self._setup(recipe_cls.name, built, corpus, cfg, torch.Generator().manual_seed(cfg.seed))
         self.inspect(inspect_every)
+        self.switching(autoswitch)
 
     @classmethod
     def wrap(cls, recipe, corpus: Corpus, cfg: TrainConfig, batches: torch.Generator | None = None, *,
@@ -202,6 +205,7 @@ class Trainer:
         self.needs_emulation = None   # whether the first step ran a low-precision matmul through the emulation
         self._last_eval = None        # (step count after the evaluated step, {"train", "val"}) of the last evaluation
         self.inspector = None         # the numerics inspector (mpcourse.core.inspect), see ``inspect``
+        self.autoswitch = None        # the layer switch (mpcourse.core.autoswitch), see ``switching``
 
     def inspect(self, every: int) -> None:
         """Record numerics statistics every ``every`` steps (``mpcourse.core.inspect.Inspector``); 0: off."""
@@ -211,6 +215,17 @@ class Trainer:
             scaler = getattr(self.recipe, "scaler", None)
             self.inspector = Inspector(self.recipe.model, every=every,
                                        loss_scale=(lambda: scaler.get_scale()) if scaler is not None else 1.0)
+
+    def switching(self, rules) -> None:
+        """After every step, switch each quantized layer whose own quantizer's statistics pass one of ``rules`` to
+        high precision for the rest of the run (``mpcourse.core.autoswitch.Autoswitch``: a spec such as
+        "underflow=0.05" or ``SwitchRule`` objects; None: off). The step's events go into its history record
+        (``autoswitch``) and to the console."""
+        self.autoswitch = None
+        if rules:
+            from mpcourse.core.autoswitch import Autoswitch, parse_rules
+            rules = parse_rules(rules) if isinstance(rules, str) else tuple(rules)
+            self.autoswitch = Autoswitch(self.recipe.model, rules, echo=tqdm.write)
 
     # -- what a data-parallel trainer (mpcourse.experiment.parallel.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model):
@@ -253,8 +268,9 @@ class Trainer:
         recipe, cfg = self.recipe, self.cfg
         x, y = self.corpus.batch("train", cfg.batch_size, self.mcfg.block_size, self.batches)  # (B, T) int64
         x, y = x.to(cfg.device), y.to(cfg.device)
-        if self.inspector is not None:
-            self.inspector.set_step(self.step)
+        for watcher in (self.inspector, self.autoswitch):
+            if watcher is not None:
+                watcher.set_step(self.step)
         recipe.set_lr(lr_at(self.step, cfg.optim, cfg.steps if self.lr_decay else None))
         ab = (lambda r: after_backward(self.step, r)) if after_backward is not None else None
         as_ = (lambda r, res: after_step(self.step, r, res)) if after_step is not None else None
@@ -277,6 +293,8 @@ class Trainer:
             rec = {"step": self.step, "loss": loss_value, "skipped": result.skipped,
                    "loss_scale": result.loss_scale}
             rec.update(result.stats)                         # opt-in statistics (none by default)
+            if self.autoswitch is not None and (events := self.autoswitch.after_step(self.step)):
+                rec["autoswitch"] = events                   # layers switched to high precision after this step
             if not math.isfinite(loss_value):
                 self.diverged_at = self.step
             elif self.evaluate_during and ((self.step + 1) % cfg.eval_interval == 0 or self.step + 1 == cfg.steps):
@@ -333,23 +351,32 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """A checkpoint: recipe state, RNG states, step, history, the corpus it trains on (``corpus_id``)."""
-        return {"recipe_name": self.name, "recipe": self.recipe.state_dict(), "step": self.step,
-                "history": list(self.history), "skipped": self.skipped, "diverged_at": self.diverged_at,
-                "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state(),
-                "corpus": corpus_id(self.corpus)}
+        state = {"recipe_name": self.name, "recipe": self.recipe.state_dict(), "step": self.step,
+                 "history": list(self.history), "skipped": self.skipped, "diverged_at": self.diverged_at,
+                 "batch_rng": self.batches.get_state(), "torch_rng": torch.get_rng_state(),
+                 "corpus": corpus_id(self.corpus)}
+        if self.autoswitch is not None:
+            state["autoswitch"] = self.autoswitch.state_dict()  # the layers switched so far
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``. Raises ValueError (``CheckpointError``) if it was saved under another
         recipe or does not have a Trainer checkpoint's keys; the recipe checks its own state before loading."""
         keys = {"recipe_name", "recipe", "step", "history", "skipped", "diverged_at", "batch_rng", "torch_rng"}
-        if not isinstance(state, dict) or set(state) - {"corpus"} != keys:   # "corpus": absent in older ones
+        if not isinstance(state, dict) or set(state) - {"corpus", "autoswitch"} != keys:   # optional: absent in older ones
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"not a Trainer checkpoint: expected the keys {sorted(keys)}, got {got}")
         if state["recipe_name"] != self.name:
             raise ValueError(f"checkpoint is from recipe {state['recipe_name']!r}, not {self.name!r}; "
                              f"build Trainer({state['recipe_name']!r}, ...) to resume it")
         check_same_corpus(state.get("corpus"), self.corpus)
+        switched = state.get("autoswitch", {}).get("switched", [])
+        if switched and self.autoswitch is None:
+            raise CheckpointError(f"the checkpoint's run switched {switched} to high precision (--autoswitch): "
+                                  "resume it with the same --autoswitch, or those layers would go back to low precision")
         self.recipe.load_state_dict(state["recipe"])
+        if self.autoswitch is not None and "autoswitch" in state:
+            self.autoswitch.load_state_dict(state["autoswitch"])
         self.step, self.history = state["step"], list(state["history"])
         self._last_eval = None
         self.skipped, self.diverged_at = state["skipped"], state["diverged_at"]
@@ -389,37 +416,47 @@ def check_same_corpus(saved: dict | None, corpus: Corpus) -> None:
 
 
 def train(recipe: str | type[TrainingRecipe], corpus: Corpus, cfg: TrainConfig, *, progress: bool = True,
-          position: int = 0, label: str | None = None) -> RunResult:
+          position: int = 0, label: str | None = None, autoswitch=None) -> RunResult:
     """Train a fresh GPT on ``corpus`` under ``recipe`` (a name, or a recipe class, e.g. one carrying a learner's
     functions: ``TrainingRecipe.with_functions``) and report the outcome.
 
     A run whose training loss becomes inf or NaN stops there (``diverged_at``), and its final
     losses are NaN: nothing is silently averaged away. ``label``: the name of the result's row (default the
-    recipe's).
+    recipe's); ``autoswitch``: switch layers to high precision on what the inspector sees (``Trainer.switching``).
 
     Raises:
         KeyError: unknown recipe name (the message lists the known ones).
     """
-    trainer = Trainer(recipe, corpus, cfg)
+    trainer = Trainer(recipe, corpus, cfg, autoswitch=autoswitch)
     if label is not None:
         trainer.name = label                                 # the row's name, e.g. "fp16-dynamic [yours]"
     return trainer.run(progress=progress, position=position).result()
 
 
 def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int, progress: bool,
-                    on_step=None) -> RunResult:
-    """``train`` with the numerics inspector every ``every`` steps; writes ``out/inspect-NAME.json`` and
-    ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients). Used by
-    ``mpcourse compare --inspect-every`` in this process and in the pool's workers."""
+                    on_step=None, autoswitch=None) -> RunResult:
+    """``train`` with the numerics inspector every ``every`` steps; writes ``out/inspect-NAME.json`` (every record:
+    the element formats' fractions and every recipe's quantizer statistics, ``mpcourse.core.inspect``),
+    ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients),
+    ``out/inspect-NAME-recipes.png`` (layer x recipe, per role: the underflow fraction under each recipe's
+    quantizer, mean over the inspected steps) and ``out/inspect-NAME-hist.png`` (log2|x| of the last inspected
+    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked); with
+    ``autoswitch``, the JSON's ``autoswitch`` lists the layers switched and why. Used by ``mpcourse compare
+    --inspect`` in this process and in the pool's workers."""
     from pathlib import Path
 
-    from mpcourse.core.inspect import plot_heatmap
+    from mpcourse.core.inspect import plot_binades, plot_heatmap, plot_recipe_heatmap
 
     out = Path(out)
-    trainer = Trainer(name, corpus, cfg, inspect_every=every).run(progress=progress, on_step=on_step)
-    trainer.inspector.to_json(out / f"inspect-{name}.json")
-    if trainer.inspector.records:
-        plot_heatmap(trainer.inspector.records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16",
-                     kind="subnormal")
+    trainer = Trainer(name, corpus, cfg, inspect_every=every, autoswitch=autoswitch).run(progress=progress,
+                                                                                         on_step=on_step)
+    records = trainer.inspector.records
+    extra = {"autoswitch": trainer.autoswitch.events} if trainer.autoswitch is not None else {}
+    trainer.inspector.to_json(out / f"inspect-{name}.json", **extra)
+    if records:
+        plot_heatmap(records, out / f"inspect-{name}.png", role="output_grad", fmt="fp16", kind="subnormal")
+        plot_recipe_heatmap(records, out / f"inspect-{name}-recipes.png")
+        last = [r for r in records if r["step"] == records[-1]["step"] and r["role"] == "output_grad"] or records
+        plot_binades(max(last, key=lambda r: r["dynamic_range_binades"]), out / f"inspect-{name}-hist.png")
     trainer.inspector.remove()
     return trainer.result()

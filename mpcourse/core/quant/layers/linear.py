@@ -135,6 +135,10 @@ class QuantizedLinear(nn.Linear):
     Raises RuntimeError on a GPU without FP8 tensor cores (compute capability < 8.9).
     """
 
+    #: True: every GEMM in high precision (``_high_precision``, the input's dtype), exactly as an ``nn.Linear`` that
+    #: ``module_filter_fn`` kept out, FP8 region or not; set on one layer by ``mpcourse.core.autoswitch``
+    high_precision = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe=None, pad_inner_dim: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -186,7 +190,7 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if not is_fp8_enabled():  # inside fp8_autocast(enabled=False): plain high-precision linear
+        if self.high_precision or not is_fp8_enabled():  # switched high, or fp8_autocast(enabled=False)
             return self._high_precision(x, x.dtype)
         region_recipe = get_fp8_recipe()
         if region_recipe is not None and region_recipe != self.recipe:

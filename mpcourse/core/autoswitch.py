@@ -1,0 +1,161 @@
+"""An inspector that acts: a layer whose quantized tensors pass a threshold computes in high precision from then on
+(Transformer Engine's debug feature ``AutoswitchGemm``, made permanent).
+
+The rule (``SwitchRule``): after each inspected step, for every layer still quantized, read the statistics its own
+quantizer produced on that step ("run" in the inspector's records, ``mpcourse.core.inspect_quant``: what the
+layer's GEMMs were fed, delayed scales included) for its input, weight and output gradient; if any one passes a
+threshold, ``statistic > threshold``, the layer is switched: ``Float8Linear.high_precision = True``, so all three of
+its GEMMs compute in high precision for the rest of the run, exactly as a layer that ``module_filter_fn`` kept out
+of conversion (its weight and bias, its optimizer state and its hooks are untouched; a ``Float8WeightLinear``
+computes with its dequantized stored weight, TE's ``allow_fp8_model_params_dequantized_weight``). Each switch is an
+event {step, layer, role, statistic, value, threshold}, printed once and kept in ``events``.
+
+Statistics a rule may name (``SWITCH_STATISTICS``; definitions in ``inspect_quant``): ``underflow`` (the fraction
+of the nonzero elements quantized to zero; TE's example threshold: 5%), ``saturation``, ``rel_error`` and ``mse``
+(TE's second metric, the MSE of the quantized tensor). Several rules: any passing switches the layer (TE: "if any
+monitored tensor breaches thresholds, the GEMM switches to high precision"). Off unless built: the default run never
+inspects and never switches.
+
+Differences from TE, on purpose: TE decides per GEMM (fprop, dgrad, wgrad) and only for the iteration it measured
+(it measures again the next one); here a layer switches whole and for good, the decision taken after the step it
+measured (the step itself ran quantized), so a run's precision changes at most once per layer and a log of events
+says all of it. TE's underflow percentage divides by all elements, the course's fraction by the nonzero ones.
+
+Sources: NVIDIA/TransformerEngine ``transformer_engine/debug/features/autoswitch_gemm.py`` (the thresholds
+``underflow_threshold_pct`` = 5.0 and ``mse_threshold``, the per-tensor metrics, the OR over tensors).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.nn as nn
+
+from .inspect import Inspector
+
+SWITCH_STATISTICS = ("underflow", "saturation", "rel_error", "mse")
+SWITCH_ROLES = ("activation", "weight", "output_grad")
+
+
+@dataclass(frozen=True)
+class SwitchRule:
+    """Switch a layer when the run's ``statistic`` of one of its quantized tensors is above ``threshold``."""
+
+    statistic: str
+    threshold: float
+
+    def __post_init__(self):
+        if self.statistic not in SWITCH_STATISTICS:
+            raise ValueError(f"an autoswitch statistic is one of {SWITCH_STATISTICS}, got {self.statistic!r}")
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(f"an autoswitch threshold is a finite number >= 0, got {self.threshold!r}")
+
+    def passes(self, value: float) -> bool:
+        return value > self.threshold
+
+    def __str__(self) -> str:
+        return f"{self.statistic}={self.threshold:g}"
+
+
+def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
+    """Rules from ``"underflow=0.05"`` or ``"underflow=0.05,rel_error=0.3"`` (the CLI's ``--autoswitch``);
+    ValueError naming the form otherwise."""
+    rules = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        name, _, value = part.partition("=")
+        try:
+            rules.append(SwitchRule(name.strip(), float(value)))
+        except ValueError:
+            raise ValueError(f"--autoswitch takes STATISTIC=THRESHOLD[,...], STATISTIC one of "
+                             f"{', '.join(SWITCH_STATISTICS)} and THRESHOLD a number >= 0 (e.g. underflow=0.05), "
+                             f"got {spec!r}") from None
+    if not rules:
+        raise ValueError("--autoswitch needs at least one STATISTIC=THRESHOLD, e.g. underflow=0.05")
+    return tuple(rules)
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers a switch applies to: those with quantizers of their own (``Float8Linear`` and its subclasses)."""
+    return {name: m for name, m in model.named_modules() if isinstance(getattr(m, "quantizers", None), dict)}
+
+
+class Autoswitch:
+    """Watch ``model``'s quantized layers every ``every`` steps and switch those whose tensors pass a rule.
+
+    Call ``set_step(step)`` before the step's forward and ``after_step(step)`` after its backward (the training
+    loop does both); ``after_step`` returns the step's events. ``echo``: where each event's line goes (None: nowhere).
+    ``state_dict()`` / ``load_state_dict()``: the switched layers and the events, for a checkpoint.
+    """
+
+    def __init__(self, model: nn.Module, rules, every: int = 1, echo: Optional[Callable[[str], None]] = print):
+        self.rules = tuple(rules)
+        if not self.rules or not all(isinstance(r, SwitchRule) for r in self.rules):
+            raise TypeError(f"rules must be SwitchRule objects (parse_rules('underflow=0.05')), got {rules!r}")
+        self.model, self.echo = model, echo
+        self.layers = quantized_layers(model)
+        self.inspector = Inspector(model, every=every, formats=(), what_ifs=(), run=True, roles=SWITCH_ROLES,
+                                   summary=False)
+        self.events: list[dict] = []
+
+    @property
+    def switched(self) -> list[str]:
+        return [n for n, m in self.layers.items() if m.high_precision]
+
+    def set_step(self, step: int) -> None:
+        self.inspector.set_step(step)
+
+    def decide(self, records: list[dict]) -> list[dict]:
+        """The events the rules make of one step's ``records`` (the first tensor and rule that passes, per layer,
+        in recording order), switching nothing."""
+        events, done = [], set(self.switched)
+        for r in records:
+            run = r["recipes"].get("run")
+            if run is None or r["layer"] in done or r["layer"] not in self.layers:
+                continue
+            for rule in self.rules:
+                if rule.passes(run[rule.statistic]):
+                    events.append({"step": r["step"], "layer": r["layer"], "role": r["role"],
+                                   "statistic": rule.statistic, "value": run[rule.statistic],
+                                   "threshold": rule.threshold})
+                    done.add(r["layer"])
+                    break
+        return events
+
+    def after_step(self, step: int) -> list[dict]:
+        """Read the step's records, switch the layers they condemn, log and return the events."""
+        records = [r for r in self.inspector.records if r["step"] == step]
+        self.inspector.records.clear()                                # only the last step's are ever needed
+        events = self.decide(records)
+        for e in events:
+            self.switch(e["layer"])
+            self.events.append(e)
+            if self.echo is not None:
+                self.echo(describe(e))
+        return events
+
+    def switch(self, name: str) -> None:
+        """Layer ``name`` computes in high precision from now on (``Float8Linear.high_precision``)."""
+        if name not in self.layers:
+            raise ValueError(f"{name!r} is not a quantized layer of this model; those are: {list(self.layers)}")
+        self.layers[name].high_precision = True
+        self.inspector.stop(name)                                     # nothing of it is quantized any more
+
+    def state_dict(self) -> dict:
+        return {"switched": self.switched, "events": [dict(e) for e in self.events]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Switch the layers ``state`` names (a model freshly built, a checkpoint's state): the run goes on as
+        it was. ValueError naming the layer where the model has no such quantized layer."""
+        for name in state["switched"]:
+            self.switch(name)
+        self.events = [dict(e) for e in state["events"]]
+
+    def remove(self) -> None:
+        self.inspector.remove()
+
+
+def describe(e: dict) -> str:
+    """One line for an event: when, which layer, why."""
+    return (f"autoswitch: step {e['step']}: {e['layer']} -> high precision ({e['role']} {e['statistic']} "
+            f"{e['value']:.4g} > {e['threshold']:g})")
