@@ -42,7 +42,7 @@ def test_autoswitch_names_its_folder_and_reaches_the_job(monkeypatch, tmp_path, 
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "--recipes", "fp8-current", "--autoswitch", "underflow=0.05"]) == 0
     assert seen["out"] == Path("mpcourse-out-runs/recipes=fp8-current+autoswitch=underflow=0.05")
-    assert seen["autoswitch"] == "underflow=0.05"
+    assert seen["measurement"].autoswitch == "underflow=0.05"
 
 
 @pytest.mark.slow
