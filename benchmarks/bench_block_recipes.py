@@ -13,7 +13,7 @@ GEMM), not a GPU speed-up. A number for one machine in one run: re-run it where 
 
 Measured (2-core AMD EPYC, AVX2, no BF16/FP16 units, torch 2.13 CPU, numba 0.68.1, machine otherwise idle; the
 fp32 step itself moves by 15-25% from run to run and hour to hour here, so read each ratio as +-15%), three runs
-in a row on the tree with the compiled kernels of ``mpcourse.core.quant.kernels.fused``::
+in a row on the tree with the compiled kernels of ``mpcourse.core.quant.kernels.loops``::
 
     python benchmarks/bench_block_recipes.py --steps 5 --warmup 1 --threads 1 --clock cpu
 
@@ -27,7 +27,7 @@ in a row on the tree with the compiled kernels of ``mpcourse.core.quant.kernels.
 
 The third run's fp32 step was 15% faster than the first two's while the FP8 steps were not: the 1.5x aimed for
 holds in the median of the three runs for every FP8 and MX recipe, not in every run. On the tree before the
-kernels (the torch fast paths of ``mpcourse.core.quant.kernels.fastpath`` only) the same command gave fp8-current 1.33-1.66,
+kernels (the torch fast paths of ``mpcourse.core.quant.kernels`` only) the same command gave fp8-current 1.33-1.66,
 fp8-delayed 1.35-1.72, fp8-rowwise 1.78-1.83, fp8-block 1.77-1.85, mxfp8 1.76-1.90, nvfp4 4.8-5.5 (three runs);
 before those fast paths about 1.8-2.1 (per tensor), 2.2-2.6 (rowwise, blocks, MX) and 5.1-6.6 (NVFP4). Every run
 gives the same losses as before, bit for bit (``mpcourse compare`` histories).

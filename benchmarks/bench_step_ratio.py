@@ -10,7 +10,7 @@ spread (min-max over rounds) beside it. Printed for each recipe: ``recipe  ms/st
 target where there is one (fp8-current, fp8-delayed <= 1.5; nvfp4 <= 2.0; mxfp8 for information).
 
 On a CPU the FP8 and NVFP4 GEMMs are emulated: the per-tensor recipes' ``torch._scaled_mm`` upcasts both
-operands to FP32 and runs one FP32 GEMM (``fastpath.cpu_scaled_mm``), the block recipes dequantize and run one
+operands to FP32 and runs one FP32 GEMM (``upcast.cpu_scaled_mm``), the block recipes dequantize and run one
 FP32 GEMM; on top come the quantizers (amax, scale, cast) and for NVFP4 the random Hadamard transforms and the
 stochastic rounding draws. So a ratio is the cost of the emulation's extra passes on this CPU, not a GPU
 speed-up.

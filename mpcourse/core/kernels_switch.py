@@ -8,7 +8,7 @@ quantizer or a scaler is built (``quant.engine``, ``scaling.base`` and ``scaling
 * ``ENABLED``: ``MPCOURSE_FUSED`` as it was when this module was first imported ("0": False, the rules
   everywhere; unset or anything else: True). No other module reads the environment variable, and it is read once:
   setting it later in the same process changes nothing (set it before Python starts, or use ``flags``).
-  ``quant.kernels.fused`` does not even import numba when it is False.
+  ``quant.kernels.jit`` does not even import numba when it is False.
 * ``enabled(kernels=None)``: the choice for a binding made now: ``kernels`` where a caller gives it
   (``engine.quantizers(..., kernels=False)``), else the innermost ``flags`` block's, else ``ENABLED``.
 * ``flags(enabled=...)``: a block in which bindings made without an explicit choice take ``enabled``, e.g. a

@@ -5,8 +5,8 @@ in one module; an explicit choice and ``flags`` blocks for code that builds both
   a block restores the choice when it ends, also on an exception; anything but a bool is refused.
 * The quantizers (``quant.engine``) and the loss scalers (``scaling``) both bind from it.
 * No module but ``kernels_switch`` names the environment variable in code (docstrings aside).
-* In a fresh process ``MPCOURSE_FUSED=0`` binds the rules everywhere, leaves numba unimported and ``fastpath``'s
-  compiled passes off; the variable set after the import changes nothing.
+* In a fresh process ``MPCOURSE_FUSED=0`` binds the rules everywhere, leaves numba unimported and the kernels'
+  compiled passes off (``quant.kernels.jit``); the variable set after the import changes nothing.
 """
 import ast
 import json
@@ -81,13 +81,13 @@ CHILD = """
 import json, os, sys
 from mpcourse.core import kernels_switch
 from mpcourse.core.quant import CurrentScaling, NVFP4BlockScaling, engine
-from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.kernels import jit
 from mpcourse.core.scaling import DynamicLossScaler, check
 os.environ["MPCOURSE_FUSED"] = "1"                              # too late: read once, at import
 s = DynamicLossScaler()
 print(json.dumps({
-    "enabled": kernels_switch.ENABLED, "numba": "numba" in sys.modules, "available": fused.AVAILABLE,
-    "compiled": fastpath.COMPILED,
+    "enabled": kernels_switch.ENABLED, "numba": "numba" in sys.modules, "available": jit.AVAILABLE,
+    "compiled": jit.COMPILED,
     "quantizers": [q.backend.kernels for r in (CurrentScaling(), NVFP4BlockScaling())
                    for q in engine.quantizers(r).values()],
     "unscale_rule": s._check_and_unscale_ is check.check_and_unscale_,

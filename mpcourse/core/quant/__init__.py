@@ -7,8 +7,8 @@ The rules, one plain function each (no kernel, no fast path, no learner's hook):
 * ``scaled``: ``ScaledTensor``, scales of any granularity; ``blockwise``: ``quantize_fp32_scaled``,
   ``block_quantize`` (tensorwise, rowwise, 1x128, 128x128); ``mx``: ``mx_shared_exponent``, ``quantize_mx``;
   ``nvfp4``: ``nvfp4_scales``, ``quantize_nvfp4``; ``hadamard``: NVFP4's random Hadamard transform.
-Their kernels, each equal bit for bit to the rule it names: ``fastpath`` (torch fast paths) and ``fused`` (numba
-passes). No rule imports them.
+Their kernels, each equal bit for bit to the rule it names: the modules of ``kernels/`` (torch fast paths by concern,
+and numba's compiled passes, ``kernels.loops``). No rule imports them.
 Configuration and the engine:
 * ``recipe``: ``QuantizationRecipe`` (TE's ``Recipe``), ``Format``, ``DelayedScaling``, ``Float8CurrentScaling`` (TE's fields and defaults).
 * ``block_recipes``: ``BlockRecipe``: ``Float8RowwiseScaling`` (torchao rowwise), ``Float8BlockScaling``,

@@ -2,26 +2,26 @@
 
 A ``Backend`` names each step (``backend.amax``, ``backend.cast``, ``backend.scaled_mm``, ...) and holds, for all of
 them, either the library's rules (``RULES``: the plain functions of ``rules/`` the lessons teach) or the kernels that
-equal them bit for bit (``KERNELS``: ``kernels.fastpath``, which hands CPU tensors to ``kernels.fused``'s compiled
-passes, each kernel named after its rule). ``choose(kernels=None)`` is where the choice is made: ``kernels`` if a
+equal them bit for bit (``KERNELS``: the modules of ``kernels/``, which hand CPU tensors to the compiled passes where
+numba runs, each kernel named after its rule). ``choose(kernels=None)`` is where the choice is made: ``kernels`` if a
 caller gives it, else the library's switch (``mpcourse.core.kernels_switch``: ``MPCOURSE_FUSED=0`` binds the rules
 everywhere, read once at import; ``kernels_switch.flags(...)`` for a block). The engine passes the chosen object to
 every quantizer it builds (``quantizer.backend``) and the layers hand their quantizers' to the GEMMs, as MiniTorch
 chooses one ``TensorBackend`` and passes it.
 
     step                  rule                            kernel
-    amax                  tensor.compute_amax             fastpath.compute_amax
-    cast                  tensor.to_float8                fastpath.to_float8
-    scaled_mm             tensor.scaled_mm                fastpath.cpu_scaled_mm      the per-tensor FP8 GEMM on a CPU
-    fp8_to_float32        tensor.fp8_to_float32           fastpath.fp8_to_float32     its upcast (the backward GEMMs')
-    quantize_fp32_scaled  blockwise.quantize_fp32_scaled  fastpath.quantize_fp32_scaled
-    quantize_mx           mx.quantize_mx                  fastpath.quantize_mx
-    block_amax            scaled.block_amax               fastpath.block_amax
-    encode_mx             mx.encode_mx                    fastpath.encode_mx_exponents
-    quantize_nvfp4        nvfp4.quantize_nvfp4            fastpath.quantize_nvfp4
-    encode_nvfp4          nvfp4.encode_nvfp4              fastpath.encode_nvfp4
-    rht                   hadamard.rht                    fastpath.rht
-    dequantize            ScaledTensor.dequantize         fastpath.dequantize         the block-scaled GEMM's emulation
+    amax                  tensor.compute_amax             per_tensor.compute_amax
+    cast                  tensor.to_float8                per_tensor.to_float8
+    scaled_mm             tensor.scaled_mm                upcast.cpu_scaled_mm        the per-tensor FP8 GEMM on a CPU
+    fp8_to_float32        tensor.fp8_to_float32           upcast.fp8_to_float32       its upcast (the backward GEMMs')
+    quantize_fp32_scaled  blockwise.quantize_fp32_scaled  blocks.quantize_fp32_scaled
+    quantize_mx           mx.quantize_mx                  blocks.quantize_mx
+    block_amax            scaled.block_amax               blocks.block_amax
+    encode_mx             mx.encode_mx                    blocks.encode_mx_exponents
+    quantize_nvfp4        nvfp4.quantize_nvfp4            nvfp4_quant.quantize_nvfp4
+    encode_nvfp4          nvfp4.encode_nvfp4              nvfp4_quant.encode_nvfp4
+    rht                   hadamard.rht                    nvfp4_quant.rht
+    dequantize            ScaledTensor.dequantize         upcast.dequantize           the block-scaled GEMM's emulation
 
 Both give the same bits (``tests/core/quant/kernels/``); only the speed differs.
 """
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import kernels_switch
-from .kernels import fastpath
+from .kernels import blocks, nvfp4_quant, per_tensor, upcast
 from .rules import blockwise, hadamard, mx, nvfp4, scaled, tensor
 from .rules.scaled import ScaledTensor
 
@@ -63,11 +63,12 @@ RULES = Backend(kernels=False, amax=tensor.compute_amax, cast=tensor.to_float8, 
                 quantize_mx=mx.quantize_mx, block_amax=scaled.block_amax, encode_mx=mx.encode_mx,
                 quantize_nvfp4=nvfp4.quantize_nvfp4, encode_nvfp4=nvfp4.encode_nvfp4, rht=hadamard.rht,
                 dequantize=ScaledTensor.dequantize)
-KERNELS = Backend(kernels=True, amax=fastpath.compute_amax, cast=fastpath.to_float8, scaled_mm=fastpath.cpu_scaled_mm,
-                  fp8_to_float32=fastpath.fp8_to_float32, quantize_fp32_scaled=fastpath.quantize_fp32_scaled,
-                  quantize_mx=fastpath.quantize_mx, block_amax=fastpath.block_amax,
-                  encode_mx=fastpath.encode_mx_exponents, quantize_nvfp4=fastpath.quantize_nvfp4,
-                  encode_nvfp4=fastpath.encode_nvfp4, rht=fastpath.rht, dequantize=fastpath.dequantize)
+KERNELS = Backend(kernels=True, amax=per_tensor.compute_amax, cast=per_tensor.to_float8,
+                  scaled_mm=upcast.cpu_scaled_mm, fp8_to_float32=upcast.fp8_to_float32,
+                  quantize_fp32_scaled=blocks.quantize_fp32_scaled, quantize_mx=blocks.quantize_mx,
+                  block_amax=blocks.block_amax, encode_mx=blocks.encode_mx_exponents,
+                  quantize_nvfp4=nvfp4_quant.quantize_nvfp4, encode_nvfp4=nvfp4_quant.encode_nvfp4,
+                  rht=nvfp4_quant.rht, dequantize=upcast.dequantize)
 
 
 def choose(kernels: Optional[bool] = None) -> Backend:

@@ -18,7 +18,7 @@ peak, every other row against the BF16 one (PaLM's MFU convention: the chip's tr
 reach it). On a CPU there is no datasheet number worth trusting, so ``measure_gemm_peak`` times the machine's
 own GEMM in that dtype: FP32, and BF16 or FP16 where the CPU has native units for it (where it has not, those
 GEMMs are emulated as FP32 GEMMs plus one rounding, ``mpcourse.core.emulation``, and an FP8/MX/NVFP4 GEMM on a
-CPU is an FP32 GEMM of the upcast codes, ``mpcourse.core.quant.kernels.fastpath.cpu_scaled_mm``: those rows are measured
+CPU is an FP32 GEMM of the upcast codes, ``mpcourse.core.quant.kernels.upcast.cpu_scaled_mm``: those rows are measured
 against the FP32 peak).
 
 A timing is only ever too slow (another process took the core, a frequency step), never too fast, so the peak

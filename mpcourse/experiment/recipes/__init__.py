@@ -44,7 +44,7 @@ TABLE_ORDER = (
 
 # Left out of a plain ``mpcourse compare`` (name them with ``--recipes``); ``mpcourse recipes`` and ``--recipes``
 # list them as usual. Every main recipe, the emulated block-scaled ones included, fits the no-argument run's
-# few minutes on a 2-core CPU (fast emulation paths, ``mpcourse.core.quant.kernels.fastpath``, and ``--jobs``).
+# few minutes on a 2-core CPU (fast emulation paths, ``mpcourse.core.quant.kernels``, and ``--jobs``).
 # ``mxfp8-floor`` is ``mxfp8`` with the OCP spec's floor rule for the shared exponent instead of RCEIL: the
 # recipe lesson 09's ``mx_shared_exponent`` plugs into, a variant rather than a row of its own.
 # ``fp8-delayed-fp8-weights`` trains bit for bit as ``fp8-delayed`` (tested): only its memory differs, so in the

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from mpcourse.core.quant import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
-from mpcourse.core.quant.kernels import fastpath
+from mpcourse.core.quant.kernels import blocks, nvfp4_quant
 from mpcourse.core.quant.layers.module_filter import all_of, edge_blocks_filter, is_small_gemm
 from mpcourse.core.quant.rules import blockwise, mx, nvfp4
 
@@ -40,36 +40,36 @@ def refused(error, words, call):
 @pytest.mark.parametrize("block", [(2, 32), (1, 16), (1, 64), (32, 32), (1, -1), (-1, 1), (16, 1)], ids=str)
 @pytest.mark.parametrize("impl", ["rule", "fastpath"])
 def test_mx_takes_only_the_two_mx_blocks(impl, block):
-    q = mx.quantize_mx if impl == "rule" else fastpath.quantize_mx
+    q = mx.quantize_mx if impl == "rule" else blocks.quantize_mx
     msg = refused(ValueError, r"MX blocks are \(1, 32\) or \(32, 1\)", lambda: q(X, block))
     assert str(tuple(block)) in msg
-    enc = mx.encode_mx if impl == "rule" else fastpath.encode_mx
+    enc = mx.encode_mx if impl == "rule" else blocks.encode_mx
     refused(ValueError, r"MX blocks are \(1, 32\) or \(32, 1\)",
             lambda: enc(X, block, "e4m3", torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("block", [(1, 32), (32, 1)], ids=str)
 def test_the_mx_blocks_still_quantize(block):
-    for q in (mx.quantize_mx, fastpath.quantize_mx):
+    for q in (mx.quantize_mx, blocks.quantize_mx):
         assert q(X, block).block == block
 
 
 @pytest.mark.parametrize("block", [(2, 16), (1, 32), (32, 32), (1, -1), (16, 2), (8, 8)], ids=str)
 @pytest.mark.parametrize("impl", ["rule", "fastpath"])
 def test_nvfp4_takes_only_its_three_blocks(impl, block):
-    q = nvfp4.quantize_nvfp4 if impl == "rule" else fastpath.quantize_nvfp4
+    q = nvfp4.quantize_nvfp4 if impl == "rule" else nvfp4_quant.quantize_nvfp4
     words = r"NVFP4 blocks are \(1, 16\), \(16, 1\) or \(16, 16\)"
     msg = refused(ValueError, words, lambda: q(X, block))
     assert str(tuple(block)) in msg
     refused(ValueError, words, lambda: nvfp4.nvfp4_scales(X, block))
     t, s = nvfp4.nvfp4_scales(X)
-    enc = nvfp4.encode_nvfp4 if impl == "rule" else fastpath.encode_nvfp4
+    enc = nvfp4.encode_nvfp4 if impl == "rule" else nvfp4_quant.encode_nvfp4
     refused(ValueError, words, lambda: enc(X, block, t, s))
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)], ids=str)
 def test_the_nvfp4_blocks_still_quantize(block):
-    for q in (nvfp4.quantize_nvfp4, fastpath.quantize_nvfp4):
+    for q in (nvfp4.quantize_nvfp4, nvfp4_quant.quantize_nvfp4):
         assert q(X, block).block == block
 
 

@@ -10,7 +10,7 @@ them on the same bits come out.
   weights included, built with kernels off (``kernels_switch.flags(enabled=False)``, what ``MPCOURSE_FUSED=0``
   binds) calls no function defined in ``mpcourse/core/quant/kernels/`` (watched with ``sys.setprofile``: every
   Python call, however the caller got hold of the function, and the compiled passes are only reached through
-  ``fused``'s Python wrappers); built with kernels on it calls them, in the forward and in the backward, and gives
+  the Python wrappers of ``fp8_passes`` and ``nvfp4_passes``); built with kernels on it calls them, in the forward and in the backward, and gives
   the same bits.
 * The public GEMMs (``fp8_gemm``, ``scaled_gemm``, ``emulated_gemm``) follow the switch too.
 """
@@ -29,9 +29,9 @@ import dataclasses
 
 from mpcourse.core.quant import backend, engine
 from mpcourse.core.quant.block_recipes import direction_recipe
-from mpcourse.core.quant.kernels import fastpath
+from mpcourse.core.quant.kernels import jit
 
-KERNELS_DIR = str(Path(fastpath.__file__).resolve().parent)
+KERNELS_DIR = str(Path(jit.__file__).resolve().parent)
 RULES_DIR = str(Path(quant.__file__).resolve().parent / "rules")
 
 

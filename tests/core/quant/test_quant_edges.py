@@ -146,7 +146,7 @@ def _exact_ceil_log2(v: float) -> int:
 def test_mx_scale_matches_torchao_to_mx_at_every_e8m0_boundary(elem, rule, mode):
     mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     from mpcourse.core.formats import FORMATS
-    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.kernels import blocks
     top = FORMATS[elem].max
     amax = _boundary_amaxes(top)
     x = _boundary_blocks(amax)
@@ -167,7 +167,7 @@ def test_mx_scale_matches_torchao_to_mx_at_every_e8m0_boundary(elem, rule, mode)
         assert coarse.sum() < len(amax) // 4
         want_s[coarse] += 1
         want_d[coarse] = (x[coarse] / torch.exp2(exact[coarse].float())[:, None]).to(dtype).view(torch.uint8)
-    for quantize in (mx.quantize_mx, fastpath.quantize_mx):   # torchao's divisor where k = -127: edges="torchao"
+    for quantize in (mx.quantize_mx, blocks.quantize_mx):   # torchao's divisor where k = -127: edges="torchao"
         q = quantize(x, (1, 32), elem, rule, edges="torchao")
         got_s = q.scale_inv.view(torch.uint8).flatten()
         bad = (got_s != want_s).nonzero().flatten()
@@ -231,10 +231,10 @@ def test_nvfp4_tensor_amax_given_is_checked(impl):
     """quantize_nvfp4's tensor_amax: a negative one used to be stored as a negative tensor scale (every element
     decoded with its sign flipped, no error), several elements failed in an internal reshape, a Python number in
     ``.float()``. A number is the one-element tensor; negative or several elements: a ValueError saying so."""
-    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.kernels import nvfp4_quant
     from mpcourse.core.quant.rules import nvfp4
 
-    q = nvfp4.quantize_nvfp4 if impl == "rule" else fastpath.quantize_nvfp4
+    q = nvfp4.quantize_nvfp4 if impl == "rule" else nvfp4_quant.quantize_nvfp4
     x = torch.linspace(-3, 3, 256).reshape(16, 16)
     ref = q(x, tensor_amax=torch.tensor(3.0))
     by_number = q(x, tensor_amax=3.0)

@@ -23,7 +23,7 @@ from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScal
                                  MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
                                  convert_to_float8_training, engine, fp8_gemm)
 from mpcourse.core import kernels_switch
-from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.kernels import blocks, jit, nvfp4_quant, per_tensor, upcast
 from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
 from mpcourse.core.quant.layers.block_gemm import accumulator_model_gemm, emulated_gemm, scaled_gemm
 from mpcourse.core.quant.rules.scaled import block_amax, grid, resolve_block
@@ -39,11 +39,11 @@ PATHS = ["rule", "numba", "torch"]
 def path(name: str):
     """The rule ("rule": the call given is the rule's) or ``fastpath`` with numba's passes ("numba") or its torch
     bodies ("torch": ``fused`` off)."""
-    if name == "numba" and not fused.AVAILABLE:
+    if name == "numba" and not jit.AVAILABLE:
         pytest.skip("numba is not installed (or MPCOURSE_FUSED=0)")
     with pytest.MonkeyPatch.context() as mp:
         if name == "torch":
-            mp.setattr(fastpath, "COMPILED", False)
+            mp.setattr(jit, "COMPILED", False)
         yield
 
 
@@ -64,7 +64,7 @@ def check_empty(q, x: torch.Tensor, block, zero_ref) -> None:
     if zero_ref.tensor_scale_inv is not None:
         assert torch.equal(q.tensor_scale_inv, zero_ref.tensor_scale_inv)
     for d, dtype in ((q.dequantize(), x.dtype), (q.dequantize_fp32(), torch.float32),
-                     (fastpath.dequantize(q, torch.float32), torch.float32)):
+                     (upcast.dequantize(q, torch.float32), torch.float32)):
         assert tuple(d.shape) == tuple(x.shape) and d.dtype == dtype
 
 
@@ -83,7 +83,7 @@ def test_fp32_scaled_quantizers_take_empty_tensors(shape, block, mode, dtype):
                 check_empty(q, x, block, ref)
                 continue
             for keep in (False, True):
-                q, ref = (fastpath.quantize_fp32_scaled(t, block, "e4m3", power_2_scale=p2, keep_fp32=keep)
+                q, ref = (blocks.quantize_fp32_scaled(t, block, "e4m3", power_2_scale=p2, keep_fp32=keep)
                           for t in (x, zeros))
                 check_empty(q, x, block, ref)
 
@@ -104,7 +104,7 @@ def test_mx_quantizers_take_empty_tensors(shape, block, mode):
                         check_empty(q, x, block, ref)
                         continue
                     for keep in (False, True):
-                        q, ref = (fastpath.quantize_mx(t, block, elem, rule, keep_fp32=keep, edges=edges)
+                        q, ref = (blocks.quantize_mx(t, block, elem, rule, keep_fp32=keep, edges=edges)
                                   for t in (x, zeros))
                         check_empty(q, x, block, ref)
 
@@ -121,7 +121,7 @@ def test_nvfp4_quantizers_take_empty_tensors(shape, block, mode):
         for rht in (False, True):
             for edges in ("course", "torchao"):
                 with path(mode):
-                    transform = hadamard.rht if mode == "rule" else fastpath.rht
+                    transform = hadamard.rht if mode == "rule" else nvfp4_quant.rht
                     xs = [transform(t) if rht else t for t in (x, zeros)]
                     assert tuple(xs[0].shape) == shape
                     if mode == "rule":
@@ -130,7 +130,7 @@ def test_nvfp4_quantizers_take_empty_tensors(shape, block, mode):
                         assert float(q.tensor_scale_inv) == 0.0
                         continue
                     for keep in (False, True):
-                        q, ref = (fastpath.quantize_nvfp4(t, block, rounding=rounding, keep_fp32=keep, edges=edges)
+                        q, ref = (nvfp4_quant.quantize_nvfp4(t, block, rounding=rounding, keep_fp32=keep, edges=edges)
                                   for t in xs)
                         check_empty(q, x, block, ref)
                         assert float(q.tensor_scale_inv) == 0.0
@@ -159,16 +159,16 @@ def test_per_tensor_casts_and_reductions_take_empty_tensors(shape, mode):
             if mode == "rule":
                 amax, q = tensor.compute_amax(x), tensor.quantize_current(x, fmt)
             else:
-                amax = fastpath.compute_amax(x)
-                q = fastpath.to_float8(x, fmt, tensor.compute_scale(amax, tensor.fp8_max(fmt)))
+                amax = per_tensor.compute_amax(x)
+                q = per_tensor.to_float8(x, fmt, tensor.compute_scale(amax, tensor.fp8_max(fmt)))
             assert float(amax) == 0.0 and float(q.scale_inv) == 1.0
             assert tuple(q.data.shape) == shape and tuple(q.dequantize().shape) == shape
             codes = torch.zeros(shape).to(q.data.dtype)
-            up = codes.float() if mode == "rule" else fastpath.fp8_to_float32(codes, torch.tensor(2.0))
+            up = codes.float() if mode == "rule" else upcast.fp8_to_float32(codes, torch.tensor(2.0))
             assert tuple(up.shape) == shape and up.dtype == torch.float32
             for block in FP32_BLOCKS + NVFP4_BLOCKS:
                 b = resolve_block(shape, block)
-                got = (block_amax if mode == "rule" else fastpath.block_amax)(x, b)
+                got = (block_amax if mode == "rule" else blocks.block_amax)(x, b)
                 assert tuple(got.shape) == expected_grid(shape, block) and not bool(got.any())
 
 
@@ -194,11 +194,11 @@ def test_engine_quantizers_take_empty_tensors_on_every_role_axis_and_gemm(shape,
 # ------------------------------------------------------------------------------------------------ GEMMs
 QUANTIZERS = {
     "tensorwise": lambda t: blockwise.quantize_fp32_scaled(t, (-1, -1)),
-    "rowwise": lambda t: fastpath.quantize_fp32_scaled(t, (1, -1), power_2_scale=True, keep_fp32=True),
-    "1x128": lambda t: fastpath.quantize_fp32_scaled(t, (1, 128), power_2_scale=True, keep_fp32=True),
-    "mxfp8": lambda t: fastpath.quantize_mx(t, (1, 32), "e4m3", "rceil", keep_fp32=True),
+    "rowwise": lambda t: blocks.quantize_fp32_scaled(t, (1, -1), power_2_scale=True, keep_fp32=True),
+    "1x128": lambda t: blocks.quantize_fp32_scaled(t, (1, 128), power_2_scale=True, keep_fp32=True),
+    "mxfp8": lambda t: blocks.quantize_mx(t, (1, 32), "e4m3", "rceil", keep_fp32=True),
     "mxfp8-e5m2-rule": lambda t: mx.quantize_mx(t, (1, 32), "e5m2", "floor"),
-    "nvfp4": lambda t: fastpath.quantize_nvfp4(t, (1, 16), keep_fp32=True),
+    "nvfp4": lambda t: nvfp4_quant.quantize_nvfp4(t, (1, 16), keep_fp32=True),
     "nvfp4-rule": lambda t: nvfp4.quantize_nvfp4(t, (1, 16)),
 }
 MKN = [(0, 256, 128), (128, 0, 128), (128, 256, 0), (0, 0, 0), (0, 0, 128), (128, 0, 0)]
@@ -229,7 +229,7 @@ def test_per_tensor_gemms_on_empty_operands(mkn):
     for out_dtype in (torch.float32, torch.bfloat16):
         y = fp8_gemm(a8, w8.t(), out_dtype)
         assert tuple(y.shape) == (M, N) and y.dtype == out_dtype
-        z = fastpath.cpu_scaled_mm(a8.data, w8.data.t(), a8.scale_inv, w8.scale_inv, out_dtype)
+        z = upcast.cpu_scaled_mm(a8.data, w8.data.t(), a8.scale_inv, w8.scale_inv, out_dtype)
         assert tuple(z.shape) == (M, N) and z.dtype == out_dtype
         if K == 0:
             assert not bool(y.any()) and not bool(z.any())

@@ -2,7 +2,7 @@
 
 * Every rule a lesson teaches is importable from ``mpcourse.core.quant``, and its source names no kernel, fast path
   or learner's hook, in at most 30 lines of body (its docstring aside).
-* No rule module imports a kernel module (``fastpath``, ``fused``) or the engine, at module level or inside a function.
+* No rule module imports a kernel module (``kernels/``) or the engine, at module level or inside a function.
 * The package has no import cycle, function-level imports included.
 * The recipes are configuration: dataclass fields (TE's / torchao's), no ``*_fn`` fields, no quantizing methods.
 * The engine's quantizers give the same bits with kernels (the default) as with the rules (``kernels=False``, what
@@ -26,8 +26,9 @@ RULES = ["compute_amax", "compute_scale", "quantize", "quantize_fp32_scaled", "b
          "quantize_mx", "nvfp4_scales", "quantize_nvfp4", "amax_and_scale_update"]
 RULE_MODULES = ["rules.tensor", "rules.delayed", "rules.scaled", "rules.blockwise", "rules.mx", "rules.nvfp4",
                 "rules.hadamard", "recipe", "block_recipes"]
-KERNEL_MODULES = {"kernels.fastpath", "kernels.fused", "engine"}
-FORBIDDEN = re.compile(r"fused|fastpath|kernel|numba|hook|_fn\b|learner", re.IGNORECASE)
+KERNEL_MODULES = {"kernels.jit", "kernels.loops", "kernels.fp8_passes", "kernels.nvfp4_passes", "kernels.per_tensor",
+                  "kernels.upcast", "kernels.blocks", "kernels.e2m1", "kernels.nvfp4_quant", "engine"}
+FORBIDDEN = re.compile(r"fused|fastpath|kernel|numba|_passes|nvfp4_quant|\bjit\b|hook|_fn\b|learner", re.IGNORECASE)
 PACKAGE = Path(quant.__file__).parent
 
 
@@ -61,19 +62,19 @@ def test_each_rule_is_a_plain_function_of_at_most_30_lines(name):
 def test_the_layout_checks_can_fail():
     def planted(x):
         """A rule with a fast path."""
-        from mpcourse.core.quant.kernels import fused   # noqa: F401
+        from mpcourse.core.quant.kernels import fp8_passes   # noqa: F401
         return x
     assert FORBIDDEN.search(_code(planted))
     assert _body_lines(planted) == 2
-    tree = ast.parse("def f():\n    from ..kernels import fastpath\n    from ..layers.gemm import fp8_gemm\n")
-    assert _imports(tree, "mpcourse.core.quant.rules.m") == {"kernels.fastpath", "layers.gemm"}
+    tree = ast.parse("def f():\n    from ..kernels import blocks\n    from ..layers.gemm import fp8_gemm\n")
+    assert _imports(tree, "mpcourse.core.quant.rules.m") == {"kernels.blocks", "layers.gemm"}
     # a planted edge from a rule to a kernel is caught by the room check
     graph = _graph()
-    graph["rules.tensor"] = graph["rules.tensor"] | {"kernels.fastpath"}
+    graph["rules.tensor"] = graph["rules.tensor"] | {"kernels.per_tensor"}
     assert _room_violations(graph)
     graph = _graph()                                # and one from a layer to a kernel
-    graph["layers.gemm"] = graph["layers.gemm"] | {"kernels.fastpath"}
-    assert _room_violations(graph) == ["layers.gemm imports kernels.fastpath"]
+    graph["layers.gemm"] = graph["layers.gemm"] | {"kernels.upcast"}
+    assert _room_violations(graph) == ["layers.gemm imports kernels.upcast"]
 
 
 def _imports(tree: ast.AST, module: str) -> set[str]:
@@ -121,7 +122,7 @@ def test_the_rooms_are_there():
     assert rooms == {"rules", "kernels", "layers"}
     for rule in ("tensor", "delayed", "scaled", "blockwise", "mx", "nvfp4", "hadamard"):
         assert f"rules.{rule}" in MODULES
-    assert {"kernels.fastpath", "kernels.fused"} <= set(MODULES)
+    assert KERNEL_MODULES - {"engine"} <= set(MODULES)
 
 
 def test_rules_import_no_kernel_or_layer_and_kernels_no_layer():

@@ -48,7 +48,7 @@ from mpcourse.core.quant import (CurrentScaling, DelayedScaling, Float8BlockScal
                                  MXFP8BlockScaling, NVFP4BlockScaling, PerDirectionBlockScaling,
                                  convert_to_float8_training)
 from mpcourse.core import kernels_switch
-from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.kernels import blocks, jit, nvfp4_quant, per_tensor, upcast
 from mpcourse.core.quant.rules import blockwise, hadamard, mx, nvfp4, tensor
 from mpcourse.core.quant.rules.delayed import amax_and_scale_update
 
@@ -247,10 +247,10 @@ def assert_within_format_error(x, deq, unit, q, elem: str, what: str) -> None:
 def kernels(mode: str):
     """``fastpath``'s quantizers as they run: "numba" (``fused``'s compiled passes, where numba imports) or "torch"
     (``fused`` off: ``fastpath``'s torch bodies)."""
-    if mode == "numba" and not fused.AVAILABLE:
+    if mode == "numba" and not jit.AVAILABLE:
         pytest.skip("numba is not installed (or MPCOURSE_FUSED=0): the compiled kernels are off")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "COMPILED", mode == "numba")
+        mp.setattr(jit, "COMPILED", mode == "numba")
         yield
 
 
@@ -259,7 +259,7 @@ KERNELS = ["numba", "torch"]
 
 def assert_st_equal(got, want, what: str, mode: str = "torch") -> None:
     """Two ScaledTensors (or Float8Tensors) with the same data bytes, scale bits and dequantized bits (the rule's
-    ``dequantize``, the kept FP32 copy if any, and ``fastpath.dequantize`` run in kernel ``mode``)."""
+    ``dequantize``, the kept FP32 copy if any, and ``upcast.dequantize`` run in kernel ``mode``)."""
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), f"{what}: data bytes differ"
     assert torch.equal(got.scale_inv.reshape(-1).view(torch.uint8), want.scale_inv.reshape(-1).view(torch.uint8)), \
         f"{what}: scale_inv differs"
@@ -273,13 +273,13 @@ def assert_st_equal(got, want, what: str, mode: str = "torch") -> None:
         assert_same(kept, ref, f"{what}: the kept FP32 copy")
     if hasattr(got, "block"):
         with kernels(mode):
-            assert_same(fastpath.dequantize(got, torch.float32), ref, f"{what}: fastpath.dequantize ({mode})")
+            assert_same(upcast.dequantize(got, torch.float32), ref, f"{what}: upcast.dequantize ({mode})")
 
 
 @contextlib.contextmanager
 def kernels_off():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "COMPILED", False)
+        mp.setattr(jit, "COMPILED", False)
         yield
 
 
@@ -304,8 +304,8 @@ def test_per_tensor_current_scaling_on_boundary_amaxes(fmt, power_2):
             assert (top / 2 < y <= top) if power_2 else abs(y - top) <= top * 2.0 ** -22, (what, y)
         for mode in KERNELS:
             with kernels(mode):
-                amax_k = fastpath.compute_amax(xt)
-                fast = fastpath.to_float8(xt, fmt, tensor.compute_scale(amax_k, top, 0, None, power_2))
+                amax_k = per_tensor.compute_amax(xt)
+                fast = per_tensor.to_float8(xt, fmt, tensor.compute_scale(amax_k, top, 0, None, power_2))
             assert_st_equal(fast, rule, f"{what} ({mode})", mode)
 
 
@@ -338,7 +338,7 @@ def test_fp32_scales_of_an_infinite_amax_are_one(fmt):
         assert torch.isfinite(d).all() and float(d[0, 0]) == top and float(d[0, 1]) == -1.5
         for mode in KERNELS:
             with kernels(mode):
-                fast = fastpath.quantize_fp32_scaled(x, (1, 128), fmt, power_2_scale=power_2, keep_fp32=True)
+                fast = blocks.quantize_fp32_scaled(x, (1, 128), fmt, power_2_scale=power_2, keep_fp32=True)
             assert_st_equal(fast, b, f"{fmt} {mode}", mode)
 
 
@@ -375,7 +375,7 @@ def test_fp32_block_scales_on_boundary_amaxes(block, power_2):
     for mode in KERNELS:
         for keep in (False, True):
             with kernels(mode):
-                fast = fastpath.quantize_fp32_scaled(xt, block, "e4m3", power_2_scale=power_2, keep_fp32=keep)
+                fast = blocks.quantize_fp32_scaled(xt, block, "e4m3", power_2_scale=power_2, keep_fp32=keep)
             assert_st_equal(fast, rule, f"{block} {mode} keep={keep}", mode)
 
 
@@ -437,7 +437,7 @@ def test_mx_on_boundary_amaxes(block, elem, rule):
     for mode in KERNELS:
         for keep in (False, True):
             with kernels(mode):
-                fast = fastpath.quantize_mx(xt, block, elem, rule, keep_fp32=keep)
+                fast = blocks.quantize_mx(xt, block, elem, rule, keep_fp32=keep)
             assert_st_equal(fast, got, f"{what} {mode} keep={keep}", mode)
 
 
@@ -459,7 +459,7 @@ def test_mx_torchao_edges_keep_torchaos_divisor_where_k_is_minus_127(elem, rule)
     assert torch.equal(got.data.view(torch.uint8)[same], default.data.view(torch.uint8)[same])
     for mode in KERNELS:
         with kernels(mode):
-            fast = fastpath.quantize_mx(xt, (1, 32), elem, rule, keep_fp32=True, edges="torchao")
+            fast = blocks.quantize_mx(xt, (1, 32), elem, rule, keep_fp32=True, edges="torchao")
         assert_st_equal(fast, got, f"{mode}", mode)
     if elem in ("e4m3", "e5m2"):   # the difference the default makes on MXFP8: a block of 2^-130
         tiny = torch.full((1, 32), 2.0 ** -130)
@@ -532,7 +532,7 @@ def test_nvfp4_on_boundary_tensor_amaxes(block):
         for mode in KERNELS:
             for keep in (False, True):
                 with kernels(mode):
-                    fast = fastpath.quantize_nvfp4(xt, block, keep_fp32=keep)
+                    fast = nvfp4_quant.quantize_nvfp4(xt, block, keep_fp32=keep)
                 assert_st_equal(fast, got, f"{what} {mode} keep={keep}", mode)
 
 
@@ -563,7 +563,7 @@ def test_nvfp4_torchao_edges_are_torchaos_nvfp4_quantize(block):
             default = nvfp4.quantize_nvfp4(xt, (1, 16))
             assert torch.equal(default.data.view(torch.uint8), ours.data.view(torch.uint8)), T
         with kernels_off():
-            assert_st_equal(fastpath.quantize_nvfp4(xt, (1, 16), edges="torchao"), ours, f"{T}")
+            assert_st_equal(nvfp4_quant.quantize_nvfp4(xt, (1, 16), edges="torchao"), ours, f"{T}")
     assert tiny_nan > 0                               # the library's NaN on tiny tensors is reproduced
 
 
@@ -579,7 +579,7 @@ def test_nvfp4_gradients_stochastic_and_hadamard_on_tiny_tensors(rht):
             continue
         if rht:
             h = hadamard.rht(xt)
-            assert torch.equal(fastpath.rht(xt).view(torch.int32), h.view(torch.int32))
+            assert torch.equal(nvfp4_quant.rht(xt).view(torch.int32), h.view(torch.int32))
             xt = h
         got = nvfp4.quantize_nvfp4(xt, (16, 1), rounding="stochastic", generator=torch.Generator().manual_seed(1))
         d = got.dequantize()
@@ -596,7 +596,7 @@ def test_nvfp4_gradients_stochastic_and_hadamard_on_tiny_tensors(rht):
                 + 2.0 ** -16 * np.abs(xt.numpy()) + 2.0 ** -149)[~flushed].all(), T
         for mode in KERNELS:
             with kernels(mode):
-                fast = fastpath.quantize_nvfp4(xt, (16, 1), rounding="stochastic",
+                fast = nvfp4_quant.quantize_nvfp4(xt, (16, 1), rounding="stochastic",
                                                generator=torch.Generator().manual_seed(1), keep_fp32=True)
             assert_st_equal(fast, got, f"{T} {mode}", mode)
 
@@ -614,8 +614,8 @@ def test_nvfp4_infinite_input_is_not_hidden():
 def test_edges_names_are_checked():
     for call in (lambda: mx.quantize_mx(torch.ones(1, 32), edges="ocp"),
                  lambda: nvfp4.quantize_nvfp4(torch.ones(1, 16), edges="te"),
-                 lambda: fastpath.quantize_mx(torch.ones(1, 32), edges="spec"),
-                 lambda: fastpath.quantize_nvfp4(torch.ones(1, 16), edges=None)):
+                 lambda: blocks.quantize_mx(torch.ones(1, 32), edges="spec"),
+                 lambda: nvfp4_quant.quantize_nvfp4(torch.ones(1, 16), edges=None)):
         with pytest.raises(ValueError, match="edges must be one of") as err:
             call()
         assert "\n" not in str(err.value)

@@ -9,7 +9,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.optim.state import LowPrecisionState
 from mpcourse.core.quant import Float8Linear
-from mpcourse.core.quant.kernels import fastpath
 from mpcourse.experiment.gpt.data import load_corpus
 from mpcourse.experiment.measure.memory import PeakTracker, measure_step
 from mpcourse.experiment.gpt.model import GPTConfig

@@ -13,7 +13,7 @@ each with its scales in blocks along K (the contraction dimension). Which path r
   GEMM, so the result *is* dequantize-then-FP32-GEMM (equal bit for bit by construction, on every machine).
 
 The emulation dequantizes each operand with the step ``dequantize`` of its backend (the rule
-``ScaledTensor.dequantize`` or its kernel ``fastpath.dequantize``), unless the quantizer kept its float32 copy:
+``ScaledTensor.dequantize`` or its kernel ``kernels.upcast.dequantize``), unless the quantizer kept its float32 copy:
 the layers pass their quantizers' ``backend`` (``scaled_gemm(..., backend=)``); a caller that passes none gets the
 one the library chooses now (``backend.choose()``).
 

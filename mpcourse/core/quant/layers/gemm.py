@@ -14,7 +14,7 @@ Its rules (PyTorch ``aten/src/ATen/native/cuda/Blas.cpp``; torchao ``float8/floa
   float16 (or FP8). It upcasts both operands to FP32, multiplies by the scales and runs the FP32 GEMM,
   so its result equals ``(float32(A) * scale_a) @ (float32(B) * scale_b)`` rounded to out_dtype, bit for bit.
   On a CPU ``fp8_gemm`` computes exactly that itself, with the step ``scaled_mm`` of its backend: the
-  rule ``rules.tensor.scaled_mm``, or its kernel ``fastpath.cpu_scaled_mm`` (torch's element-by-element FP8 upcast
+  rule ``rules.tensor.scaled_mm``, or its kernel ``kernels.upcast.cpu_scaled_mm`` (torch's element-by-element FP8 upcast
   replaced by a read of the codes as FP16 bits, many times faster; ``tests/core/quant/kernels/test_quant_fastpath.py``
   checks it equals ``torch._scaled_mm`` bit for bit); on a GPU it calls ``torch._scaled_mm``.
 

@@ -10,7 +10,7 @@ Per block of ``block = (rows, cols)`` elements (``-1``: the whole dimension):
                                                         power_2_scale rounds it down to a power of two
     data  = fp8(saturate(x * scale))                    ``scale_inv = 1 / scale`` is what GEMMs read
 
-The kernel of ``quantize_fp32_scaled`` is ``fastpath.quantize_fp32_scaled`` (numba's one pass in ``fused`` where it
+The kernel of ``quantize_fp32_scaled`` is ``kernels.blocks.quantize_fp32_scaled`` (numba's one pass in ``kernels.fp8_passes`` where it
 applies), equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 section 4.2): a 16x16 orthonormal Hadamard matrix with one fixed random sign vector, applied to each 16-row group
 along M of both inputs of dW = dy^T x, so outliers spread over 16 elements before the FP4 cast.
 
-The kernel of ``rht`` is ``fastpath.rht`` (the same batched matmul with a cached matrix), equal bit for bit
+The kernel of ``rht`` is ``kernels.nvfp4_quant.rht`` (the same batched matmul with a cached matrix), equal bit for bit
 (``tests/core/quant/kernels/test_quant_fastpath.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations

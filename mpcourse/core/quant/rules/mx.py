@@ -7,8 +7,8 @@ its element format's error of itself. torchao 0.18's ``to_mx`` divides by 2^-126
 RCEIL (so does Transformer Engine's MXFP8 quantizer: its ``exp2f_rcp`` returns 1 for the biased exponent 0), which
 halves such a block or flushes it to zeros; ``edges="torchao"`` keeps that, bit for bit.
 
-The kernel of ``quantize_mx`` is ``fastpath.quantize_mx`` (its RCEIL scale from ``fastpath.rceil_scale_inv``, numba's
-one pass in ``fused`` where it applies), equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``, ``test_quant_fastpath.py``);
+The kernel of ``quantize_mx`` is ``kernels.blocks.quantize_mx`` (its RCEIL scale from ``blocks.rceil_scale_inv``, numba's
+one pass in ``kernels.fp8_passes`` where it applies), equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``, ``test_quant_fastpath.py``);
 ``engine`` chooses between them.
 """
 from __future__ import annotations

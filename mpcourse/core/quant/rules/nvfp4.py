@@ -11,8 +11,8 @@ scale 2688 / amax and each block's encode multiplier at FP32 max instead (``comm
 ``compute_global_encode_scaling_factor_FP4``, ``compute_scaling_coefficient``): no NaN, but a block whose multiplier
 the cap cuts decodes smaller than it is.
 
-The kernel of ``quantize_nvfp4`` is ``fastpath.quantize_nvfp4`` (the E2M1 rounding in ``fastpath.round_e2m1``, numba's
-one pass in ``fused`` where it applies, from the rule's own random draws), equal bit for bit
+The kernel of ``quantize_nvfp4`` is ``kernels.nvfp4_quant.quantize_nvfp4`` (the E2M1 rounding in ``kernels.e2m1.round_e2m1``, numba's
+one pass in ``kernels.nvfp4_passes`` where it applies, from the rule's own random draws), equal bit for bit
 (``tests/core/quant/kernels/test_quant_fused.py``, ``test_quant_fastpath.py``); ``engine`` chooses between them.
 """
 from __future__ import annotations

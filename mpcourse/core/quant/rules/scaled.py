@@ -22,7 +22,7 @@ value is exactly an E4M3 value (packing two FP4 values per byte is a storage det
 raises ValueError naming the block; the course's GPT has widths and token counts that are multiples of 128.
 
 The rules here (``block_amax``, ``cast_elements``, ``ScaledTensor.dequantize``) are plain torch; their kernels are
-``fastpath.block_amax``, ``fastpath.cast_elements`` and ``fastpath.dequantize`` (numba's passes in ``fused``).
+``kernels.blocks.block_amax``, ``blocks.cast_elements`` and ``kernels.upcast.dequantize`` (numba's passes in ``kernels.fp8_passes``).
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class ScaledTensor:
 
     def dequantize_fp32(self) -> torch.Tensor:
         """``dequantize(torch.float32)``: the copy kept at quantization when there is one (the same bits, from a
-        kernel of ``fastpath``), else computed now. Read it, do not write it: it may be that copy."""
+        kernels of ``kernels/``), else computed now. Read it, do not write it: it may be that copy."""
         return self.dequantize(torch.float32) if self.dequantized is None else self.dequantized
 
     def t(self) -> "ScaledTensor":

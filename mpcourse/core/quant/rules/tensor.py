@@ -39,13 +39,13 @@ in E4M3 (it has no inf) and +-inf in E5M2. NaN stays NaN in both modes, so a NaN
 shows up in the GEMM output instead of being hidden.
 
 The rules here (``compute_amax``, ``compute_scale``, lesson 07's ``quantize``, ``to_float8``, ``quantize_current``)
-are plain torch; their kernels are ``fastpath.compute_amax`` and ``fastpath.to_float8`` (numba's pass in ``fused``),
+are plain torch; their kernels are ``kernels.per_tensor.compute_amax`` and ``per_tensor.to_float8`` (numba's pass in ``kernels.fp8_passes``),
 equal bit for bit (``tests/core/quant/kernels/test_quant_fused.py``), chosen by ``engine``.
 
 The per-tensor FP8 GEMM on a CPU has its rules here too: ``fp8_to_float32`` (the upcast times a scale) and
 ``scaled_mm`` (what ``torch._scaled_mm`` computes on a CPU, measured on torch 2.13: both operands upcast and
-dequantized, made row-major, one FP32 GEMM, one rounding); their kernels are ``fastpath.fp8_to_float32`` and
-``fastpath.cpu_scaled_mm``, chosen by ``engine`` for ``layers.gemm``.
+dequantized, made row-major, one FP32 GEMM, one rounding); their kernels are ``kernels.upcast.fp8_to_float32`` and
+``upcast.cpu_scaled_mm``, chosen by ``engine`` for ``layers.gemm``.
 """
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ from mpcourse.core.quant import Float8BlockScaling, Format, MXFP8BlockScaling, N
 from mpcourse.core.quant.layers.block_gemm import scaled_gemm
 from mpcourse.core.quant.layers.block_linear import same_both_axes
 from mpcourse.core.quant import engine
-from mpcourse.core.quant.kernels.fastpath import cpu_scaled_mm, fp8_to_float32, quantize_fp32_scaled, round_e2m1
+from mpcourse.core.quant.kernels.blocks import quantize_fp32_scaled
+from mpcourse.core.quant.kernels.e2m1 import round_e2m1
+from mpcourse.core.quant.kernels.upcast import cpu_scaled_mm, fp8_to_float32
 from mpcourse.core.quant.rules.mx import mx_shared_exponent
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -193,7 +195,7 @@ def test_compute_amax_equals_abs_then_amax(dtype):
 
 
 def test_block_amax_1x16_pooling_equals_the_reduction():
-    from mpcourse.core.quant.kernels.fastpath import block_amax
+    from mpcourse.core.quant.kernels.blocks import block_amax
     from mpcourse.core.quant.rules.scaled import block_view
     for x in (_edge_matrix(32, 256, 6), _edge_matrix(16, 128, 7)[:, :16].contiguous(), _edge_matrix(48, 128, 8).bfloat16()):
         rule = block_view(x.float().abs(), (1, 16)).amax(dim=(1, 3))
@@ -204,7 +206,7 @@ def test_block_amax_1x16_pooling_equals_the_reduction():
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
 def test_nvfp4_tensor_amax_from_the_block_maxima_is_the_tensor_amax(block):
-    from mpcourse.core.quant.kernels.fastpath import quantize_nvfp4
+    from mpcourse.core.quant.kernels.nvfp4_quant import quantize_nvfp4
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 3
     x[5, 7] = 40.0
     for t in (x, torch.zeros_like(x), x.bfloat16()):
@@ -240,7 +242,7 @@ def test_fp8_linear_cpu_backward_equals_the_fp8_gemm_path(recipe, x_dtype):
 
 @pytest.mark.parametrize("mk", [(1024, 128), (1024, 384), (1024, 512), (64, 48), (16, 16)])
 def test_rht_batched_matmul_equals_the_einsum_rule(mk):
-    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.kernels import nvfp4_quant
     from mpcourse.core.quant.rules import hadamard
     from mpcourse.core.quant.rules.hadamard import random_hadamard
     M, K = mk
@@ -248,9 +250,9 @@ def test_rht_batched_matmul_equals_the_einsum_rule(mk):
     x[0:16, 0] = torch.tensor([1e4] + [1e-2] * 15)                  # an outlier spread over its group
     for seed in (0, 3):
         rule = torch.einsum("ij,gjk->gik", random_hadamard(16, seed), x.reshape(M // 16, 16, K)).reshape(M, K)
-        fast = fastpath.rht(x, seed)
+        fast = nvfp4_quant.rht(x, seed)
         assert bits_equal(fast, rule) and bits_equal(hadamard.rht(x, seed), rule)
-        assert bits_equal(fastpath.rht(x.bfloat16(), seed), torch.einsum(
+        assert bits_equal(nvfp4_quant.rht(x.bfloat16(), seed), torch.einsum(
             "ij,gjk->gik", random_hadamard(16, seed), x.bfloat16().float().reshape(M // 16, 16, K)).reshape(M, K))
 
 
@@ -260,7 +262,7 @@ def test_rht_kernel_equals_the_rule_on_narrow_and_tiny_tensors(mk, scale):
     """Shapes where an einsum of the same matrices sums in another order (K < 12) and inputs whose products with
     +-1/4 are FP32 subnormals (rounded, or not, before they are added): the kernel is the rule's own batched GEMM,
     so the bits agree; both are within FP32 rounding of the float64 transform."""
-    from mpcourse.core.quant.kernels import fastpath
+    from mpcourse.core.quant.kernels import nvfp4_quant
     from mpcourse.core.quant.rules import hadamard
     from mpcourse.core.quant.rules.hadamard import random_hadamard
     M, K = mk
@@ -268,7 +270,7 @@ def test_rht_kernel_equals_the_rule_on_narrow_and_tiny_tensors(mk, scale):
     x[:16, 0] = 0.0                                                  # an all-zero column group
     for seed in (0, 3):
         rule = hadamard.rht(x, seed)
-        assert bits_equal(fastpath.rht(x, seed), rule)
+        assert bits_equal(nvfp4_quant.rht(x, seed), rule)
         exact = (random_hadamard(16, seed).double() @ x.double().reshape(M // 16, 16, K)).reshape(M, K)
         bound = 2.0 ** -20 * (x.double().abs().reshape(M // 16, 16, K).sum(1, keepdim=True) / 4).expand(
             M // 16, 16, K).reshape(M, K) + 16 * 2.0 ** -149
@@ -290,7 +292,7 @@ def _amax_cases() -> torch.Tensor:
 
 
 def test_pow2_scale_equals_compute_scale_with_power_of_two_scales():
-    from mpcourse.core.quant.kernels.fastpath import pow2_scale
+    from mpcourse.core.quant.kernels.blocks import pow2_scale
     from mpcourse.core.quant.rules.tensor import compute_scale
     a = _amax_cases()
     a = a[~(a < 0)]                                   # amaxes are >= 0 (or NaN); -0.0 stays in
@@ -304,7 +306,7 @@ def test_pow2_scale_equals_compute_scale_with_power_of_two_scales():
 def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
     """2^k from the bits equals exp2 of mx_shared_exponent's k (RCEIL) on every boundary; NaN is the caller's."""
     from mpcourse.core.formats import FORMATS
-    from mpcourse.core.quant.kernels.fastpath import rceil_scale_inv
+    from mpcourse.core.quant.kernels.blocks import rceil_scale_inv
     a = _amax_cases()
     a = a[~torch.isnan(a) & ~(a < 0)]
     rule = torch.exp2(mx_shared_exponent(a, elem, "rceil").double()).float()
@@ -314,7 +316,7 @@ def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
 def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
     """Where torch's E4M3 cast saturates (the import-time check), clamping first changes no bit, on a sweep of the
     whole FP32 range; the check itself tells E5M2 (which overflows to inf) apart."""
-    from mpcourse.core.quant.kernels.fastpath import E4M3_CAST_SATURATES, _cast_saturates
+    from mpcourse.core.quant.kernels.per_tensor import E4M3_CAST_SATURATES, _cast_saturates
     g = torch.Generator().manual_seed(13)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), generator=g, dtype=torch.int64).to(torch.int32)
     v = torch.cat([bits.view(torch.float32), torch.linspace(-1000, 1000, 100001)])
@@ -326,17 +328,17 @@ def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
 
 def test_the_clamped_and_unclamped_e4m3_casts_quantize_alike(monkeypatch):
     """The quantizers give the same bits with the flag off (clamp, then cast) as with it on."""
-    import mpcourse.core.quant.kernels.fastpath as fastpath
+    from mpcourse.core.quant.kernels import blocks, per_tensor
     x = _edge_matrix(64, 256, 14) * 1e3
     x[9, :] = 3e38
     import mpcourse.core.quant.rules.tensor as tensor
-    saturates = fastpath.E4M3_CAST_SATURATES
+    saturates = per_tensor.E4M3_CAST_SATURATES
     outs = []
     for flag in (True, False):
-        monkeypatch.setattr(fastpath, "E4M3_CAST_SATURATES", flag and saturates)
-        q = [fastpath.quantize_fp32_scaled(x, (1, 128)), fastpath.quantize_mx(x, (1, 32), "e4m3", "floor"),
-             fastpath.quantize_mx(x, (32, 1), "e4m3", "rceil"), fastpath.quantize_fp32_scaled(x, (-1, -1)),
-             fastpath.to_float8(x, "e4m3", 2.0 ** 20), fastpath.to_float8(x, "e4m3", 0.37),
+        monkeypatch.setattr(per_tensor, "E4M3_CAST_SATURATES", flag and saturates)
+        q = [blocks.quantize_fp32_scaled(x, (1, 128)), blocks.quantize_mx(x, (1, 32), "e4m3", "floor"),
+             blocks.quantize_mx(x, (32, 1), "e4m3", "rceil"), blocks.quantize_fp32_scaled(x, (-1, -1)),
+             per_tensor.to_float8(x, "e4m3", 2.0 ** 20), per_tensor.to_float8(x, "e4m3", 0.37),
              tensor.to_float8(x, "e4m3", 0.37)]
         outs.append([t.data.view(torch.uint8) for t in q])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -363,7 +365,7 @@ def _code_grid(dtype, block) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp8_blocks_to_float32_equals_the_dequantize_rule(dtype, block, mults):
     """folded: every 2^8 * m exact; overflow: finite m whose 2^8 * m overflows (the two-multiply order); all: inf
     and NaN multipliers too."""
-    from mpcourse.core.quant.kernels.fastpath import fp8_blocks_to_float32
+    from mpcourse.core.quant.kernels.upcast import fp8_blocks_to_float32
     from mpcourse.core.quant.rules.scaled import ScaledTensor
     data, m = _code_grid(dtype, block)
     if mults != "all":
@@ -429,7 +431,7 @@ def _learner_nvfp4_scales(x):
 def test_kept_fp32_copy_with_other_scales_and_a_learners_functions(make):
     """Non-power-of-two scales, an amax epsilon and lesson 09's functions (exponents that saturate blocks,
     negative block scales; a learner's scale with a negative value): the copy is dequantize's bits."""
-    from mpcourse.core.quant.kernels.fastpath import encode_fp32_scaled
+    from mpcourse.core.quant.kernels.blocks import encode_fp32_scaled
     recipe, functions = make()
     x = _edge_matrix(256, 256, 19).nan_to_num(nan=0.5, posinf=7e4, neginf=-7e4) * 0.05   # the seams refuse NaN scales
     x[7, :] = -3e38

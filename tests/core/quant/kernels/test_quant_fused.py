@@ -13,7 +13,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
    million random FP32 bit patterns (E5M2 the same way); then the multiply or divide
    by random non-power-of-two block multipliers and the FP32 copy times a random non-power-of-two ``dequant``,
    against the same few torch operations.
-2. ``fastpath.block_amax`` through the kernel against the torch rule (``fastpath.COMPILED`` forced False) and the
+2. ``blocks.block_amax`` through the kernel against the torch rule (``jit.COMPILED`` forced False) and the
    plain reduction, for every block shape the recipes use, with NaN, +-inf, -0.0, huge and subnormal values.
 3. ``quantize_fp32_scaled`` and ``quantize_mx`` with ``keep_fp32=True`` (the kernel) against the forced torch rule:
    data bytes, scale_inv bits and the kept FP32 copy, which must also be ``dequantize(torch.float32)``'s bits.
@@ -22,7 +22,7 @@ a reduction can get wrong is checked here against an oracle run side by side on 
 5. A transposed (non-contiguous) float32 input takes the path scaled's own predicate names (block_amax: the
    kernel), bfloat16 input the rule (no kernel called), and each gives the bits of its reference; keep_fp32=False,
    E5M2 and the MX FP4 format give the forced rule's bits too.
-6. The per-tensor paths: ``tensor.to_float8`` (E4M3 and E5M2, any shape, saturating) and ``fastpath.fp8_to_float32``
+6. The per-tensor paths: ``tensor.to_float8`` (E4M3 and E5M2, any shape, saturating) and ``upcast.fp8_to_float32``
    (with and without a scale, row-major and transposed codes) through the kernels against the forced torch rule.
 7. ``dequantize_fp8`` on every code against torch's upcast times
    the multiplier, and ``quantize_e2m1`` (NVFP4, nearest and stochastic) against the forced rule.
@@ -37,11 +37,11 @@ import torch
 pytest.importorskip("numba")
 
 from mpcourse.core.quant.rules import blockwise, mx, nvfp4, scaled, tensor
-from mpcourse.core.quant.kernels import fastpath, fused  # noqa: E402
+from mpcourse.core.quant.kernels import blocks, fp8_passes, jit, loops, nvfp4_passes, nvfp4_quant  # noqa: E402
 from mpcourse.core.quant.rules.scaled import block_view, resolve_block  # noqa: E402
 
-if not fused.AVAILABLE:
-    pytest.skip("mpcourse.core.quant.kernels.fused is off (numba missing or MPCOURSE_FUSED=0)", allow_module_level=True)
+if not jit.AVAILABLE:
+    pytest.skip("the compiled passes are off (numba missing or MPCOURSE_FUSED=0)", allow_module_level=True)
 
 E4M3 = torch.float8_e4m3fn
 INF, NAN = float("inf"), float("nan")
@@ -97,16 +97,16 @@ def assert_codes_equal(got: torch.Tensor, want: torch.Tensor, *context, nan_sign
 
 
 def torch_rule(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the kernels off (``fastpath.COMPILED`` False): the torch rule."""
+    """fn(*args, **kwargs) with the kernels off (``jit.COMPILED`` False): the torch rule."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "COMPILED", False)
-        assert not fastpath._takes(torch.zeros(2, 2))
+        mp.setattr(jit, "COMPILED", False)
+        assert not jit.takes(torch.zeros(2, 2))
         return fn(*args, **kwargs)
 
 
 def kernel_quantize(x, block, mult, divide, dequant, fp8_format="e4m3"):
     """The FP8 quantize kernel: (codes, float32 copy)."""
-    return fused.quantize_fp8(x, block, mult, divide, dequant, fp8_format=fp8_format)
+    return fp8_passes.quantize_fp8(x, block, mult, divide, dequant, fp8_format=fp8_format)
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def calls(monkeypatch):
     count = {"block_amax": 0, "quantize": 0}
     depth = [0]
     for name in ("block_amax", "quantize_fp8"):
-        real, key = getattr(fused, name), "block_amax" if name == "block_amax" else "quantize"
+        real, key = getattr(fp8_passes, name), "block_amax" if name == "block_amax" else "quantize"
 
         def spy(*args, _real=real, _key=key, **kwargs):
             count[_key] += depth[0] == 0
@@ -126,7 +126,7 @@ def calls(monkeypatch):
             finally:
                 depth[0] -= 1
 
-        monkeypatch.setattr(fused, name, spy)
+        monkeypatch.setattr(fp8_passes, name, spy)
     return count
 
 
@@ -296,10 +296,10 @@ def _amax_cases():
 def test_block_amax_kernel_equals_the_torch_rule(block, calls):
     for x in _amax_cases():
         b = resolve_block(x.shape, block)
-        got = fastpath.block_amax(x, block)              # the kernel (it resolves -1 itself)
+        got = blocks.block_amax(x, block)              # the kernel (it resolves -1 itself)
         assert calls["block_amax"] > 0
         n = calls["block_amax"]
-        want = torch_rule(fastpath.block_amax, x, b)     # the rule takes a resolved block
+        want = torch_rule(blocks.block_amax, x, b)     # the rule takes a resolved block
         assert calls["block_amax"] == n                # the forced rule did not call the kernel
         plain = block_view(x.abs(), b).amax(dim=(1, 3))
         assert_bits_equal(got, want)
@@ -358,9 +358,9 @@ def test_quantize_fp32_scaled_kernel_equals_the_torch_rule(block, power_2_scale,
             for eps in (0.0, 1e-3):
                 kw = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=eps, keep_fp32=True)
                 n = calls["quantize"]
-                got = fastpath.quantize_fp32_scaled(x, block, "e4m3", **kw)
+                got = blocks.quantize_fp32_scaled(x, block, "e4m3", **kw)
                 assert calls["quantize"] == n + 1
-                want = torch_rule(fastpath.quantize_fp32_scaled, x, block, "e4m3", **kw)
+                want = torch_rule(blocks.quantize_fp32_scaled, x, block, "e4m3", **kw)
                 assert calls["quantize"] == n + 1
                 _check_same(got, want, x)
 
@@ -374,9 +374,9 @@ def test_quantize_mx_kernel_equals_the_torch_rule(block, rule, edges, calls):
     saturated = 0
     for x in _quant_cases():
         n = calls["quantize"]
-        got = fastpath.quantize_mx(x, block, "e4m3", rule, keep_fp32=True, edges=edges)
+        got = blocks.quantize_mx(x, block, "e4m3", rule, keep_fp32=True, edges=edges)
         assert calls["quantize"] == n + 1
-        want = torch_rule(fastpath.quantize_mx, x, block, "e4m3", rule, keep_fp32=True, edges=edges)
+        want = torch_rule(blocks.quantize_mx, x, block, "e4m3", rule, keep_fp32=True, edges=edges)
         assert calls["quantize"] == n + 1
         _check_same(got, want, x)
         rule_st = mx.quantize_mx(x, block, "e4m3", rule, edges=edges)
@@ -415,17 +415,17 @@ def test_learner_compute_scale_matches_the_torch_rule(name, power_2_scale, calls
 def _learner_fp32_scaled(x, block, fn, power_2_scale, keep_fp32=True):
     """The engine's path for a learner's scale rule on FP32-scaled blocks: its scales into ``encode_fp32_scaled``."""
     b = resolve_block(x.shape, block)
-    scale = torch.as_tensor(fn(fastpath.block_amax(x, b), 448.0, 0), dtype=torch.float32)
+    scale = torch.as_tensor(fn(blocks.block_amax(x, b), 448.0, 0), dtype=torch.float32)
     scale = tensor.round_down_to_power_of_2(scale) if power_2_scale else scale
-    return fastpath.encode_fp32_scaled(x, b, "e4m3", scale, keep_fp32)
+    return blocks.encode_fp32_scaled(x, b, "e4m3", scale, keep_fp32)
 
 
 def _learner_mx(x, block, fn, keep_fp32=True):
     """The engine's path for a learner's ``mx_shared_exponent``: its exponents into ``encode_mx``."""
     b = resolve_block(x.shape, block)
-    amax = fastpath.block_amax(x, b)
+    amax = blocks.block_amax(x, b)
     k = fn(amax.flatten(), "e4m3").reshape(amax.shape)
-    return fastpath.encode_mx(x, b, "e4m3", amax, torch.exp2(k.double()).float(), keep_fp32)
+    return blocks.encode_mx(x, b, "e4m3", amax, torch.exp2(k.double()).float(), keep_fp32)
 
 
 def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
@@ -447,8 +447,8 @@ def test_learner_exponent_fn_that_saturates_matches_the_torch_rule(calls):
 # ------------------------------------------------------------------------------------------------ 5. layouts and paths
 def _quantizer_takes_kernel(x: torch.Tensor) -> bool:
     """Whether scaled's quantizers send x (keep_fp32, E4M3) to the kernel: ``scaled._fused(x)`` where scaled has that
-    predicate (contiguous x only), else ``fastpath._takes(x)``."""
-    return bool(getattr(fastpath, "_fused", fastpath._takes)(x))
+    predicate (contiguous x only), else ``jit.takes(x)``."""
+    return bool(blocks.fuses(x))
 
 
 def test_transposed_input_takes_the_right_path_and_matches(calls):
@@ -457,18 +457,18 @@ def test_transposed_input_takes_the_right_path_and_matches(calls):
     contiguous copy (whose data and FP32 copy are row-major like it)."""
     base = _special_matrix(384, 256, 31)
     xt = base.t()                                                     # (256, 384), not contiguous
-    assert not xt.is_contiguous() and fastpath._takes(xt)
+    assert not xt.is_contiguous() and jit.takes(xt)
     for block in ((1, 128), (128, 1), (32, 1), (-1, 1)):
         n = calls["block_amax"]
-        got = fastpath.block_amax(xt, block)
+        got = blocks.block_amax(xt, block)
         assert calls["block_amax"] == n + 1
         b = resolve_block(xt.shape, block)
-        assert_bits_equal(got, torch_rule(fastpath.block_amax, xt, b))
-        assert_bits_equal(got, fastpath.block_amax(xt.contiguous(), block))
-    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
-                         (fastpath.quantize_fp32_scaled, (128, 128), dict(fp8_format="e4m3", power_2_scale=True)),
-                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
-                         (fastpath.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+        assert_bits_equal(got, torch_rule(blocks.block_amax, xt, b))
+        assert_bits_equal(got, blocks.block_amax(xt.contiguous(), block))
+    for q, block, kw in ((blocks.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (blocks.quantize_fp32_scaled, (128, 128), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (blocks.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (blocks.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
         n = calls["quantize"]
         got = q(xt, block, keep_fp32=True, **kw)
         assert calls["quantize"] == n + _quantizer_takes_kernel(xt)
@@ -487,17 +487,17 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
     bits too (whichever path they take), and keep_fp32 changes no data bit."""
     x32 = _special_matrix(256, 384, 41).bfloat16().float()
     xb = x32.bfloat16()
-    assert not fastpath._takes(xb)
+    assert not jit.takes(xb)
     for i, block in enumerate(((1, 128), (16, 1), (-1, -1))):
         b = resolve_block(xb.shape, block)
-        got = fastpath.block_amax(xb, b)
+        got = blocks.block_amax(xb, b)
         assert calls["block_amax"] == i                               # the rule
-        assert_bits_equal(got, fastpath.block_amax(x32, b))             # the kernel
+        assert_bits_equal(got, blocks.block_amax(x32, b))             # the kernel
         assert calls["block_amax"] == i + 1
-    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
-                         (fastpath.quantize_fp32_scaled, (-1, -1), dict(fp8_format="e4m3", power_2_scale=True)),
-                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
-                         (fastpath.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
+    for q, block, kw in ((blocks.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3")),
+                         (blocks.quantize_fp32_scaled, (-1, -1), dict(fp8_format="e4m3", power_2_scale=True)),
+                         (blocks.quantize_mx, (1, 32), dict(elem="e4m3", rule="rceil")),
+                         (blocks.quantize_mx, (32, 1), dict(elem="e4m3", rule="floor"))):
         n_amax, n = calls["block_amax"], calls["quantize"]
         got = q(xb, block, keep_fp32=True, **kw)
         assert calls["quantize"] == n and calls["block_amax"] == n_amax
@@ -507,12 +507,12 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
         assert_codes_equal(got.data, ref.data, ("x", x32))
         assert torch.equal(got.scale_inv.float().view(torch.int32), ref.scale_inv.float().view(torch.int32))
         assert_bits_equal(ref.dequantized, got.dequantize_fp32(), ("x", x32))
-    for q, block, kw in ((fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3", keep_fp32=False)),
-                         (fastpath.quantize_fp32_scaled, (1, 128), dict(fp8_format="e5m2", keep_fp32=True)),
-                         (fastpath.quantize_fp32_scaled, (-1, 1), dict(fp8_format="e5m2", keep_fp32=False)),
-                         (fastpath.quantize_mx, (1, 32), dict(elem="e4m3", keep_fp32=False)),
-                         (fastpath.quantize_mx, (1, 32), dict(elem="e5m2", keep_fp32=True)),
-                         (fastpath.quantize_mx, (32, 1), dict(elem="e2m1", keep_fp32=True))):
+    for q, block, kw in ((blocks.quantize_fp32_scaled, (1, 128), dict(fp8_format="e4m3", keep_fp32=False)),
+                         (blocks.quantize_fp32_scaled, (1, 128), dict(fp8_format="e5m2", keep_fp32=True)),
+                         (blocks.quantize_fp32_scaled, (-1, 1), dict(fp8_format="e5m2", keep_fp32=False)),
+                         (blocks.quantize_mx, (1, 32), dict(elem="e4m3", keep_fp32=False)),
+                         (blocks.quantize_mx, (1, 32), dict(elem="e5m2", keep_fp32=True)),
+                         (blocks.quantize_mx, (32, 1), dict(elem="e2m1", keep_fp32=True))):
         st = q(x32, block, **kw)
         want = torch_rule(q, x32, block, **kw)
         assert_codes_equal(st.data, want.data, ("x", x32))
@@ -526,7 +526,7 @@ def test_bfloat16_input_takes_the_torch_rule_and_other_formats_match_it(calls):
 @pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2])
 @pytest.mark.parametrize("block", [(1, 32), (32, 1), (16, 16)])
 def test_dequantize_kernel_equals_torch_upcast_times_the_multiplier(dtype, block):
-    """``fused.dequantize_fp8`` (``ScaledTensor.dequantize``'s and ``fastpath.fp8_to_float32``'s pass): float32(code) * mult per block, against torch's own upcast times the multiplier, on every code (both
+    """``fp8_passes.dequantize_fp8`` (``ScaledTensor.dequantize``'s and ``upcast.fp8_to_float32``'s pass): float32(code) * mult per block, against torch's own upcast times the multiplier, on every code (both
     NaN signs, E5M2's inf) and multipliers that are subnormal, non-power-of-two, huge, inf, 0, NaN or negative."""
     codes = torch.arange(64 * 128, dtype=torch.int64).remainder(256).to(torch.uint8)
     data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(51))].reshape(64, 128)
@@ -537,32 +537,32 @@ def test_dequantize_kernel_equals_torch_upcast_times_the_multiplier(dtype, block
                             -F32_MAX, -INF, -0.0, 1e-30, 7.77e20])
     g = torch.Generator().manual_seed(52)
     m = torch.cat([special, torch.exp(torch.empty(n).uniform_(-60, 60, generator=g))])[:n].reshape(64 // r, 128 // c)
-    got = fused.dequantize_fp8(data, block, m)
+    got = fp8_passes.dequantize_fp8(data, block, m)
     assert_bits_equal(got, data.float() * _expand(m, data, block), ("code", data))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("block", [(1, 16), (16, 1), (16, 16)])
 def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
-    """``fused.quantize_e2m1`` (nearest) and ``fused.quantize_e2m1_drawing`` (stochastic: the rule's draws, drawn
+    """``nvfp4_passes.quantize_e2m1`` (nearest) and ``nvfp4_passes.quantize_e2m1_drawing`` (stochastic: the rule's draws, drawn
     inside the kernel) through ``quantize_nvfp4(..., keep_fp32=True)`` against the forced rule with the same
     generator seed: data bytes, both scales, the copy."""
     name = "quantize_e2m1" if rounding == "nearest" else "quantize_e2m1_drawing"
-    real, count = getattr(fused, name), [0]
+    real, count = getattr(nvfp4_passes, name), [0]
 
     def spy(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, name, spy)
+        mp.setattr(nvfp4_passes, name, spy)
         tiny = [_boundary_matrix(128, 128, 63) / float(_boundary_matrix(128, 128, 63).abs().max()) * t
                 for t in (1e-30, 1e-33, 1e-36, 2.0 ** -127, 1e-40, 1e-45)]      # t below 2^-121, floored at 2^-126
         for x in (_special_matrix(256, 384, 61, nan=False, inf=False), _ties_matrix(128, 128, 62) / 64,
                   torch.zeros(64, 128), _boundary_matrix(128, 128, 64), *tiny):
-            got = fastpath.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
+            got = nvfp4_quant.quantize_nvfp4(x, block, rounding=rounding, generator=torch.Generator().manual_seed(7),
                                         keep_fp32=True)
-            want = torch_rule(fastpath.quantize_nvfp4, x, block, rounding=rounding,
+            want = torch_rule(nvfp4_quant.quantize_nvfp4, x, block, rounding=rounding,
                               generator=torch.Generator().manual_seed(7), keep_fp32=True)
             assert_codes_equal(got.data, want.data, ("x", x))
             assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8))
@@ -576,12 +576,12 @@ def test_quantize_nvfp4_kernel_equals_the_torch_rule(block, rounding, calls):
 def test_the_mt19937_reading_is_checked_and_holds_on_this_torch():
     """``quantize_e2m1_drawing`` reads torch's generator state; its check against ``torch.randint`` passed here
     (else every stochastic NVFP4 cast would silently take the slower path)."""
-    assert fused._mt_matches_torch()
+    assert nvfp4_passes._mt_matches_torch()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2 ** 40 + 3])
 def test_draws62_equals_torch_randint_and_leaves_the_generator_where_torch_does(seed):
-    """``fused.draws62(n, g)`` against ``torch.randint(0, 2**62, (n,), generator=g)`` on twin generators, for
+    """``nvfp4_passes.draws62(n, g)`` against ``torch.randint(0, 2**62, (n,), generator=g)`` on twin generators, for
     sizes that end one word short of, exactly at and one past a twist (312 draws are 624 words), none, a run
     across several twists; after other draws (``rand``, and ``randn`` whose cached normal sample must survive
     the state's round trip), the generators' states and their next draws of every kind are equal."""
@@ -590,7 +590,7 @@ def test_draws62_equals_torch_randint_and_leaves_the_generator_where_torch_does(
         torch.rand(5, generator=g)
         torch.randn(1, generator=g, dtype=torch.float64)     # leaves a cached normal sample in the state
     for n in (0, 1, 310, 1, 1, 312, 313, 0, 5000, 624):
-        assert torch.equal(fused.draws62(n, ours), torch.randint(0, 2 ** 62, (n,), generator=theirs)), n
+        assert torch.equal(nvfp4_passes.draws62(n, ours), torch.randint(0, 2 ** 62, (n,), generator=theirs)), n
         assert torch.equal(ours.get_state(), theirs.get_state()), n
     assert torch.equal(torch.randn(3, generator=ours, dtype=torch.float64),
                        torch.randn(3, generator=theirs, dtype=torch.float64))
@@ -603,7 +603,7 @@ def test_draws62_from_the_default_generator():
     torch.manual_seed(123)
     want, after = torch.randint(0, 2 ** 62, (1000,)), torch.rand(4)
     torch.manual_seed(123)
-    assert torch.equal(fused.draws62(1000), want)
+    assert torch.equal(nvfp4_passes.draws62(1000), want)
     assert torch.equal(torch.rand(4), after)
 
 
@@ -629,16 +629,16 @@ def test_quantize_e2m1_drawing_equals_the_kernel_on_torch_randint_draws(block, l
             ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
             torch.randint(0, 5, (seed * 101,), generator=ours)
             torch.randint(0, 5, (seed * 101,), generator=theirs)
-            got = fused.quantize_e2m1_drawing(x, block, mult, dq, ours)
-            want = fused.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
+            got = nvfp4_passes.quantize_e2m1_drawing(x, block, mult, dq, ours)
+            want = nvfp4_passes.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
             assert_codes_equal(got[0], want[0], ("x", x))
             assert_bits_equal(got[1], want[1], ("x", x))
             assert torch.equal(ours.get_state(), theirs.get_state())
         torch.manual_seed(5)
-        got = fused.quantize_e2m1_drawing(x, block, mult, dq)
+        got = nvfp4_passes.quantize_e2m1_drawing(x, block, mult, dq)
         after = torch.rand(2)
         torch.manual_seed(5)
-        want = fused.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape))
+        want = nvfp4_passes.quantize_e2m1(x, block, mult, dq, torch.randint(0, 2 ** 62, x.shape))
         assert_codes_equal(got[0], want[0], ("x", x))
         assert_bits_equal(got[1], want[1], ("x", x))
         assert torch.equal(torch.rand(2), after)
@@ -647,11 +647,11 @@ def test_quantize_e2m1_drawing_equals_the_kernel_on_torch_randint_draws(block, l
 def test_quantize_e2m1_drawing_falls_back_to_torch_randint_where_the_check_fails(monkeypatch):
     """Where the state reading does not match torch (another torch's layout), the draws come from
     ``torch.randint``: the same bits, the same generator state."""
-    monkeypatch.setattr(fused, "_MT_CHECKED", [False])
+    monkeypatch.setattr(nvfp4_passes, "_MT_CHECKED", [False])
     x, ones = _special_matrix(128, 128, 45, nan=False), torch.ones(128, 8)
     ours, theirs = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
-    got = fused.quantize_e2m1_drawing(x, (1, 16), ones, ones, ours)
-    want = fused.quantize_e2m1(x, (1, 16), ones, ones, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
+    got = nvfp4_passes.quantize_e2m1_drawing(x, (1, 16), ones, ones, ours)
+    want = nvfp4_passes.quantize_e2m1(x, (1, 16), ones, ones, torch.randint(0, 2 ** 62, x.shape, generator=theirs))
     assert_codes_equal(got[0], want[0])
     assert torch.equal(ours.get_state(), theirs.get_state())
 
@@ -660,8 +660,8 @@ def test_the_kernels_closures_hold_only_numbers_so_numbas_cache_finds_them():
     """numba's on-disk cache keys a closure's compiled code by its pickled cell contents: a cell holding a jitted
     function pickles differently in every process, so the kernel would be compiled again (seconds) at every start
     and another copy written to the cache. Each specialized kernel closes over flags and constants only."""
-    kernels = [*fused._QUANTIZE.values(), *fused._DEQUANTIZE.values(), fused._e2m1_nearest, fused._e2m1_stochastic,
-               fused._e2m1_drawing]
+    kernels = [*loops.QUANTIZE.values(), *loops.DEQUANTIZE.values(), loops.e2m1_nearest, loops.e2m1_stochastic,
+               loops.e2m1_drawing]
     for k in kernels:
         cells = [c.cell_contents for c in (k.py_func.__closure__ or ())]
         assert all(isinstance(v, (bool, int, float, str, np.number)) for v in cells), (k.py_func.__qualname__, cells)
@@ -683,7 +683,7 @@ def _nvfp4_amax_grid() -> torch.Tensor:
 @pytest.mark.parametrize("edges", ["course", "torchao"])
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -100, 2.0 ** -125, 1e-45, 0.0, 2.0 ** 100])
 def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
-    """``fastpath.nvfp4_block_scales`` through ``fused.nvfp4_scales`` against the rule: t and s from
+    """``nvfp4_quant.nvfp4_block_scales`` through ``nvfp4_passes.nvfp4_scales`` against the rule: t and s from
     ``nvfp4.nvfp4_scales`` on a tensor whose block amaxes are the grid (one element per block holds its amax),
     recip and mult as ``nvfp4.encode_multipliers`` and ``ScaledTensor.block_scale_inv`` form them from those; the
     grid scaled so t is ordinary, below 2^-121 (course: pre-shifted, blocks flushed), floored at 2^-126 (course),
@@ -699,14 +699,14 @@ def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
         x = torch.zeros(a.shape[0], a.shape[1] * 16)
         x[:, ::16] = a                                       # block (1, 16) j holds amax a[:, j]
         for given in (None, 0.0, INF, NAN, 1234.5):
-            t_k, s_k, recip, mult = fastpath.nvfp4_block_scales(a, given, edges)
+            t_k, s_k, recip, mult = nvfp4_quant.nvfp4_block_scales(a, given, edges)
             t, s = nvfp4.nvfp4_scales(x, (1, 16), given, edges)                  # the rule
             assert_bits_equal(t_k.reshape(1), t.reshape(1))
             assert_codes_equal(s_k, s, ("amax", a))
             assert_bits_equal(recip, nvfp4.encode_multipliers(t, s, edges)[0], ("amax", a))
             st = scaled.ScaledTensor(torch.zeros(x.shape, dtype=E4M3), s, (1, 16), "e2m1", t)
             assert_bits_equal(mult, st.block_scale_inv(), ("amax", a))
-            forced = torch_rule(fastpath.nvfp4_block_scales, a, given, edges)    # fastpath's torch body
+            forced = torch_rule(nvfp4_quant.nvfp4_block_scales, a, given, edges)    # the kernel's torch body
             for k, w in zip((recip, mult), forced[2:]):
                 assert_bits_equal(k, w)
 
@@ -714,16 +714,16 @@ def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
 def test_nvfp4_block_scales_kernel_runs_and_empty_grids_take_the_rule(monkeypatch):
     """The kernel is what ``quantize_nvfp4`` calls on a CPU (a spy counts it); an empty tensor's empty grid
     takes the torch body, as the rule does (t = 0, nothing to scale)."""
-    real, count = fused.nvfp4_scales, [0]
+    real, count = nvfp4_passes.nvfp4_scales, [0]
 
     def spy(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused, "nvfp4_scales", spy)
-    fastpath.quantize_nvfp4(torch.randn(32, 64), (1, 16), keep_fp32=True)
+    monkeypatch.setattr(nvfp4_passes, "nvfp4_scales", spy)
+    nvfp4_quant.quantize_nvfp4(torch.randn(32, 64), (1, 16), keep_fp32=True)
     assert count[0] == 1
-    got = fastpath.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
+    got = nvfp4_quant.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
     want = nvfp4.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
     assert count[0] == 1 and got.data.shape == want.data.shape == (0, 64)
     assert_bits_equal(got.tensor_scale_inv.reshape(1), want.tensor_scale_inv.reshape(1))
@@ -733,11 +733,11 @@ def test_nvfp4_block_scales_kernel_runs_and_empty_grids_take_the_rule(monkeypatc
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("scale", [1.0, 0.3712, 2.0 ** -20, 7.77e20])
 def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
-    """``fastpath.to_float8`` (the per-tensor recipes' cast, saturating) through ``fused.quantize_fp8`` against the
+    """``per_tensor.to_float8`` (the per-tensor recipes' cast, saturating) through ``fp8_passes.quantize_fp8`` against the
     forced torch rule (clamp, then torch's cast), for a 3-D and a 2-D float32 tensor with every special value,
     and scales that push values past the format's max (and FP32's: to inf) or into its subnormals."""
-    from mpcourse.core.quant.kernels.fastpath import to_float8
-    real, count = fused.quantize_fp8, [0]
+    from mpcourse.core.quant.kernels.per_tensor import to_float8
+    real, count = fp8_passes.quantize_fp8, [0]
 
     def spy(*args, **kwargs):
         count[0] += 1
@@ -745,7 +745,7 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
 
     x2 = _special_matrix(128, 256, 71)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "quantize_fp8", spy)
+        mp.setattr(fp8_passes, "quantize_fp8", spy)
         for x in (x2.reshape(4, 32, 256), x2):
             got = to_float8(x, fmt, scale)
             want = torch_rule(tensor.to_float8, x, fmt, scale)           # the rule
@@ -760,10 +760,10 @@ def test_per_tensor_quantize_kernel_equals_the_torch_rule(fmt, scale):
 @pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2])
 @pytest.mark.parametrize("scale", [None, 0.3712, 2.0 ** 120])
 def test_fp8_upcast_kernel_equals_the_torch_rule(dtype, scale):
-    """``fastpath.fp8_to_float32`` (the per-tensor GEMMs' upcast) through ``fused.dequantize_fp8`` against the forced
+    """``upcast.fp8_to_float32`` (the per-tensor GEMMs' upcast) through ``fp8_passes.dequantize_fp8`` against the forced
     rule and against torch's own upcast times the scale: every code, row-major, transposed and 3-D codes; the
     result keeps the codes' layout."""
-    from mpcourse.core.quant.kernels.fastpath import fp8_to_float32
+    from mpcourse.core.quant.kernels.upcast import fp8_to_float32
     codes = torch.arange(96 * 64, dtype=torch.int64).remainder(256).to(torch.uint8)
     data = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(81))].view(dtype)
     s = None if scale is None else torch.tensor(scale)
@@ -777,10 +777,10 @@ def test_fp8_upcast_kernel_equals_the_torch_rule(dtype, scale):
 
 # ------------------------------------------------------------------------------------------------ scale rules
 def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
-    """``fastpath.pow2_scale`` and ``fastpath.rceil_scale_inv`` through ``fused`` against their torch bodies (forced)
+    """``blocks.pow2_scale`` and ``blocks.rceil_scale_inv`` through ``fused`` against their torch bodies (forced)
     and the rules they stand for (``compute_scale(..., power_2_scale=True)``, 2^k of ``mx_shared_exponent``), on
     amaxes that are 0, -0, subnormal, tiny (scale inf -> 2^127), ordinary, E4M3 and FP32 maxima, inf and NaN."""
-    from mpcourse.core.quant.kernels.fastpath import pow2_scale, rceil_scale_inv
+    from mpcourse.core.quant.kernels.blocks import pow2_scale, rceil_scale_inv
     from mpcourse.core.quant.rules.tensor import compute_scale
     g = torch.Generator().manual_seed(91)
     amax = torch.cat([torch.tensor([0.0, -0.0, F32_SUB_MIN, 1e-40, F32_TINY, 1e-30, 1e-3, 0.5, 1.0, 447.9, 448.0,
@@ -799,9 +799,9 @@ def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
 
 
 def test_per_tensor_amax_kernel_equals_the_torch_rule():
-    """``tensor.compute_amax`` through ``fused.block_amax`` (one block: the whole tensor) against its torch body
+    """``tensor.compute_amax`` through ``fp8_passes.block_amax`` (one block: the whole tensor) against its torch body
     (forced) on 1-D, 2-D and 3-D tensors with and without NaN, inf, -0.0 only, and subnormals only."""
-    from mpcourse.core.quant.kernels.fastpath import compute_amax
+    from mpcourse.core.quant.kernels.per_tensor import compute_amax
     x = _special_matrix(128, 256, 93)
     cases = [x, x.reshape(4, 32, 256), x.reshape(-1), torch.full((8, 16), -0.0), torch.full((3, 5), F32_SUB_MIN),
              _special_matrix(128, 256, 94, nan=False), _special_matrix(128, 256, 95, nan=False, inf=False)]
@@ -819,11 +819,11 @@ def test_block_scales_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match="one per block"):
         _learner_fp32_scaled(x, (1, 128), lambda a, top, m: (top / a).amax(dim=1), False)   # (128,), not (128, 2)
     with pytest.raises(ValueError, match="one per block"):
-        fused.quantize_fp8(x, (1, 128), torch.ones(128, 1), False, torch.ones(128, 2))
+        fp8_passes.quantize_fp8(x, (1, 128), torch.ones(128, 1), False, torch.ones(128, 2))
     with pytest.raises(ValueError, match="does not divide"):
-        fused.block_amax(x, (1, 100))
+        fp8_passes.block_amax(x, (1, 100))
     with pytest.raises(ValueError, match="one per block"):
-        fused.dequantize_fp8(torch.zeros(128, 256, dtype=E4M3), (16, 16), torch.ones(16, 8))
+        fp8_passes.dequantize_fp8(torch.zeros(128, 256, dtype=E4M3), (16, 16), torch.ones(16, 8))
 
 
 def test_the_kernels_leave_their_tensors_resizable():
@@ -831,39 +831,39 @@ def test_the_kernels_leave_their_tensors_resizable():
     would mark the storage as not resizable: FSDP2 frees each gathered parameter by resizing its storage to 0
     (``free_storage``), and a weight quantized by the kernels must still allow that."""
     w = torch.randn(128, 256)
-    codes, copy = fused.quantize_fp8(w, (1, 128), torch.ones(128, 2), False, torch.ones(128, 2))
-    amax = fused.block_amax(w, (128, 128))
-    up = fused.dequantize_fp8(codes, (1, 128), torch.ones(128, 2))
+    codes, copy = fp8_passes.quantize_fp8(w, (1, 128), torch.ones(128, 2), False, torch.ones(128, 2))
+    amax = fp8_passes.block_amax(w, (128, 128))
+    up = fp8_passes.dequantize_fp8(codes, (1, 128), torch.ones(128, 2))
     for t in (w, codes, copy, amax, up):
         t.untyped_storage().resize_(0)                   # raises "not resizable" after t.numpy()
         assert t.untyped_storage().size() == 0
 
 
 def test_the_views_of_memory_follow_its_contents_shape_and_dtype():
-    """``fused._np`` hands out one NumPy view per (address, shape, dtype): a view reads the memory as it is now (the
+    """``jit.np_view`` hands out one NumPy view per (address, shape, dtype): a view reads the memory as it is now (the
     kernel sees new contents written in place, and a new tensor at a freed tensor's address), another shape or
     dtype at the same address gets its own view, and a non-contiguous tensor is refused."""
     buf = torch.zeros(2 * 64 * 64)
     x = buf[:4096].view(64, 64)
     for v in (1.0, -3.5, 2.0 ** -140, 7.0):
         x.fill_(v)
-        assert float(fused.block_amax(x, (64, 64))) == abs(v)
-        assert_bits_equal(fused.block_amax(buf.view(64, 128), (64, 128)).reshape(1), torch.tensor([abs(v)]))
-    assert fused._np(x).dtype == np.float32 and fused._np(x.view(torch.int32)).dtype == np.int32
-    assert fused._np(buf.view(64, 128)).shape == (64, 128) and fused._np(x).shape == (64, 64)
+        assert float(fp8_passes.block_amax(x, (64, 64))) == abs(v)
+        assert_bits_equal(fp8_passes.block_amax(buf.view(64, 128), (64, 128)).reshape(1), torch.tensor([abs(v)]))
+    assert jit.np_view(x).dtype == np.float32 and jit.np_view(x.view(torch.int32)).dtype == np.int32
+    assert jit.np_view(buf.view(64, 128)).shape == (64, 128) and jit.np_view(x).shape == (64, 64)
     for i in range(50):                                  # new tensors, often at a freed one's address
         y = torch.full((32, 48), float(i))
-        assert float(fused.block_amax(y, (32, 48))) == i
+        assert float(fp8_passes.block_amax(y, (32, 48))) == i
         del y
     with pytest.raises(AssertionError, match="contiguous"):
-        fused._np(buf.view(64, 128).t())
+        jit.np_view(buf.view(64, 128).t())
 
 
 @pytest.mark.slow
 def test_torch_compile_traces_the_torch_rules():
-    """Inside ``torch.compile``'s tracing the kernels step aside (``fastpath._takes`` is False there): a compiled
+    """Inside ``torch.compile``'s tracing the kernels step aside (``jit.takes`` is False there): a compiled
     function that quantizes gives the kernels' bits without tracing into them."""
     x = _special_matrix(128, 256, 97, nan=False, inf=False)
-    f = torch.compile(lambda t: fastpath.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
+    f = torch.compile(lambda t: blocks.quantize_mx(t, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32(),
                       backend="eager", fullgraph=False)
-    assert_bits_equal(f(x), fastpath.quantize_mx(x, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32())
+    assert_bits_equal(f(x), blocks.quantize_mx(x, (1, 32), rule="rceil", keep_fp32=True).dequantize_fp32())

@@ -334,7 +334,7 @@ def test_cpu_scaled_mm_facts_the_library_relies_on():
     # row-major, rounded to out_dtype. Row-major matters: an FP32 GEMM on the transposed view of B sums in another
     # order on AVX-512 (the bits differ in the last place). Not a fact on every CPU: e4m3 x e4m3 on an AVX-512 CPU
     # with FP16 units runs oneDNN's own kernel (other sums), so the library computes its CPU FP8 GEMMs itself
-    # (fastpath.cpu_scaled_mm) and never relies on _scaled_mm's bits there.
+    # (upcast.cpu_scaled_mm) and never relies on _scaled_mm's bits there.
     g = torch.Generator().manual_seed(7)
     a = (torch.randn(5, 7, generator=g) * 8).to(torch.float8_e5m2)
     b = (torch.randn(3, 7, generator=g) * 8).to(torch.float8_e4m3fn)

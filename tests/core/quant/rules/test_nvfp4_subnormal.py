@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpcourse.core.quant.kernels import fastpath, fused
+from mpcourse.core.quant.kernels import jit, nvfp4_quant
 from mpcourse.core.quant.rules import nvfp4
 
 E2M1, E4M3 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn
@@ -76,17 +76,17 @@ def oracle(x: np.ndarray, block=(1, 16)):
 
 @contextlib.contextmanager
 def kernels(mode: str):
-    if mode == "numba" and not fused.AVAILABLE:
+    if mode == "numba" and not jit.AVAILABLE:
         pytest.skip("numba is not installed (or MPCOURSE_FUSED=0): the compiled kernels are off")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "COMPILED", mode == "numba")
+        mp.setattr(jit, "COMPILED", mode == "numba")
         yield
 
 
 def modes():
     """The kernel modes this process can run: ``fastpath``'s torch bodies, and ``fused``'s numba passes where numba
     imports (not under MPCOURSE_FUSED=0)."""
-    return ("torch", "numba") if fused.AVAILABLE else ("torch",)
+    return ("torch", "numba") if jit.AVAILABLE else ("torch",)
 
 
 def quantizers():
@@ -95,7 +95,7 @@ def quantizers():
         for keep in (False, True):
             def fast(x, mode=mode, keep=keep, **kw):
                 with kernels(mode):
-                    return fastpath.quantize_nvfp4(x, keep_fp32=keep, **kw)
+                    return nvfp4_quant.quantize_nvfp4(x, keep_fp32=keep, **kw)
             yield f"fastpath {mode} keep={keep}", fast
 
 
@@ -153,7 +153,7 @@ def test_flushed_blocks_keep_their_zeros_signed_and_stochastic_rounding_draws_no
     assert torch.equal(sr.data.float()[flushed].abs(), torch.zeros(int(flushed.sum())))
     for mode in modes():
         with kernels(mode):
-            fast = fastpath.quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(0),
+            fast = nvfp4_quant.quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(0),
                                            keep_fp32=True)
         assert torch.equal(fast.data.view(torch.uint8), sr.data.view(torch.uint8)), mode
 
@@ -179,7 +179,7 @@ def test_a_learners_scales_and_a_delayed_tensor_amax_take_the_same_encoding():
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     for mode in modes():
         with kernels(mode):
-            fast = fastpath.encode_nvfp4(x, (1, 16), t, s, keep_fp32=True)
+            fast = nvfp4_quant.encode_nvfp4(x, (1, 16), t, s, keep_fp32=True)
         assert torch.equal(fast.data.view(torch.uint8), want.data.view(torch.uint8)), mode
     big = torch.ones(2, 16) * 1e30
     q = nvfp4.quantize_nvfp4(big, tensor_amax=torch.tensor(1e-40))
