@@ -28,7 +28,8 @@ def test_every_main_recipe_is_in_the_default_run():
     """The default run is the 19 rows of the published tables; the variants of a row are named beside it."""
     assert NOT_IN_DEFAULT_RUN == ("mxfp8-floor", "fp8-delayed-fp8-weights", "bf16-master-bf16-moments-sr",
                                   "fp8-moments", "int8-moments", "nvfp4-selective", "mxfp8-fwd-nvfp4-bwd",
-                                  "fp8-attention", "fp8-attention-current")
+                                  "fp8-attention", "fp8-attention-current", "moe-fp32", "moe-bf16",
+                                  "moe-fp8-rowwise", "moe-fp8-block", "moe-mxfp8", "moe-bf16-router")
     assert {"fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"} <= set(default_recipes())
     assert len(default_recipes()) == 19
 
