@@ -103,6 +103,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--with", dest="with_notebooks", action="append", default=[], metavar="NOTEBOOK",
                    help="an exercise notebook whose functions (e.g. update_scale) train a second row per recipe, "
                         "'NAME [yours]'; repeat for several notebooks")
+    _add_parallel_flags(c)
+    return c
+
+
+def _add_parallel_flags(c: argparse.ArgumentParser) -> None:
+    """``compare``'s data-parallel flags, in a group of their own (after the others: the --out name's order)."""
     d = c.add_argument_group("data parallel (torch.distributed, gloo; see mpcourse.experiment.parallel.distributed)")
     d.add_argument("--nproc", type=positive_int, default=1,
                    help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
@@ -118,7 +124,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "shard with the whole weight's scale; fp8-current only); prints the bytes per rank per step")
     d.add_argument("--dist-timeout", type=positive_float, default=120.0,
                    help="seconds a collective may wait for the other ranks before the job fails (default %(default)s)")
-    return c
 
 
 def compare(args: argparse.Namespace) -> int:
