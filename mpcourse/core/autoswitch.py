@@ -10,6 +10,9 @@ of conversion (its weight and bias, its optimizer state and its hooks are untouc
 computes with its dequantized stored weight, TE's ``allow_fp8_model_params_dequantized_weight``). Each switch is an
 event {step, layer, role, statistic, value, threshold}, printed once and kept in ``events``.
 
+The rules are checked on every step, or every N-th (``every=N`` in the spec, TE's ``freq``: the watching costs a
+second quantization of each tensor of the layers still quantized on the steps it runs).
+
 Statistics a rule may name (``SWITCH_STATISTICS``; definitions in ``inspect_quant``): ``underflow`` (the fraction
 of the nonzero elements quantized to zero; TE's example threshold: 5%), ``saturation``, ``rel_error`` and ``mse``
 (TE's second metric, the MSE of the quantized tensor). Several rules: any passing switches the layer (TE: "if any
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch.nn as nn
 
@@ -58,21 +61,40 @@ class SwitchRule:
         return f"{self.statistic}={self.threshold:g}"
 
 
-def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
-    """Rules from ``"underflow=0.05"`` or ``"underflow=0.05,rel_error=0.3"`` (the CLI's ``--autoswitch``);
-    ValueError naming the form otherwise."""
-    rules = []
+class Spec(NamedTuple):
+    """What ``--autoswitch`` says: the rules, and every how many steps they are checked."""
+    rules: tuple[SwitchRule, ...]
+    every: int = 1
+
+
+SPEC_FORM = (f"STATISTIC=THRESHOLD[,...][,every=N], STATISTIC one of {', '.join(SWITCH_STATISTICS)}, THRESHOLD a "
+             "number >= 0 and N a whole number >= 1 (e.g. underflow=0.05 or underflow=0.05,every=10)")
+
+
+def parse_spec(spec: str) -> Spec:
+    """The rules and the check interval of ``"underflow=0.05"``, ``"underflow=0.05,rel_error=0.3"`` or
+    ``"underflow=0.05,every=10"`` (the CLI's ``--autoswitch``; every: 1 unless given); ValueError naming the
+    form otherwise."""
+    rules, every = [], 1
     for part in (p.strip() for p in str(spec).split(",")):
-        name, _, value = part.partition("=")
+        name, _, value = (t.strip() for t in part.partition("="))
         try:
-            rules.append(SwitchRule(name.strip(), float(value)))
+            if name == "every":
+                every = int(value)
+                if every < 1:
+                    raise ValueError
+            else:
+                rules.append(SwitchRule(name, float(value)))
         except ValueError:
-            raise ValueError(f"--autoswitch takes STATISTIC=THRESHOLD[,...], STATISTIC one of "
-                             f"{', '.join(SWITCH_STATISTICS)} and THRESHOLD a number >= 0 (e.g. underflow=0.05), "
-                             f"got {spec!r}") from None
+            raise ValueError(f"--autoswitch takes {SPEC_FORM}, got {spec!r}") from None
     if not rules:
-        raise ValueError("--autoswitch needs at least one STATISTIC=THRESHOLD, e.g. underflow=0.05")
-    return tuple(rules)
+        raise ValueError(f"--autoswitch needs at least one rule: {SPEC_FORM}, got {spec!r}")
+    return Spec(tuple(rules), every)
+
+
+def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
+    """``parse_spec(spec).rules``."""
+    return parse_spec(spec).rules
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

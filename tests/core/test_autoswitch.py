@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpcourse.core.autoswitch import Autoswitch, SwitchRule, describe, parse_rules
+from mpcourse.core.autoswitch import Autoswitch, Spec, SwitchRule, describe, parse_rules, parse_spec
 from mpcourse.core.quant import CurrentScaling, Format, autocast, convert_to_float8_training
 
 RECIPE = CurrentScaling(fp8_format=Format.HYBRID)
@@ -83,7 +83,9 @@ def test_a_switched_layer_computes_as_a_layer_kept_high():
 
 def test_rules_parse_and_refuse():
     assert parse_rules("underflow=0.05,rel_error=0.3") == (SwitchRule("underflow", 0.05), SwitchRule("rel_error", 0.3))
-    for bad in ("underflow", "under=0.1", "underflow=-1", "underflow=x", "", "underflow=nan"):
+    assert parse_spec("underflow=0.05, every=10") == Spec((SwitchRule("underflow", 0.05),), 10)
+    for bad in ("underflow", "under=0.1", "underflow=-1", "underflow=x", "", "underflow=nan", "every=10",
+                "underflow=0.1,every=0", "underflow=0.1,every=2.5"):
         with pytest.raises(ValueError, match="STATISTIC=THRESHOLD"):
             parse_rules(bad)
     with pytest.raises(TypeError, match="SwitchRule"):
@@ -121,3 +123,13 @@ def test_trainer_logs_switches_in_history_and_resumes_them(tmp_path):
     if half.autoswitch.switched:
         with pytest.raises(CheckpointError, match="--autoswitch"):
             Trainer("fp8-current", corpus, cfg).load(path)
+
+
+def test_every_n_checks_only_those_steps():
+    """``every=2``: the rules read steps 0, 2, ...; a planted step 1 goes unseen, step 2 switches."""
+    model = model_of_two()
+    switch = Autoswitch(model, parse_rules("underflow=0.05"), every=2, echo=None)
+    assert one_step(model, switch, torch.ones(40, 64), step=0) == []
+    assert one_step(model, switch, planted_input(0.1), step=1) == []
+    assert [e["step"] for e in one_step(model, switch, planted_input(0.1), step=2)] == [2]
+    switch.remove()

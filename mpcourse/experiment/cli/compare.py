@@ -46,11 +46,11 @@ def _out_path(text: str) -> Path:
 
 
 def _switch_rules(text: str) -> str:
-    """An argparse type: an ``--autoswitch`` spec that ``autoswitch.parse_rules`` takes (kept as the text)."""
-    from mpcourse.core.autoswitch import parse_rules
+    """An argparse type: an ``--autoswitch`` spec that ``autoswitch.parse_spec`` takes (kept as the text)."""
+    from mpcourse.core.autoswitch import parse_spec
 
     try:
-        parse_rules(text)
+        parse_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace("--autoswitch takes", "must be")) from None
     return text
@@ -85,7 +85,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="move a quantized layer's GEMMs to high precision for the rest of the run once the inspector "
                         "sees one of its tensors pass the threshold, e.g. underflow=0.05 (TE's AutoswitchGemm; "
                         "statistics: underflow, saturation, rel_error, mse; several: comma-separated, any one "
-                        "switches); the switches are printed and kept in results.json's history")
+                        "switches; every=N checks every N steps instead of every step); the switches are printed "
+                        "and kept in results.json's history")
     c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "
