@@ -1,7 +1,7 @@
 """Lesson 10's FP8 all-gather experiment, on two gloo ranks spawned from the notebook (a spawned process imports
 its worker function, so it lives here).
 
-``run(width, steps)`` trains a small MLP of two ``QuantizedLinear`` layers (current scaling, with biases) under
+``run(width, steps)`` trains a small MLP of two ``Float8Linear`` layers (current scaling, with biases) under
 FSDP2 twice: all-gathering the FP32 weights and casting after the gather, then with
 ``mpcourse.core.quant.layers.fsdp_fp8.enable_fp8_all_gather`` (each rank casts its shard with the whole weight's scale).
 It returns, per way, the loss history and the bytes this rank sent into FSDP2's all-gathers per step
@@ -20,17 +20,17 @@ WORLD = 2
 def _train(width: int, steps: int, fp8_all_gather: bool) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from mpcourse.core.quant import CurrentScaling, QuantizedLinear, autocast
+    from mpcourse.core.quant import CurrentScaling, Float8Linear, autocast
     from mpcourse.core.quant.layers.fsdp_fp8 import enable_fp8_all_gather
     from mpcourse.experiment.parallel.data_parallel import AllGatherLog, counting_all_gather
 
-    # FSDP2 warns that the root's output is a view (QuantizedLinear reshapes its (M, N) result); nothing here
+    # FSDP2 warns that the root's output is a view (Float8Linear reshapes its (M, N) result); nothing here
     # modifies it in place, which is what the warning is about
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     torch.manual_seed(0)
     recipe = CurrentScaling()
-    model = torch.nn.Sequential(QuantizedLinear(width, width, recipe=recipe), torch.nn.GELU(),
-                                QuantizedLinear(width, width, recipe=recipe))
+    model = torch.nn.Sequential(Float8Linear(width, width, recipe=recipe), torch.nn.GELU(),
+                                Float8Linear(width, width, recipe=recipe))
     if fp8_all_gather:
         enable_fp8_all_gather(model)
     log = AllGatherLog(model)
