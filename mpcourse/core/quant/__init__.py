@@ -6,7 +6,8 @@ The rules, one plain function each (no kernel, no fast path, no learner's hook):
 * ``delayed``: the delayed-scaling update (``amax_and_scale_update``, ``DelayedScalingState``).
 * ``scaled``: ``ScaledTensor``, scales of any granularity; ``blockwise``: ``quantize_fp32_scaled``,
   ``block_quantize`` (tensorwise, rowwise, 1x128, 128x128); ``mx``: ``mx_shared_exponent``, ``quantize_mx``;
-  ``nvfp4``: ``nvfp4_scales``, ``quantize_nvfp4``; ``hadamard``: NVFP4's random Hadamard transform.
+  ``nvfp4``: ``two_level_scales`` (lesson 09's ``nvfp4_scales``), ``quantize_nvfp4``; ``hadamard``: NVFP4's random
+  Hadamard transform.
 Their kernels, each equal bit for bit to the rule it names: the modules of ``kernels/`` (torch fast paths by concern,
 and numba's compiled passes, ``kernels.loops``). No rule imports them.
 Configuration and the engine:
@@ -47,7 +48,7 @@ from .block_recipes import (BLOCK_RECIPES, token_multiple, BlockRecipe, Float8Bl
 from .rules.scaled import ScaledTensor
 from .rules.blockwise import block_quantize, quantize_fp32_scaled
 from .rules.mx import mx_shared_exponent, quantize_mx
-from .rules.nvfp4 import nvfp4_scales, quantize_nvfp4
+from .rules.nvfp4 import quantize_nvfp4, two_level_scales
 from .engine import quantizers
 from .layers.module_filter import (all_of, block_containers, block_index, check_filter, edge_blocks_filter, is_small_gemm,
                             small_gemm_filter, split_by_filter)
@@ -57,7 +58,7 @@ from .rules.tensor import (FP8_DTYPES, FP32_MAX, Float8Tensor, compute_amax, com
 __all__ = [
     "FP8_DTYPES", "FP32_MAX", "Float8Tensor", "compute_amax", "compute_scale", "fp8_dtype", "fp8_format_name",
     "fp8_max", "quantize", "quantize_current", "to_float8", "round_down_to_power_of_2",
-    "Recipe", "QuantizationRecipe", "BlockRecipe", "quantizers", "block_quantize", "nvfp4_scales",
+    "Recipe", "QuantizationRecipe", "BlockRecipe", "quantizers", "block_quantize", "two_level_scales",
     "Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "DelayedScalingState",
     "amax_and_scale_update", "fp8_format_for", "ROLES",
     "fp8_gemm", "check_fp8_gemm_supported", "fp8_gemm_support_error",

@@ -61,8 +61,8 @@ def test_nvfp4_takes_only_its_three_blocks(impl, block):
     words = r"NVFP4 blocks are \(1, 16\), \(16, 1\) or \(16, 16\)"
     msg = refused(ValueError, words, lambda: q(X, block))
     assert str(tuple(block)) in msg
-    refused(ValueError, words, lambda: nvfp4.nvfp4_scales(X, block))
-    t, s = nvfp4.nvfp4_scales(X)
+    refused(ValueError, words, lambda: nvfp4.two_level_scales(X, block))
+    t, s = nvfp4.two_level_scales(X)
     enc = nvfp4.encode_nvfp4 if impl == "rule" else nvfp4_quant.encode_nvfp4
     refused(ValueError, words, lambda: enc(X, block, t, s))
 

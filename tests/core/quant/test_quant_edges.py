@@ -106,7 +106,7 @@ def test_the_rules_take_empty_tensors_as_the_per_tensor_path(shape):
     whole = blockwise.quantize_fp32_scaled(x, (-1, -1))
     assert whole.scale_inv.shape == (1, 1) and torch.equal(whole.scale_inv.reshape(()), per_tensor.scale_inv)
     assert mx.quantize_mx(x, (1, 32) if shape[1] else (32, 1), "e4m3", "rceil").data.shape == shape
-    t, s = nvfp4.nvfp4_scales(x, (16, 16))
+    t, s = nvfp4.two_level_scales(x, (16, 16))
     assert t.item() == 0.0 and s.numel() == 0
     assert hadamard.rht(x).shape == shape
 

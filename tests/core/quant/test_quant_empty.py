@@ -134,13 +134,13 @@ def test_nvfp4_quantizers_take_empty_tensors(shape, block, mode):
                                   for t in xs)
                         check_empty(q, x, block, ref)
                         assert float(q.tensor_scale_inv) == 0.0
-    t, s = nvfp4.nvfp4_scales(x, block)
+    t, s = nvfp4.two_level_scales(x, block)
     assert float(t) == 0.0 and tuple(s.shape) == expected_grid(shape, block)
 
 
 def test_resolve_block_takes_its_own_result():
     """A block resolved for an empty dimension (-1 -> 0) resolves to itself, so a rule that resolves twice
-    (``quantize_nvfp4`` then ``nvfp4_scales``) takes whole-dimension blocks of empty tensors; a 0 along a non-empty
+    (``quantize_nvfp4`` then ``two_level_scales``) takes whole-dimension blocks of empty tensors; a 0 along a non-empty
     dimension is still refused."""
     for shape in SHAPES:
         for block in NVFP4_BLOCKS + FP32_BLOCKS:

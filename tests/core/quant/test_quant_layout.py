@@ -23,7 +23,7 @@ import mpcourse.core.quant as quant
 from mpcourse.core.quant import engine
 
 RULES = ["compute_amax", "compute_scale", "quantize", "quantize_fp32_scaled", "block_quantize", "mx_shared_exponent",
-         "quantize_mx", "nvfp4_scales", "quantize_nvfp4", "amax_and_scale_update"]
+         "quantize_mx", "two_level_scales", "quantize_nvfp4", "amax_and_scale_update"]
 RULE_MODULES = ["rules.tensor", "rules.delayed", "rules.scaled", "rules.blockwise", "rules.mx", "rules.nvfp4",
                 "rules.hadamard", "recipe", "block_recipes"]
 KERNEL_MODULES = {"kernels.jit", "kernels.loops", "kernels.fp8_passes", "kernels.nvfp4_passes", "kernels.per_tensor",

@@ -9,7 +9,10 @@
 * ``quantize_mx``, ``encode_mx`` and ``encode_mx_exponents``: ``mx.quantize_mx`` and ``mx.encode_mx``.
 
 ``keep_fp32``: the quantizer also keeps its float32 dequantization (``ScaledTensor.dequantized``) for an emulated
-GEMM. Contiguous 2-D float32 CPU tensors take the compiled passes (``fp8_passes``: the block amax, the cast and the
+GEMM. The encoders' torch bodies (``encode_fp32_scaled``, ``encode_mx`` where the compiled pass does not run: E5M2 and
+E2M1 elements, no kept copy, no numba) are these steps' kernels there, the only fast path (the cast without its
+clamp where torch's saturates, the kept copy written into the scratch the cast read): kept, and tested against the
+rules. Contiguous 2-D float32 CPU tensors take the compiled passes (``fp8_passes``: the block amax, the cast and the
 kept copy in one pass) where ``jit.takes`` says so. Checked by ``tests/core/quant/kernels/test_quant_fused.py``,
 ``test_quant_fastpath.py`` and ``tests/core/quant/test_quant_layout.py`` (every recipe's quantizers both ways).
 """
@@ -32,46 +35,46 @@ from .upcast import fp8_blocks_to_float32
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``scaled.block_amax(x, block)`` bit for bit: the compiled pass (``fp8_passes``), or for 1x16 blocks of a contiguous
     CPU tensor torch's 1-D max pooling with kernel = stride = 16 (torch's CPU reduction over a 16-wide innermost
-    dimension is slow; a max is exact in any order, NaN propagates in both)."""
+    dimension is slow; a max is exact in any order, NaN propagates in both): that pooling is the kernel of 1x16
+    blocks wherever the compiled pass does not run (no numba, ``torch.compile`` tracing), kept. Every other call
+    is the rule's own."""
     scaled.check_floating(x)
-    if x.numel() == 0:
-        return scaled.block_amax(x, block)
-    if takes(x):
+    if x.numel() > 0 and takes(x):
         return fp8_passes.block_amax(x, resolve_block(x.shape, block))
-    a = x.detach().float().abs()
-    if block == (1, 16) and a.is_contiguous() and a.device.type == "cpu":
-        M, K = a.shape
-        return torch.nn.functional.max_pool1d(a.reshape(M, 1, K), 16, 16).reshape(M, K // 16)
-    return block_view(a, block).amax(dim=(1, 3))
+    if x.numel() > 0 and block == (1, 16) and x.device.type == "cpu":
+        a = x.detach().float().abs()                                           # (M, K) fp32
+        if a.is_contiguous():
+            M, K = a.shape
+            return torch.nn.functional.max_pool1d(a.reshape(M, 1, K), 16, 16).reshape(M, K // 16)
+    return scaled.block_amax(x, block)                                         # the rule itself
 
 
 def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """``tensor.compute_scale(amax, fp8_max, margin=0, power_2_scale=True)`` bit for bit, in fewer small ops.
+    """``tensor.compute_scale(amax, fp8_max, margin=0, power_2_scale=True)`` bit for bit: the compiled pass
+    (``loops.pow2_scale_loop``, one call instead of the rule's seven small ops) for float32 CPU amaxes, else the
+    rule itself.
 
-    amax: float32 tensor (any shape, >= 0 or NaN). The rule's cases, read from the bits of s = fp8_max / amax (the
-    same division): a usable amax (finite, > 0) keeps s's exponent bits (2^floor(log2 s)); s = inf (a tiny
-    amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the smallest normal
-    (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
+    amax: float32 tensor (any shape, >= 0 or NaN). The loop reads the rule's cases from the bits of
+    s = fp8_max / amax (the same division): a usable amax (finite, > 0) keeps s's exponent bits (2^floor(log2 s));
+    s = inf (a tiny amax) becomes FP32 max in the rule, whose power of two is 2^127; s never falls below the
+    smallest normal (fp8_max / FP32 max > 2^-126); amax 0, inf or NaN gives 1.0.
     """
     if takes(amax, torch.float32, None):
-        return fp8_passes.pow2_scale(amax, fp8_max)                                 # the same bits, one compiled pass
-    s = torch.full_like(amax, fp8_max) / amax                                  # as the rule divides
-    p = (s.view(torch.int32) & 0x7F800000).clamp_(max=0x7F000000).view(torch.float32)   # 2^floor(log2 s)
-    return torch.where((amax > 0) & (amax < float("inf")), p, 1.0)
+        return fp8_passes.pow2_scale(amax, fp8_max)                            # the same bits, one compiled pass
+    return tensor.compute_scale(amax, fp8_max, 0, None, True)                  # the rule itself
 
 
-def rceil_scale_inv(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
-    """2^k as float32 for k = ``scaled.mx_shared_exponent(amax, elem, "rceil")`` (the MX RCEIL rule), bit for bit,
-    without the int64 exponent: from the bits of d = amax / elem_max (the same division), 2^ceil(log2 d) is
+def rceil_scale_inv(amax: torch.Tensor, elem: str) -> torch.Tensor:
+    """2^k as float32 for k = ``mx.mx_shared_exponent(amax, elem, "rceil")`` (the MX RCEIL rule), bit for bit: the
+    compiled pass (``loops.rceil_scale_inv_loop``, without the int64 exponent) for float32 CPU amaxes, else the
+    rule itself. The loop reads it from the bits of d = amax / elem_max (the same division): 2^ceil(log2 d) is
     (bits + 0x7FFFFF) & 0x7F800000 for a positive d (a nonzero mantissa carries into the exponent; a subnormal
     d above 2^-127 carries into 2^-126), capped at 2^127 (d = inf, or a carry past it); d <= 2^-127, zero or
     negative zero gives 2^-127 as the rule's k = -127.
     NaN amax is the caller's (the rule leaves it to quantize_mx too)."""
     if takes(amax, torch.float32, None):
-        return fp8_passes.rceil_scale_inv(amax, elem_max)                           # the same bits, one compiled pass
-    bits = (amax.float() / elem_max).view(torch.int32)
-    up = (bits + 0x7FFFFF).bitwise_and_(0x7F800000).clamp_(max=0x7F000000)   # (...) 2^ceil(log2 d) bits
-    return torch.where(bits <= 0x400000, 0x400000, up).view(torch.float32)
+        return fp8_passes.rceil_scale_inv(amax, mx.mx_element_format(elem).max)   # the same bits, one pass
+    return torch.exp2(mx.mx_shared_exponent(amax, elem, "rceil").double()).float()   # the rule itself
 
 
 def keep(data: torch.Tensor, scale_inv: torch.Tensor, block, elem: str, tensor_scale_inv, orig_dtype,
@@ -141,12 +144,12 @@ def encode_fp32_scaled(x: torch.Tensor, b: tuple[int, int], name: str, scale: to
 def quantize_mx(x: torch.Tensor, block=(1, 32), elem: str = "e4m3", rule: str = "floor",
                 keep_fp32: bool = False, edges: str = "course") -> ScaledTensor:
     """``mx.quantize_mx`` bit for bit; the RCEIL scale from ``rceil_scale_inv`` (2^k without the int64 k)."""
-    fmt = mx.mx_element_format(elem)
+    mx.mx_element_format(elem)                                # refuses an unknown element format
     check_edges(edges)
     b = resolve_block(x.shape, mx.check_mx_block(block))
     amax = block_amax(x, b)                                    # (M/r, K/c) fp32
     if rule == "rceil":
-        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, fmt.max), keep_fp32, rule, edges)
+        return encode_mx(x, b, elem, amax, rceil_scale_inv(amax, elem), keep_fp32, rule, edges)
     k = mx.mx_shared_exponent(amax, elem, rule)      # held until the cast is done, as the rule holds it
     return encode_mx(x, b, elem, amax, torch.exp2(k.double()).float(), keep_fp32, rule, edges)
 

@@ -14,7 +14,7 @@ per element). Here the same arithmetic runs in one loop per pass that the rule c
 * ``e2m1_nearest``, ``e2m1_stochastic``, ``e2m1_drawing``: ``nvfp4.encode_nvfp4``'s element step (the rounding of
   ``formats.round_to(y, "e2m1", saturate=True)``, to nearest or stochastically from the rule's draws
   ``torch.randint(0, 2**62)``, given or drawn in the loop from the generator's MT19937 words, ``mt_words``).
-* ``nvfp4_scale_loop``: ``nvfp4.nvfp4_scales``' two scale levels and ``nvfp4.encode_multipliers``.
+* ``nvfp4_scale_loop``: ``nvfp4.two_level_scales``' two scale levels and ``nvfp4.encode_multipliers``.
 * ``DEQUANTIZE``: ``ScaledTensor.dequantize`` to float32 and ``tensor.fp8_to_float32``: each code read as the top
   bits of an FP16 number and converted by the CPU's FP16 -> FP32 instruction (a vectorized loop).
 * ``pow2_scale_loop``, ``rceil_scale_inv_loop``: ``tensor.compute_scale`` with power-of-two scales and 2^k of MX's

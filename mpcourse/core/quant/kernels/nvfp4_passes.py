@@ -12,7 +12,7 @@
   Sources: PyTorch ``aten/src/ATen/core/MT19937RNGEngine.h`` (the engine), ``aten/src/ATen/CPUGeneratorImpl.cpp``
   (``random64``: first output in the high word; the state's byte layout), ``aten/src/ATen/native/cpu/
   DistributionTemplates.h`` (``random_from_to_kernel``: one ``random64() % range`` per element, serially).
-* ``nvfp4_scales(amax_b, tensor_amax, course)``: ``nvfp4.nvfp4_scales``' two scale levels and
+* ``nvfp4_scale_pass(amax_b, tensor_amax, course)``: ``nvfp4.two_level_scales``' two scale levels and
   ``nvfp4.encode_multipliers``' per-block encode and decode multipliers in one pass over the block amaxes, where
   the rule takes a dozen small torch ops and torch's element-by-element E4M3 upcast.
 
@@ -135,7 +135,7 @@ def _mt_matches_torch() -> bool:
     return _MT_CHECKED[0]
 
 
-def nvfp4_scales(amax_b: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None, course: bool = True):
+def nvfp4_scale_pass(amax_b: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None, course: bool = True):
     """``nvfp4_quant.nvfp4_block_scales``: (t () float32, s (M/r, K/c) float8_e4m3fn, recip, mult (M/r, K/c) float32)
     from non-empty float32 CPU block amaxes ``amax_b`` in one pass: the tensor decode scale t from max(amax_b) (or
     ``tensor_amax``, a checked one-element float32 tensor), floored at 2^-126 if ``course``; the block scales

@@ -3,7 +3,7 @@
 * ``quantize_nvfp4`` and ``encode_nvfp4``: ``nvfp4.quantize_nvfp4`` and ``nvfp4.encode_nvfp4`` (the block amaxes from
   ``blocks.block_amax``, the E2M1 rounding from ``e2m1.round_e2m1`` or the compiled pass, whose stochastic draws are
   made inside the loop from the generator's state).
-* ``nvfp4_block_scales``: ``nvfp4.nvfp4_scales``' two levels from the block amaxes, with ``nvfp4_multipliers``
+* ``nvfp4_block_scales``: ``nvfp4.two_level_scales``' two levels from the block amaxes, with ``nvfp4_multipliers``
   (``nvfp4.encode_multipliers``) in one compiled pass (``nvfp4_passes``).
 * ``rht(x, seed)``: ``hadamard.rht``, one batched matmul with a cached matrix.
 
@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from ...formats import FORMATS
 from ..rules import hadamard, nvfp4
 from ..rules.scaled import ScaledTensor, block_view, check_edges, expand, resolve_block
 from . import nvfp4_passes
@@ -33,26 +32,22 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
     check_edges(edges)
     b = resolve_block(x.shape, nvfp4.check_nvfp4_block(block))
     amax_b = block_amax(x, b)                                # (M/r, K/c) fp32
-    t, s, recip, mult = nvfp4_block_scales(amax_b, tensor_amax, edges)
+    if takes(amax_b, torch.float32, None):
+        t, s, recip, mult = nvfp4_block_scales(amax_b, tensor_amax, edges)     # one compiled pass
+    else:                                                    # the rule itself, then its multipliers
+        t, s = nvfp4.two_level_scales(x, b, tensor_amax, edges)
+        recip, mult = nvfp4_multipliers(t, s, edges)
     return _encode_nvfp4(x, b, t, s, recip, mult, _preshift(t, edges), rounding, generator, keep_fp32)
 
 
 def nvfp4_block_scales(amax_b: torch.Tensor, tensor_amax=None, edges: str = "course"):
-    """(t, s, recip, mult) bit for bit: ``nvfp4.nvfp4_scales``' two levels from the block amaxes (t () float32
-    from ``given_tensor_amax`` and ``nvfp4_tensor_scale_inv``; s (M/r, K/c) float8_e4m3fn, 0 where the course flushes
-    a block) and ``nvfp4_multipliers`` of them (``encode_nvfp4``'s). ``nvfp4_passes.nvfp4_scales``' one pass for non-empty
-    float32 CPU amaxes."""
-    if takes(amax_b, torch.float32, None):
-        given = None if tensor_amax is None else nvfp4.given_tensor_amax(tensor_amax, amax_b)
-        return nvfp4_passes.nvfp4_scales(amax_b, given, edges == "course")         # the same bits, one compiled pass
-    amax_t = nvfp4.given_tensor_amax(tensor_amax, amax_b)
-    t = nvfp4.nvfp4_tensor_scale_inv(amax_t, edges)
-    v = (amax_b / nvfp4.E2M1_MAX) / torch.where(t > 0, t, torch.ones_like(t))      # (M/r, K/c) fp32
-    s = v.clamp(FORMATS["e4m3"].min_normal, nvfp4.E4M3_MAX)
-    if edges == "course":
-        s = torch.where(nvfp4.tiny_tensor(t) & (v < FORMATS["e4m3"].min_normal), 0.0, s)
-    s = s.to(torch.float8_e4m3fn)
-    return (t, s, *nvfp4_multipliers(t, s, edges))
+    """(t, s, recip, mult) bit for bit, in one compiled pass over non-empty float32 CPU block amaxes
+    (``nvfp4_passes.nvfp4_scale_pass``): ``nvfp4.two_level_scales``' two levels (t () float32 from ``given_tensor_amax`` and
+    ``nvfp4_tensor_scale_inv``; s (M/r, K/c) float8_e4m3fn, 0 where the course flushes a block) and
+    ``nvfp4_multipliers`` of them (``encode_nvfp4``'s). Where the pass does not run ``quantize_nvfp4`` calls the
+    rule itself."""
+    given = None if tensor_amax is None else nvfp4.given_tensor_amax(tensor_amax, amax_b)
+    return nvfp4_passes.nvfp4_scale_pass(amax_b, given, edges == "course")
 
 
 def nvfp4_multipliers(t: torch.Tensor, s: torch.Tensor, edges: str = "course") -> tuple[torch.Tensor, torch.Tensor]:

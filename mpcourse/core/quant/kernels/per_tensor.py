@@ -48,7 +48,8 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """``tensor.compute_amax(x)`` bit for bit: the compiled pass (``fp8_passes.block_amax`` over the whole tensor) for a
     contiguous float32 CPU tensor, else max |x| = max(-min x, max x) from one reading pass (``aminmax``) instead of
     abs (a written copy) then amax; the final abs turns the -0.0 of an all-zero tensor into the 0.0 that max |x|
-    gives. Both are exact, NaN propagates."""
+    gives. Both are exact, NaN propagates. The ``aminmax`` body is this step's kernel wherever the compiled pass
+    does not run (bfloat16 inputs, no numba): the only fast path there, kept."""
     if x.numel() == 0:
         return tensor.compute_amax(x)
     if takes(x, torch.float32, None) and x.dim() >= 1 and x.is_contiguous():
@@ -59,16 +60,13 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def to_float8(x: torch.Tensor, fp8_format, scale, saturate: bool = True) -> "tensor.Float8Tensor":
-    """``tensor.to_float8(x, fp8_format, scale, saturate)`` bit for bit (lesson 07's ``quantize`` inside it): the saturating cast of a contiguous float32
-    CPU tensor in the compiled pass (``fp8_passes``), other saturating casts through ``saturating_cast``; the
-    non-saturating conversion is the rule's."""
-    if not saturate:
-        return tensor.to_float8(x, fp8_format, scale, saturate)
-    name, dtype, top, scale, source = tensor.cast_arguments(x, fp8_format, scale)
-    if takes(x, torch.float32, None) and x.dim() >= 1 and x.is_contiguous():
+    """``tensor.to_float8(x, fp8_format, scale, saturate)`` bit for bit (lesson 07's ``quantize`` inside it): the
+    saturating cast of a contiguous float32 CPU tensor in the compiled pass (``fp8_passes``); every other call
+    (another dtype or layout, no numba, the non-saturating conversion) is the rule's own."""
+    if saturate and takes(x, torch.float32, None) and x.dim() >= 1 and x.is_contiguous():
+        name, dtype, top, scale, source = tensor.cast_arguments(x, fp8_format, scale)
         x2 = x.detach().reshape(-1, x.shape[-1])                                # (M, K) fp32 view
         data, _ = fp8_passes.quantize_fp8(x2, tuple(x2.shape), scale.detach().reshape(1, 1), fp8_format=name)
         return tensor.Float8Tensor(data.reshape(x.shape), scale.reciprocal(), x.dtype, source)
-    y = x.detach().float() * scale.detach()
-    return tensor.Float8Tensor(saturating_cast(y, dtype, top), scale.reciprocal(), x.dtype, source)
+    return tensor.to_float8(x, fp8_format, scale, saturate)                     # the rule itself
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..rules import scaled
+from ..rules import scaled, tensor
 from ..rules.scaled import ScaledTensor, block_view, expand
 from . import fp8_passes
 from .jit import takes
@@ -34,7 +34,10 @@ from .jit import takes
 def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``tensor.fp8_to_float32(data, scale)``, bit for bit: ``data.float()`` (times ``scale``, a one-element float32
     tensor, if given), same shape and strides for a contiguous tensor or the transpose of one; other layouts come
-    back contiguous. Non-CPU tensors take the plain rule.
+    back contiguous. Non-CPU tensors take the rule itself (``tensor.fp8_to_float32``). On a CPU the compiled pass
+    (``fp8_passes.dequantize_fp8``) runs where ``jit.takes`` says so; elsewhere (no numba, ``torch.compile``
+    tracing) the FP16-bit reading below is this step's kernel: the only fast path there, kept (torch's own upcast,
+    the rule's, converts element by element).
 
     Each code is read as the top bits of an FP16 number, whose upcast to FP32 is one vectorized pass (F16C):
       E5M2 (s eeeee mm) is FP16's top byte, inf and NaN included: FP16 bits = code << 8.
@@ -46,7 +49,7 @@ def fp8_to_float32(data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> 
     scale (exact, unless 2^8 * scale overflows, when the two are applied one after the other).
     """
     if data.device.type != "cpu":
-        return data.float() if scale is None else data.float() * scale
+        return tensor.fp8_to_float32(data, scale)                          # the rule itself
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
         return fp8_to_float32(data.t(), scale).t()
     data = data.contiguous()
@@ -124,7 +127,8 @@ def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
 
 def dequantize(st: ScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``ScaledTensor.dequantize(st, dtype)`` bit for bit: the compiled pass (``fp8_passes``) for contiguous E4M3 data to float32,
-    else the fast upcast (``fp8_to_float32``) times each block's multiplier."""
+    else the fast upcast (``fp8_to_float32``) times each block's multiplier: this step's kernel there (E5M2 data,
+    other dtypes, no numba), the only fast path, kept."""
     if (dtype or st.orig_dtype) == torch.float32 and takes(st.data, torch.float8_e4m3fn) \
             and st.data.is_contiguous():
         return fp8_passes.dequantize_fp8(st.data, st.block, st.block_scale_inv())

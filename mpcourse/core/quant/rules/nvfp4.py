@@ -1,6 +1,6 @@
 """The NVFP4 rule (NVIDIA, "Pretraining LLMs with NVFP4", arXiv 2509.25149; torchao ``nvfp4_quantize`` with a
-per-tensor scale; lesson 09's ``nvfp4_scales``): E2M1 data, an E4M3 decode scale per 16 elements, one FP32 decode
-scale per tensor.
+per-tensor scale; ``two_level_scales`` is what lesson 09's exercise ``nvfp4_scales`` computes): E2M1 data, an E4M3
+decode scale per 16 elements, one FP32 decode scale per tensor.
 
 Edges (``quantize_nvfp4`` states them): the course keeps the tensor decode scale t a normal FP32 (at least 2^-126),
 so that every block whose scale lands in E4M3's normal range decodes within the format's error, however small the
@@ -75,8 +75,9 @@ def given_tensor_amax(tensor_amax, amax_b: torch.Tensor) -> torch.Tensor:
     return amax.reshape(())
 
 
-def nvfp4_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Tensor] = None, edges: str = "course"):
-    """Lesson 09's two scale levels: (t () float32, s (M/r, K/c) float8_e4m3fn) for x (M, K).
+def two_level_scales(x: torch.Tensor, block=(1, 16), tensor_amax: Optional[torch.Tensor] = None, edges: str = "course"):
+    """NVFP4's two scale levels, (t () float32, s (M/r, K/c) float8_e4m3fn) for x (M, K) (lesson 09's exercise
+    ``nvfp4_scales(x)`` computes them for 1x16 blocks).
 
         t   = amax(x) / (448 * 6)                        FP32, per tensor (``nvfp4_tensor_scale_inv``: >= 2^-126)
         s_b = e4m3(clamp(amax_b / 6 / t, 2^-6, 448))     E4M3, per block (2^-6 as torchao)
@@ -121,7 +122,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
                    edges: str = "course") -> ScaledTensor:
     """NVFP4: E2M1 data, an E4M3 decode scale per 16 elements and one FP32 decode scale per tensor.
 
-    Two-level rule (``nvfp4_scales``), then per element (``encode_multipliers``; pre = 1 but in tiny tensors):
+    Two-level rule (``two_level_scales``), then per element (``encode_multipliers``; pre = 1 but in tiny tensors):
         q   = e2m1(saturate((x * pre) * (((1 / t) / pre) / float32(s_b))))
         x  ~= float32(q) * (float32(s_b) * t)
     block: (1, 16), (16, 1) or (16, 16) (2-D weight blocks). rounding: "nearest" or "stochastic" (gradients).
@@ -154,7 +155,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, tensor_amax: Optional[torc
       not hidden (torchao the same).
     """
     b = resolve_block(x.shape, check_nvfp4_block(block))
-    t, s = nvfp4_scales(x, b, tensor_amax, edges)
+    t, s = two_level_scales(x, b, tensor_amax, edges)
     return encode_nvfp4(x, b, t, s, rounding, generator, edges)
 
 

@@ -310,7 +310,7 @@ def test_rceil_scale_inv_is_two_to_the_rules_exponent(elem):
     a = _amax_cases()
     a = a[~torch.isnan(a) & ~(a < 0)]
     rule = torch.exp2(mx_shared_exponent(a, elem, "rceil").double()).float()
-    assert bits_equal(rceil_scale_inv(a, FORMATS[elem].max), rule)
+    assert bits_equal(rceil_scale_inv(a, elem), rule)
 
 
 def test_e4m3_cast_without_the_clamp_changes_no_bit_where_the_flag_says_so():
@@ -469,3 +469,34 @@ def test_kept_copy_is_not_carried_by_replace_and_is_freed_before_the_weight_grad
     layer(x).sum().backward()
     # forward: nothing earlier alive; dgrad: the forward's copies are gone; wgrad: the dgrad's copies are gone
     assert alive_at_call == [0, 0, 0], alive_at_call
+
+
+def test_slow_branches_call_the_rule_they_equal(monkeypatch):
+    """Where no compiled pass takes the input (here: ``jit.COMPILED`` off, as without numba), a kernel whose torch
+    body would only restate its rule calls the rule itself (a spy on each rule counts the calls) and gives its
+    bits: ``to_float8`` (bfloat16 input), ``block_amax`` (1x32 blocks), ``pow2_scale``, ``rceil_scale_inv`` and
+    ``quantize_nvfp4``'s two scale levels."""
+    from mpcourse.core.quant.kernels import blocks, jit, nvfp4_quant, per_tensor
+    from mpcourse.core.quant.rules import mx, nvfp4, scaled, tensor
+    monkeypatch.setattr(jit, "COMPILED", False)
+    calls = []
+    for mod, name in ((tensor, "to_float8"), (scaled, "block_amax"), (tensor, "compute_scale"),
+                      (mx, "mx_shared_exponent"), (nvfp4, "two_level_scales")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    x = _edge_matrix(32, 64, 5)
+    q = per_tensor.to_float8(x.bfloat16(), "e4m3", torch.tensor(2.0))
+    assert calls == ["to_float8"]
+    assert torch.equal(q.data.view(torch.uint8), tensor.to_float8(x.bfloat16(), "e4m3", torch.tensor(2.0)).data.view(torch.uint8))
+    amax = blocks.block_amax(x, (1, 32))
+    assert calls[-1] == "block_amax" and bits_equal(amax, x.abs().reshape(32, 2, 32).amax(2))
+    assert bits_equal(blocks.pow2_scale(amax, 448.0), tensor.compute_scale(amax, 448.0, 0, None, True))
+    assert calls[-2:] == ["compute_scale", "compute_scale"]
+    k = mx.mx_shared_exponent(amax, "e4m3", "rceil")
+    assert bits_equal(blocks.rceil_scale_inv(amax, "e4m3"), torch.exp2(k.double()).float())
+    assert calls[-2:] == ["mx_shared_exponent", "mx_shared_exponent"]
+    got = nvfp4_quant.quantize_nvfp4(x, (1, 16))
+    want = nvfp4.quantize_nvfp4(x, (1, 16))
+    assert "two_level_scales" in calls
+    assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8))
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))

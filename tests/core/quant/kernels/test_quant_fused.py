@@ -683,8 +683,8 @@ def _nvfp4_amax_grid() -> torch.Tensor:
 @pytest.mark.parametrize("edges", ["course", "torchao"])
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -100, 2.0 ** -125, 1e-45, 0.0, 2.0 ** 100])
 def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
-    """``nvfp4_quant.nvfp4_block_scales`` through ``nvfp4_passes.nvfp4_scales`` against the rule: t and s from
-    ``nvfp4.nvfp4_scales`` on a tensor whose block amaxes are the grid (one element per block holds its amax),
+    """``nvfp4_quant.nvfp4_block_scales`` through ``nvfp4_passes.nvfp4_scale_pass`` against the rule: t and s from
+    ``nvfp4.two_level_scales`` on a tensor whose block amaxes are the grid (one element per block holds its amax),
     recip and mult as ``nvfp4.encode_multipliers`` and ``ScaledTensor.block_scale_inv`` form them from those; the
     grid scaled so t is ordinary, below 2^-121 (course: pre-shifted, blocks flushed), floored at 2^-126 (course),
     subnormal (torchao), 0 and large; with
@@ -700,27 +700,26 @@ def test_nvfp4_block_scales_kernel_equals_the_rule(edges, scale):
         x[:, ::16] = a                                       # block (1, 16) j holds amax a[:, j]
         for given in (None, 0.0, INF, NAN, 1234.5):
             t_k, s_k, recip, mult = nvfp4_quant.nvfp4_block_scales(a, given, edges)
-            t, s = nvfp4.nvfp4_scales(x, (1, 16), given, edges)                  # the rule
+            t, s = nvfp4.two_level_scales(x, (1, 16), given, edges)                  # the rule
             assert_bits_equal(t_k.reshape(1), t.reshape(1))
             assert_codes_equal(s_k, s, ("amax", a))
             assert_bits_equal(recip, nvfp4.encode_multipliers(t, s, edges)[0], ("amax", a))
             st = scaled.ScaledTensor(torch.zeros(x.shape, dtype=E4M3), s, (1, 16), "e2m1", t)
             assert_bits_equal(mult, st.block_scale_inv(), ("amax", a))
-            forced = torch_rule(nvfp4_quant.nvfp4_block_scales, a, given, edges)    # the kernel's torch body
-            for k, w in zip((recip, mult), forced[2:]):
+            for k, w in zip((recip, mult), nvfp4_quant.nvfp4_multipliers(t, s, edges)):   # the torch multipliers
                 assert_bits_equal(k, w)
 
 
 def test_nvfp4_block_scales_kernel_runs_and_empty_grids_take_the_rule(monkeypatch):
     """The kernel is what ``quantize_nvfp4`` calls on a CPU (a spy counts it); an empty tensor's empty grid
     takes the torch body, as the rule does (t = 0, nothing to scale)."""
-    real, count = nvfp4_passes.nvfp4_scales, [0]
+    real, count = nvfp4_passes.nvfp4_scale_pass, [0]
 
     def spy(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(nvfp4_passes, "nvfp4_scales", spy)
+    monkeypatch.setattr(nvfp4_passes, "nvfp4_scale_pass", spy)
     nvfp4_quant.quantize_nvfp4(torch.randn(32, 64), (1, 16), keep_fp32=True)
     assert count[0] == 1
     got = nvfp4_quant.quantize_nvfp4(torch.zeros(0, 64), (1, 16))
@@ -792,8 +791,8 @@ def test_scale_rule_kernels_equal_the_torch_fast_paths_and_the_rules():
         assert_bits_equal(got, compute_scale(amax, top, 0, None, True))
     finite = ~torch.isnan(amax)
     for elem, top in (("e4m3", 448.0), ("e2m1", 6.0)):
-        got = rceil_scale_inv(amax, top)
-        assert_bits_equal(got[finite], torch_rule(rceil_scale_inv, amax, top)[finite])
+        got = rceil_scale_inv(amax, elem)
+        assert_bits_equal(got[finite], torch_rule(rceil_scale_inv, amax, elem)[finite])
         k = mx.mx_shared_exponent(amax[finite], elem, "rceil")
         assert_bits_equal(got[finite], torch.exp2(k.double()).float())
 

@@ -173,7 +173,7 @@ def test_a_learners_scales_and_a_delayed_tensor_amax_take_the_same_encoding():
     """``encode_nvfp4`` (the engine's path for a learner's lesson 09 scales) from the rule's own (t, s) gives the
     rule's bits, the kernel's too; a tiny delayed ``tensor_amax`` with a block far above it saturates, never NaN."""
     x = torch.from_numpy(TENSORS["amax 1e-34"])
-    t, s = nvfp4.nvfp4_scales(x)
+    t, s = nvfp4.two_level_scales(x)
     want = nvfp4.quantize_nvfp4(x)
     got = nvfp4.encode_nvfp4(x, (1, 16), t, s)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
