@@ -102,3 +102,15 @@ def load_checkpoint(path, weights_only: bool = True):
         raise CheckpointError(f"{path} is corrupted: SHA-256 {actual} does not match the {digest} it was saved "
                               "with. Not resuming from damaged state: use an earlier checkpoint.")
     return torch.load(io.BytesIO(payload), weights_only=weights_only)
+
+
+def extra_state_missing(state_dict: dict, prefix: str, missing_keys: list) -> bool:
+    """For a module's ``_load_from_state_dict``: whether ``state_dict`` lacks the module's extra state (a checkpoint
+    saved before the module kept one), in which case the key is taken off ``missing_keys`` (a ``strict`` load
+    passes) and the caller starts its state fresh. Shared by the quantized linear layer and FP8 attention."""
+    key = prefix + "_extra_state"
+    if key in state_dict:
+        return False
+    if key in missing_keys:
+        missing_keys.remove(key)
+    return True

@@ -257,20 +257,6 @@ class WhatIfQuantizers:
             with torch.random.fork_rng(devices=devices):     # each draws what the layer's own cast would draw
                 out[name] = quantized_stats(x, quantize_as_training(q, x), operand)
         return out, skipped
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if own is not None:
-                out["run"] = quantized_stats(x, quantize_as_training(own, x))
-            for name in self.names:
-                w = WHAT_IFS[name]
-                if role not in w.roles:
-                    continue
-                why = applicable(w.recipe, role, x.shape)
-                if why is not None:
-                    skipped[name] = why
-                    continue
-                out[name] = quantized_stats(x, quantize_as_training(self.get(name, role), x))
-        return out, skipped
 
 
 def run_quantizer(module, role: str):

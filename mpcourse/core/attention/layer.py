@@ -35,6 +35,7 @@ from ..quant.rules.tensor import Float8Tensor
 from .fp8_attention import (BACKWARD_ROLES, FORWARD_ROLES, KV_BLOCK, ROLES, ForwardResult, attention_backward,
                             attention_forward)
 from .scaling import AttentionScaling
+from ..checkpoint import extra_state_missing
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,10 +154,7 @@ class FP8DotProductAttention(nn.Module):
         starts it fresh."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        key = prefix + "_extra_state"
-        if key not in state_dict:
-            if key in missing_keys:
-                missing_keys.remove(key)
+        if extra_state_missing(state_dict, prefix, missing_keys):
             self._reset_scaling_state(self._device())
 
     def _device(self):

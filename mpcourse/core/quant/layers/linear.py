@@ -75,6 +75,7 @@ from ..engine import quantizers
 from .module_filter import check_filter
 from ..recipe import CurrentScaling, DelayedScaling, Recipe, recipe_names
 from ..rules.tensor import Float8Tensor
+from ...checkpoint import extra_state_missing
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -256,10 +257,7 @@ class QuantizedLinear(nn.Linear):
         """As ``nn.Module``'s, but a checkpoint without FP8 state (saved before conversion) starts it fresh."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        key = prefix + "_extra_state"
-        if key not in state_dict:
-            if key in missing_keys:
-                missing_keys.remove(key)
+        if extra_state_missing(state_dict, prefix, missing_keys):
             self._reset_scaling_state()
 
     def _apply(self, fn, recurse=True):
