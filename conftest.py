@@ -28,6 +28,35 @@ COSTLY = [
 ]
 
 
+# The long lane (``pytest -m long``; the README's test command is ``pytest -n auto -m "not long"``, CI runs both):
+# tests that spawn gloo ranks, run whole CLI processes or training runs, reproduce a stored run, prove a grader by
+# mutation or drive the website in a browser. A prefix of a test's node id: a folder, a module, one test.
+LONG = [
+    "tests/experiment/parallel/",                                  # spawned gloo ranks: DDP, FSDP2, DCP, experts
+    "tests/core/quant/test_fp8_ranks_agree.py",                    # spawned gloo ranks
+    "tests/core/quant/test_fp8_distributed.py",                    # spawned gloo ranks
+    "tests/core/quant/layers/test_fp8_all_gather.py",              # spawned gloo ranks
+    "tests/core/scaling/test_scaling_distributed.py",              # spawned gloo ranks
+    "tests/course/grading/test_grading_distributed.py",            # spawned gloo ranks
+    "tests/course/test_distributed_demos.py",                      # spawned gloo ranks
+    "tests/core/quant/test_fp8_edges.py::test_amax_all_reduce_refuses_ranks_that_ran_different_layers",  # ranks
+    "tests/course/test_mutation.py",                               # every mutant through its notebook's check cells
+    "tests/course/test_site.py",                                   # the website in a browser
+    "tests/test_gpu_suite.py",                                     # the GPU suite's dry run, every section
+    "tests/experiment/test_compare_robust.py::test_a_rows_bits_do_not_depend_on_jobs_company_or_process",
+    "tests/experiment/test_compare_robust.py::test_a_failed_recipe_keeps_the_finished_rows_and_names_itself",
+    "tests/experiment/test_compare_robust.py::test_cli_exits_1_naming_the_failed_recipe_and_writes_the_rest",
+    "tests/experiment/test_compare_robust.py::test_ctrl_c_on_a_rerun_of_a_real_process_keeps_the_earlier_run",
+    "tests/experiment/test_compare_robust.py::test_an_interrupt_in_the_pool_keeps_the_rows_the_workers_finished",
+    "tests/experiment/test_progress.py::test_pool_bar_counts_a_diverged_runs_remaining_steps_as_done",
+    "tests/experiment/test_cli.py::test_torchrun_is_checked_as_nproc_is",           # a real torchrun, 3 processes
+    "tests/experiment/ablations/test_ablation_autoswitch.py",      # training runs, with and without the switch
+    "tests/experiment/test_compare_autoswitch.py",                 # a CLI run with the inspector and the switch
+    "tests/course/test_stored_runs.py",                            # stored runs reproduced by their commands
+    "tests/course/test_diagnose_yours.py::test_the_fresh_runs_show_the_cause_they_were_built_for",
+]
+
+
 @pytest.hookimpl(tryfirst=True)                        # before xdist's own, which would set ``load``
 def pytest_cmdline_main(config):
     """``-n N`` without ``--dist``: by file, as described above (xdist's default, ``load``, would split a notebook)."""
@@ -44,6 +73,9 @@ def _is_notebook_cell(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_notebook_cell(item):
+            item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(tuple(LONG)):
+            item.add_marker(pytest.mark.long)
             item.add_marker(pytest.mark.slow)
 
     def rank(item):
