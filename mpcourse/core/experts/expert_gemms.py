@@ -8,9 +8,12 @@ For expert e with tokens x (M_e, K) and weight W (N, K)::
 
 Q(t, axis) is the format's dense recipe quantizing ``t`` in blocks along ``axis`` (``block_recipes.block_for``:
 the block the dense ``Float8Linear`` uses for that role and axis), each copy from the high-precision tensor, by the
-library's rules (``blockwise.quantize_fp32_scaled``, ``mx.quantize_mx``); the GEMM is ``block_gemm.scaled_gemm``
-(``F.scaled_mm`` where the device takes the scaling, else dequantize, one FP32 GEMM, one rounding). These are the
-GEMMs of ``block_linear.BlockScaledLinearFunction`` on the expert's tokens alone, so no scale spans two experts.
+dense layer's own quantizers (``quantizers_for``: ``engine.quantizers`` of the format's recipe, whose backend holds
+the rules ``blockwise.quantize_fp32_scaled`` / ``mx.quantize_mx`` or the kernels equal to them bit for bit, chosen
+once by ``backend.choose``) and the dense layer's operand helpers (``block_linear.fprop_operands``, ...); the GEMM
+is ``block_gemm.scaled_gemm`` (``F.scaled_mm`` where the device takes the scaling, else dequantize, one FP32 GEMM,
+one rounding). These are the GEMMs of ``block_linear.BlockScaledLinearFunction`` on the expert's tokens alone, so
+no scale spans two experts.
 
 In the weight gradient the contraction runs over the expert's tokens, which the format scales in blocks along M
 (32 for MXFP8, 128 for 1x128 tiles, one column for rowwise): ``wgrad`` pads the group with zero rows to a multiple
@@ -25,41 +28,44 @@ layouts are those of ``torch.nn.functional.linear``'s forward and autograd backw
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..quant.block_recipes import Float8BlockScaling, MXFP8BlockScaling, block_for, token_multiple
+from ..quant.block_recipes import token_multiple
+from ..quant.engine import quantizers
 from ..quant.layers.block_gemm import scaled_gemm
-from ..quant.rules.blockwise import quantize_fp32_scaled
-from ..quant.rules.mx import quantize_mx
-from ..quant.rules.scaled import ScaledTensor
+from ..quant.layers.block_linear import dgrad_operands, fprop_operands, wgrad_operands
 from .formats import GroupedFormat
 
-
-def quantize(t: torch.Tensor, fmt: GroupedFormat, role: str, axis: int) -> ScaledTensor:
-    """``t`` (2-D) quantized as the format's dense recipe quantizes ``role``'s tensor along ``axis``."""
-    recipe = fmt.recipe
-    block = block_for(recipe, role, axis)
-    if isinstance(recipe, MXFP8BlockScaling):
-        elem = recipe.fp8_format.bwd if role == "grad_output" else recipe.fp8_format.fwd
-        return quantize_mx(t, block, elem, recipe.scale_rule)
-    if isinstance(recipe, Float8BlockScaling):
-        return quantize_fp32_scaled(t, block, "e4m3", power_2_scale=recipe.power_2_scales,
-                                    amax_epsilon=recipe.amax_epsilon)
-    return quantize_fp32_scaled(t, block, "e4m3", power_2_scale=recipe.round_scales_to_power_of_2)   # rowwise
+#: {role: quantizer} of the format's dense recipe (``engine.quantizers``), None in high precision
+Quantizers = Optional[dict]
 
 
-def forward(x: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, out_dtype: torch.dtype) -> torch.Tensor:
-    """y = x @ W^T for one expert: x (M_e, K), w (N, K) -> (M_e, N) ``out_dtype`` (high precision: ``fmt.dtype``)."""
+def quantizers_for(fmt: GroupedFormat) -> Quantizers:
+    """The dense layer's quantizers of ``fmt``'s recipe, the backend chosen once (None in high precision)."""
+    return quantizers(fmt.recipe) if fmt.quantized else None
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, out_dtype: torch.dtype, q: Quantizers = None
+            ) -> torch.Tensor:
+    """y = x @ W^T for one expert: x (M_e, K), w (N, K) -> (M_e, N) ``out_dtype`` (high precision: ``fmt.dtype``).
+    q: ``quantizers_for(fmt)`` (made here if not given)."""
     if not fmt.quantized:
         return torch.mm(x.to(fmt.dtype), w.to(fmt.dtype).t())
-    return scaled_gemm(quantize(x, fmt, "input", 1), quantize(w, fmt, "weight", 1).t(), out_dtype)
+    q = quantizers_for(fmt) if q is None else q
+    xq, wq = fprop_operands(q, x, w)                 # (M_e, K), (N, K): blocks along K
+    return scaled_gemm(xq, wq.t(), out_dtype, backend=q["input"].backend)
 
 
-def dgrad(dy: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, x_dtype: torch.dtype) -> torch.Tensor:
+def dgrad(dy: torch.Tensor, w: torch.Tensor, fmt: GroupedFormat, x_dtype: torch.dtype, q: Quantizers = None
+          ) -> torch.Tensor:
     """dx = dy @ W for one expert: dy (M_e, N), w (N, K) -> (M_e, K) ``x_dtype``."""
     if not fmt.quantized:
         return torch.mm(dy.to(fmt.dtype), w.to(fmt.dtype)).to(x_dtype)
-    return scaled_gemm(quantize(dy, fmt, "grad_output", 1), quantize(w, fmt, "weight", 0), x_dtype)
+    q = quantizers_for(fmt) if q is None else q
+    gq, wq = dgrad_operands(q, dy, w)                # (M_e, N), (N, K): blocks along N
+    return scaled_gemm(gq, wq, x_dtype, backend=q["grad_output"].backend)
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -68,13 +74,15 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
-def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int
-          ) -> torch.Tensor:
+def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int,
+          q: Quantizers = None) -> torch.Tensor:
     """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0."""
     if dy.shape[0] == 0:
         return torch.zeros(n, k, dtype=w_dtype, device=dy.device)
     if not fmt.quantized:
         return torch.mm(dy.to(fmt.dtype).t(), x.to(fmt.dtype)).to(w_dtype)
+    q = quantizers_for(fmt) if q is None else q
     m = token_multiple(fmt.recipe)                   # the block the tokens are scaled in (1: any count)
     dy, x = pad_rows(dy, m), pad_rows(x, m)          # (M_e', N), (M_e', K): zero rows add exact zeros
-    return scaled_gemm(quantize(dy, fmt, "grad_output", 0).t(), quantize(x, fmt, "input", 0), w_dtype)
+    gq, xq = wgrad_operands(q, dy, x)                # (M_e', N), (M_e', K): blocks along the tokens
+    return scaled_gemm(gq.t(), xq, w_dtype, backend=q["grad_output"].backend)

@@ -64,19 +64,20 @@ class GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, groups: TokenGroups, fmt: GroupedFormat, out_dtype: torch.dtype):
         # x: (rows, K); w: (E, N, K)
+        q = expert_gemms.quantizers_for(fmt)                                   # the backend chosen once
         with own_dtypes(x.device.type):
             y = x.new_zeros(groups.rows, w.shape[1], dtype=out_dtype)            # (rows, N): padding stays zero
             for e, (s, n) in enumerate(groups.spans()):
                 if n:
-                    y[s:s + n] = expert_gemms.forward(x[s:s + n], w[e], fmt, out_dtype)
+                    y[s:s + n] = expert_gemms.forward(x[s:s + n], w[e], fmt, out_dtype, q)
         ctx.save_for_backward(x, w)
-        ctx.groups, ctx.fmt = groups, fmt
+        ctx.groups, ctx.fmt, ctx.q = groups, fmt, q
         return y
 
     @staticmethod
     def backward(ctx, dy):  # dy: (rows, N)
         x, w = ctx.saved_tensors
-        groups, fmt = ctx.groups, ctx.fmt
+        groups, fmt, q = ctx.groups, ctx.fmt, ctx.q
         dy = dy.contiguous()
         E, N, K = w.shape
         dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None           # (rows, K): padding stays zero
@@ -84,9 +85,9 @@ class GroupedMM(torch.autograd.Function):
         with own_dtypes(x.device.type):
             for e, (s, n) in enumerate(groups.spans()):
                 if dx is not None and n:
-                    dx[s:s + n] = expert_gemms.dgrad(dy[s:s + n], w[e], fmt, x.dtype)
+                    dx[s:s + n] = expert_gemms.dgrad(dy[s:s + n], w[e], fmt, x.dtype, q)
                 if ctx.needs_input_grad[1]:
-                    dws.append(expert_gemms.wgrad(dy[s:s + n], x[s:s + n], fmt, w.dtype, N, K))
+                    dws.append(expert_gemms.wgrad(dy[s:s + n], x[s:s + n], fmt, w.dtype, N, K, q))
         dw = torch.stack(dws) if ctx.needs_input_grad[1] else None                 # (E, N, K)
         return dx, dw, None, None, None
 

@@ -24,7 +24,7 @@ from mpcourse.core import quant
 from mpcourse.core.emulation import tensor_cores
 from mpcourse.core.experts import GROUPED_FORMATS, grouped_mm, pad_groups, token_groups, unpad_groups
 from mpcourse.core.experts import expert_gemms
-from mpcourse.core.experts.expert_gemms import quantize
+from rule_quantize import quantize
 from mpcourse.core.quant.block_recipes import token_multiple
 
 K, N = 128, 256                                   # multiples of 128: every format's blocks divide them

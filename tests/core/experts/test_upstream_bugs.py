@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mpcourse.core.experts import GROUPED_FORMATS, grouped_mm, pad_groups, token_groups, unpad_groups
-from mpcourse.core.experts.expert_gemms import quantize
+from rule_quantize import quantize
 from mpcourse.core.quant.rules.mx import quantize_mx
 
 K, N = 128, 256
