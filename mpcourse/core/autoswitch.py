@@ -97,6 +97,29 @@ def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
     return parse_spec(spec).rules
 
 
+def switch_events(records: list[dict], rules, switched=(), layers=None) -> list[dict]:
+    """The rule, one step of it: the events that ``rules`` (``SwitchRule`` objects, or (statistic, threshold) pairs)
+    make of one step's inspector ``records`` (in recording order). A record counts where it has the statistics of
+    the layer's own quantizer (``record["recipes"]["run"]``), its layer is not in ``switched`` and (where ``layers``
+    is given) is one of ``layers``. Per layer at most one event: its first record, in recording order, on which a
+    rule passes (``value > threshold``; a NaN statistic passes none), with the first such rule in ``rules``' order.
+    An event: {step, layer, role, statistic, value, threshold}."""
+    rules = [r if isinstance(r, SwitchRule) else SwitchRule(*r) for r in rules]
+    events, done = [], set(switched)
+    for r in records:
+        run = r["recipes"].get("run")
+        if run is None or r["layer"] in done or (layers is not None and r["layer"] not in layers):
+            continue
+        for rule in rules:
+            if rule.passes(run[rule.statistic]):
+                events.append({"step": r["step"], "layer": r["layer"], "role": r["role"],
+                               "statistic": rule.statistic, "value": run[rule.statistic],
+                               "threshold": rule.threshold})
+                done.add(r["layer"])
+                break
+    return events
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a switch applies to: those with quantizers of their own (``Float8Linear`` and its subclasses)."""
     return {name: m for name, m in model.named_modules() if isinstance(getattr(m, "quantizers", None), dict)}
@@ -128,21 +151,8 @@ class Autoswitch:
         self.inspector.set_step(step)
 
     def decide(self, records: list[dict]) -> list[dict]:
-        """The events the rules make of one step's ``records`` (the first tensor and rule that passes, per layer,
-        in recording order), switching nothing."""
-        events, done = [], set(self.switched)
-        for r in records:
-            run = r["recipes"].get("run")
-            if run is None or r["layer"] in done or r["layer"] not in self.layers:
-                continue
-            for rule in self.rules:
-                if rule.passes(run[rule.statistic]):
-                    events.append({"step": r["step"], "layer": r["layer"], "role": r["role"],
-                                   "statistic": rule.statistic, "value": run[rule.statistic],
-                                   "threshold": rule.threshold})
-                    done.add(r["layer"])
-                    break
-        return events
+        """The events the rules make of one step's ``records`` (``switch_events``), switching nothing."""
+        return switch_events(records, self.rules, self.switched, self.layers)
 
     def after_step(self, step: int) -> list[dict]:
         """Read the step's records, switch the layers they condemn, log and return the events."""
