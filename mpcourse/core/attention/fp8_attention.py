@@ -39,6 +39,9 @@ Backward (``attention_backward``; P is recomputed from the forward's lse, as cuD
     dS = P * (dP - D) * attn_scale;  dS8 = cast(dS, scale_dP)
     dQ = fp8_matmul(dS8, K8);  dK = fp8_matmul(dS8^T, Q8);  dQ8, dK8, dV8 = cast(dQ), cast(dK), cast(dV)
 
+The blocks of keys are ``p_blocks`` (running max, rescale factor, P_blk per block); ``quantize_p_blocks`` is P's
+cast alone, every block's codes side by side (lesson 14's exercise, graded against it).
+
 Blocks of keys versus whole rows. ``kv_block=None`` computes the softmax over whole rows first and casts the
 *normalized* P = softmax(S) (what TE's unfused FP8 emulation, ``UnfusedDotProductAttention`` with
 ``FP8EmulationFunc``, does). ``kv_block=128`` (the default, cuDNN's ``BLOCK``) casts each block's *unnormalized*
