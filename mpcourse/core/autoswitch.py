@@ -97,25 +97,27 @@ def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
     return parse_spec(spec).rules
 
 
-def switch_events(records: list[dict], rules, switched=(), layers=None) -> list[dict]:
+def switch_events(records: list[dict], rules, switched=(), target: Optional[Callable[[dict], Optional[str]]] = None
+                  ) -> list[dict]:
     """The rule, one step of it: the events that ``rules`` (``SwitchRule`` objects, or (statistic, threshold) pairs)
     make of one step's inspector ``records`` (in recording order). A record counts where it has the statistics of
-    the layer's own quantizer (``record["recipes"]["run"]``), its layer is not in ``switched`` and (where ``layers``
-    is given) is one of ``layers``. Per layer at most one event: its first record, in recording order, on which a
-    rule passes (``value > threshold``; a NaN statistic passes none), with the first such rule in ``rules``' order.
-    An event: {step, layer, role, statistic, value, threshold}."""
+    the quantizer that cast it (``record["recipes"]["run"]``) and what it would switch, ``target(record)`` (default:
+    its layer; None: nothing, the record is skipped), is not in ``switched``. Per target at most one event: its
+    first record, in recording order, on which a rule passes (``value > threshold``; a NaN statistic passes none),
+    with the first such rule in ``rules``' order. An event: {step, layer, role, statistic, value, threshold}, and
+    ``target`` where that is not the record's layer."""
     rules = [r if isinstance(r, SwitchRule) else SwitchRule(*r) for r in rules]
     events, done = [], set(switched)
     for r in records:
-        run = r["recipes"].get("run")
-        if run is None or r["layer"] in done or (layers is not None and r["layer"] not in layers):
+        run, name = r["recipes"].get("run"), (r["layer"] if target is None else target(r))
+        if run is None or name is None or name in done:
             continue
         for rule in rules:
             if rule.passes(run[rule.statistic]):
-                events.append({"step": r["step"], "layer": r["layer"], "role": r["role"],
-                               "statistic": rule.statistic, "value": run[rule.statistic],
-                               "threshold": rule.threshold})
-                done.add(r["layer"])
+                e = {"step": r["step"], "layer": r["layer"], "role": r["role"], "statistic": rule.statistic,
+                     "value": run[rule.statistic], "threshold": rule.threshold}
+                events.append(e if name == r["layer"] else {**e, "target": name})
+                done.add(name)
                 break
     return events
 
@@ -152,7 +154,8 @@ class Autoswitch:
 
     def decide(self, records: list[dict]) -> list[dict]:
         """The events the rules make of one step's ``records`` (``switch_events``), switching nothing."""
-        return switch_events(records, self.rules, self.switched, self.layers)
+        return switch_events(records, self.rules, self.switched,
+                             lambda r: r["layer"] if r["layer"] in self.layers else None)
 
     def after_step(self, step: int) -> list[dict]:
         """Read the step's records, switch the layers they condemn, log and return the events."""

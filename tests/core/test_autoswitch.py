@@ -138,7 +138,7 @@ def test_every_n_checks_only_those_steps():
 def test_switch_events_the_rule_on_planted_records():
     """``switch_events`` (lesson 14's exercise): strict ``>``, a NaN never passes, one event per layer (its first
     passing record in recording order, the first passing rule in the rules' order), switched layers and records
-    without the run's statistics skipped, the ``layers`` filter."""
+    without the run's statistics skipped, a ``target`` that filters layers or names a tensor."""
     from mpcourse.core.autoswitch import switch_events
 
     def rec(layer, role, **run):
@@ -153,5 +153,9 @@ def test_switch_events_the_rule_on_planted_records():
         ("a", "activation", "rel_error", 0.5), ("b", "output_grad", "underflow", 0.06)]
     assert ev[0] == {"step": 3, "layer": "a", "role": "activation", "statistic": "rel_error", "value": 0.5,
                      "threshold": 0.3}
-    assert [e["layer"] for e in switch_events(records, [SwitchRule("underflow", 0.05)], layers={"a", "d"})] == ["a", "d"]
+    only_ad = switch_events(records, [SwitchRule("underflow", 0.05)],
+                            target=lambda r: r["layer"] if r["layer"] in "ad" else None)
+    assert [e["layer"] for e in only_ad] == ["a", "d"] and "target" not in only_ad[0]
+    per_role = switch_events(records, rules, target=lambda r: f"{r['layer']}:{r['role']}")
+    assert [e["target"] for e in per_role] == ["a:activation", "a:weight", "b:output_grad", "d:activation"]
     assert switch_events(records, [("underflow", 1.0)]) == []
