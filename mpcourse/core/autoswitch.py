@@ -97,6 +97,31 @@ def parse_rules(spec: str) -> tuple[SwitchRule, ...]:
     return parse_spec(spec).rules
 
 
+def switch_events(records: list[dict], rules, switched=(), target: Optional[Callable[[dict], Optional[str]]] = None
+                  ) -> list[dict]:
+    """The rule, one step of it: the events that ``rules`` (``SwitchRule`` objects, or (statistic, threshold) pairs)
+    make of one step's inspector ``records`` (in recording order). A record counts where it has the statistics of
+    the quantizer that cast it (``record["recipes"]["run"]``) and what it would switch, ``target(record)`` (default:
+    its layer; None: nothing, the record is skipped), is not in ``switched``. Per target at most one event: its
+    first record, in recording order, on which a rule passes (``value > threshold``; a NaN statistic passes none),
+    with the first such rule in ``rules``' order. An event: {step, layer, role, statistic, value, threshold}, and
+    ``target`` where that is not the record's layer."""
+    rules = [r if isinstance(r, SwitchRule) else SwitchRule(*r) for r in rules]
+    events, done = [], set(switched)
+    for r in records:
+        run, name = r["recipes"].get("run"), (r["layer"] if target is None else target(r))
+        if run is None or name is None or name in done:
+            continue
+        for rule in rules:
+            if rule.passes(run[rule.statistic]):
+                e = {"step": r["step"], "layer": r["layer"], "role": r["role"], "statistic": rule.statistic,
+                     "value": run[rule.statistic], "threshold": rule.threshold}
+                events.append(e if name == r["layer"] else {**e, "target": name})
+                done.add(name)
+                break
+    return events
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a switch applies to: those with quantizers of their own (``Float8Linear`` and its subclasses)."""
     return {name: m for name, m in model.named_modules() if isinstance(getattr(m, "quantizers", None), dict)}
@@ -128,21 +153,9 @@ class Autoswitch:
         self.inspector.set_step(step)
 
     def decide(self, records: list[dict]) -> list[dict]:
-        """The events the rules make of one step's ``records`` (the first tensor and rule that passes, per layer,
-        in recording order), switching nothing."""
-        events, done = [], set(self.switched)
-        for r in records:
-            run = r["recipes"].get("run")
-            if run is None or r["layer"] in done or r["layer"] not in self.layers:
-                continue
-            for rule in self.rules:
-                if rule.passes(run[rule.statistic]):
-                    events.append({"step": r["step"], "layer": r["layer"], "role": r["role"],
-                                   "statistic": rule.statistic, "value": run[rule.statistic],
-                                   "threshold": rule.threshold})
-                    done.add(r["layer"])
-                    break
-        return events
+        """The events the rules make of one step's ``records`` (``switch_events``), switching nothing."""
+        return switch_events(records, self.rules, self.switched,
+                             lambda r: r["layer"] if r["layer"] in self.layers else None)
 
     def after_step(self, step: int) -> list[dict]:
         """Read the step's records, switch the layers they condemn, log and return the events."""

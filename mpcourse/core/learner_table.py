@@ -48,7 +48,7 @@ class OverrideRefused(ValueError):
 
 @dataclass(frozen=True)
 class ExerciseFunction:
-    """One exercise function: ``name``, the ``lesson`` that teaches it ("00" .. "12"), its ``signature`` as the
+    """One exercise function: ``name``, the ``lesson`` that teaches it ("00" .. "14"), its ``signature`` as the
     exercise's ``def`` states it, and ``returned``: the ``seams.returned_*`` check of what it returns when the
     library calls it (None: the library never calls it; a class's entry is its ``class`` line)."""
 
@@ -123,6 +123,8 @@ EXERCISE_FUNCTIONS: dict[str, ExerciseFunction] = {f.name: f for f in (
     ExerciseFunction("bytes_per_parameter", "11",
                      "bytes_per_parameter(weights, grad_buffers, master, moments) -> dict"),
     ExerciseFunction("diagnose", "12", "diagnose(log: dict) -> str"),
+    ExerciseFunction("quantize_p_blocks", "14", f"quantize_p_blocks(s: {_T}, scale: {_T}, block: int) -> {_T}"),
+    ExerciseFunction("switch_events", "14", "switch_events(records: list, rules: list, switched: set) -> list"),
 )}
 
 

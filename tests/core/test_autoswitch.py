@@ -133,3 +133,29 @@ def test_every_n_checks_only_those_steps():
     assert one_step(model, switch, planted_input(0.1), step=1) == []
     assert [e["step"] for e in one_step(model, switch, planted_input(0.1), step=2)] == [2]
     switch.remove()
+
+
+def test_switch_events_the_rule_on_planted_records():
+    """``switch_events`` (lesson 14's exercise): strict ``>``, a NaN never passes, one event per layer (its first
+    passing record in recording order, the first passing rule in the rules' order), switched layers and records
+    without the run's statistics skipped, a ``target`` that filters layers or names a tensor."""
+    from mpcourse.core.autoswitch import switch_events
+
+    def rec(layer, role, **run):
+        return {"step": 3, "layer": layer, "role": role, "recipes": {"run": run} if run else {"fp8-block": {}}}
+
+    records = [rec("a", "activation", underflow=0.05, rel_error=0.5), rec("a", "weight", underflow=0.2),
+               rec("b", "activation", underflow=float("nan"), rel_error=0.01), rec("c", "activation"),
+               rec("b", "output_grad", underflow=0.06, rel_error=0.9), rec("d", "activation", underflow=0.9)]
+    rules = [("underflow", 0.05), ("rel_error", 0.3)]
+    ev = switch_events(records, rules, switched={"d"})
+    assert [(e["layer"], e["role"], e["statistic"], e["value"]) for e in ev] == [
+        ("a", "activation", "rel_error", 0.5), ("b", "output_grad", "underflow", 0.06)]
+    assert ev[0] == {"step": 3, "layer": "a", "role": "activation", "statistic": "rel_error", "value": 0.5,
+                     "threshold": 0.3}
+    only_ad = switch_events(records, [SwitchRule("underflow", 0.05)],
+                            target=lambda r: r["layer"] if r["layer"] in "ad" else None)
+    assert [e["layer"] for e in only_ad] == ["a", "d"] and "target" not in only_ad[0]
+    per_role = switch_events(records, rules, target=lambda r: f"{r['layer']}:{r['role']}")
+    assert [e["target"] for e in per_role] == ["a:activation", "a:weight", "b:output_grad", "d:activation"]
+    assert switch_events(records, [("underflow", 1.0)]) == []

@@ -226,6 +226,11 @@ EXERCISES: dict[str, Yours] = {
         bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
               "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
+    "14_fp8_attention": Yours(
+        functions=("quantize_p_blocks", "switch_events"),
+        missing="the fp8-attention recipe takes no learner function (FP8DotProductAttention has no --with seam): "
+                "the exercise ends with its check cells"),
+    # --
     "10_beyond_one_machine": Yours(
         recipes=("fp16-dynamic",), functions=("all_reduce_found_inf_",),
         bugs={"all_reduce_found_inf_": _forgets_to_return}, cfg=YOURS_DIST_CONFIG, nproc=2),

@@ -39,6 +39,9 @@ Backward (``attention_backward``; P is recomputed from the forward's lse, as cuD
     dS = P * (dP - D) * attn_scale;  dS8 = cast(dS, scale_dP)
     dQ = fp8_matmul(dS8, K8);  dK = fp8_matmul(dS8^T, Q8);  dQ8, dK8, dV8 = cast(dQ), cast(dK), cast(dV)
 
+The blocks of keys are ``p_blocks`` (running max, rescale factor, P_blk per block); ``quantize_p_blocks`` is P's
+cast alone, every block's codes side by side (lesson 14's exercise, graded against it).
+
 Blocks of keys versus whole rows. ``kv_block=None`` computes the softmax over whole rows first and casts the
 *normalized* P = softmax(S) (what TE's unfused FP8 emulation, ``UnfusedDotProductAttention`` with
 ``FP8EmulationFunc``, does). ``kv_block=128`` (the default, cuDNN's ``BLOCK``) casts each block's *unnormalized*
@@ -69,7 +72,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ..quant.rules.tensor import Float8Tensor, compute_amax, fp8_to_float32, quantize_current, to_float8
+from ..quant.rules.tensor import Float8Tensor, compute_amax, fp8_dtype, fp8_to_float32, quantize_current, to_float8
 
 FORWARD_ROLES = ("q", "k", "v", "s", "o")
 BACKWARD_ROLES = ("do", "dp", "dq", "dk", "dv")
@@ -172,29 +175,49 @@ def softmax_pv_rows(s: torch.Tensor, v8: Operand, how_s: Optional[RoleCast]):
     return fp8_matmul(p8, v8), m + torch.log(l), amax_s
 
 
+def p_blocks(s: torch.Tensor, kv_block: int):
+    """The online softmax's blocks of keys: yields (start, end, m, c, p) per block of ``kv_block`` keys of S
+    (..., Tq, Tk) float32, in order; the last block may be shorter. m (..., Tq, 1): the running max of the keys seen so
+    far (-inf in a row with no key yet); c = exp(m_before - m), the factor that rescales what the earlier blocks
+    summed; p (..., Tq, end - start) = exp(S_blk - m), FP32 in [0, 1], unnormalized, 0 where S is -inf and in a row
+    with no key yet (never NaN). The P that ``softmax_pv_blocks`` casts, block by block."""
+    m = torch.full((*s.shape[:-1], 1), float("-inf"), device=s.device)     # running max (..., Tq, 1)
+    for start in range(0, s.shape[-1], kv_block):
+        end = min(start + kv_block, s.shape[-1])
+        s_blk = s[..., start:end]
+        m_new = torch.maximum(m, s_blk.amax(-1, keepdim=True))
+        yield start, end, m_new, exp_minus(m, m_new), exp_minus(s_blk, m_new)
+        m = m_new
+
+
+def quantize_p_blocks(s: torch.Tensor, scale: torch.Tensor, kv_block: int = KV_BLOCK, fmt: str = "e4m3"):
+    """P as the blocked forward casts it, every block of keys side by side: (..., Tq, Tk) FP8 codes (``fmt``, E4M3 by
+    default) with descale 1 / ``scale``, a ``Float8Tensor``. Block b holds ``fp8(saturate(exp(S_b - m_b) * scale))``,
+    m_b the running max through block b (``p_blocks``); one scale for all blocks (lesson 14's exercise)."""
+    how = RoleCast(fmt, scale)
+    codes = [cast(p, how)[0].data for _, _, _, _, p in p_blocks(s, kv_block)]
+    data = torch.cat(codes, -1) if codes else torch.empty(s.shape, dtype=fp8_dtype(fmt), device=s.device)
+    return Float8Tensor(data, torch.as_tensor(scale, dtype=torch.float32).reciprocal(), s.dtype)
+
+
 def softmax_pv_blocks(s: torch.Tensor, v8: Operand, how_s: Optional[RoleCast], kv_block: int):
-    """Online softmax over blocks of ``kv_block`` keys, each block's unnormalized P cast with one scale (cuDNN's
-    reference). Returns (O, lse, amax_s): O (..., Tq, d_v), lse (..., Tq, 1), amax_s the largest P cast."""
+    """Online softmax over blocks of ``kv_block`` keys (``p_blocks``), each block's unnormalized P cast with one
+    scale (cuDNN's reference). Returns (O, lse, amax_s): O (..., Tq, d_v), lse (..., Tq, 1), amax_s the largest P
+    cast."""
     if how_s is not None and how_s.scale is None:
         raise ValueError("P cast in blocks needs its scale before the first block: give the 's' role a scale (TE "
                          "uses delayed scaling for S even under Float8CurrentScaling), or use kv_block=None")
-    tk, d_v = s.shape[-1], values(v8)[0].shape[-1]
+    d_v = values(v8)[0].shape[-1]
     m = torch.full((*s.shape[:-1], 1), float("-inf"), device=s.device)     # running max (..., Tq, 1)
     l = torch.zeros_like(m)                                                  # running sum
     o = torch.zeros((*s.shape[:-1], d_v), device=s.device)                 # (..., Tq, d_v) fp32
     amax_s = torch.zeros((), device=s.device)
-    for start in range(0, tk, kv_block):
-        end = min(start + kv_block, tk)
-        s_blk = s[..., start:end]
-        m_new = torch.maximum(m, s_blk.amax(-1, keepdim=True))
-        c = exp_minus(m, m_new)                  # exp(m - m_new); 0 before any key (O and l are 0 there)
+    for start, end, m, c, p in p_blocks(s, kv_block):   # c = exp(m_before - m): 0 before any key (O, l are 0 there)
         o, l = o * c, l * c
-        p = exp_minus(s_blk, m_new)                                          # (..., Tq, blk) fp32, <= 1
-        l = l + p.sum(-1, keepdim=True)
+        l = l + p.sum(-1, keepdim=True)                                      # p: (..., Tq, blk) fp32, <= 1
         p8, a = cast(p, how_s)
         amax_s = torch.maximum(amax_s, a)
         o = o + fp8_matmul(p8, keys(v8, start, end))
-        m = m_new
     return o / l.clamp(min=1.0), m + torch.log(l), amax_s
 
 

@@ -264,3 +264,33 @@ def test_refusals():
     with pytest.raises(ValueError, match="needs its scale before the first block"):
         attention_forward(q, k, v, {"s": RoleCast("e4m3")}, attn_scale=0.2, kv_block=16)
     assert set(FORWARD_ROLES) | set(BACKWARD_ROLES) == set(ROLES) and len(ROLES) == 10
+
+
+# ------------------------------------------------------------------------------------------- P's blocks alone
+@pytest.mark.parametrize("kv_block", [1, 16, 40, 128])
+@pytest.mark.parametrize("scale", [448.0, 16.0, 1.0, 1000.0])
+def test_quantize_p_blocks_is_what_the_forward_casts(kv_block, scale):
+    """``quantize_p_blocks`` (lesson 14's exercise) equals, bit for bit, the reference's per-block cast (ml_dtypes,
+    running max through each block), with a first block masked whole in some rows and one row masked everywhere:
+    no NaN, masked keys code 0; and the forward's O is the product of those very codes."""
+    from mpcourse.core.attention.fp8_attention import causal_scores, p_blocks, quantize_p_blocks
+
+    q, k, v, _ = inputs(24, seed=5)
+    s = causal_scores(q, k, 24 ** -0.5, True)
+    s[0, 0, 20:, :17] = float("-inf")                 # rows 20.. see no key in the first block(s)
+    s[1, 1, 7, :] = float("-inf")                     # a row with no key at all
+    got = quantize_p_blocks(s, torch.tensor(scale), kv_block)
+    parts = []
+    m = torch.full((B, H, T, 1), float("-inf"))
+    for start in range(0, T, kv_block):
+        blk = s[..., start:start + kv_block]
+        m_new = torch.maximum(m, blk.amax(-1, keepdim=True))
+        p = torch.where(m_new == float("-inf"), torch.zeros_like(blk), torch.exp(blk - m_new))
+        parts.append(ref_cast(p, "e4m3", scale)[0])
+        m = m_new
+    want = torch.cat(parts, -1)
+    assert got.data.dtype == torch.float8_e4m3fn and got.data.shape == s.shape
+    assert torch.equal(bits(got.data.float()), bits(want))
+    assert not got.data.float().isnan().any() and bool((got.data.float()[s == float("-inf")] == 0).all())
+    assert len(list(p_blocks(s, kv_block))) == -(-T // kv_block)
+    assert float(got.scale_inv) == float(np.float32(1.0) / np.float32(scale))
