@@ -54,7 +54,10 @@ from mpcourse.experiment.training.threads import training_threads
 from mpcourse.experiment.training.train import TrainConfig, Trainer
 
 DEFAULT = "fp32,fp8-current,fp8-delayed,nvfp4,mxfp8"
-TARGETS = {"fp8-current": 1.5, "fp8-delayed": 1.5, "nvfp4": 2.0}
+#: the MoE rows, each against moe-fp32 (``--base moe-fp32``): an emulated FP8 / MXFP8 MoE step at most 2x
+MOE = "moe-fp32,moe-bf16,moe-fp8-rowwise,moe-fp8-block,moe-mxfp8"
+TARGETS = {"fp8-current": 1.5, "fp8-delayed": 1.5, "nvfp4": 2.0,
+           "moe-fp8-rowwise": 2.0, "moe-fp8-block": 2.0, "moe-mxfp8": 2.0}
 
 
 def measure(names: list[str], rounds: int, steps: int, warmup: int, clock) -> dict[str, list[float]]:
@@ -78,20 +81,22 @@ def measure(names: list[str], rounds: int, steps: int, warmup: int, clock) -> di
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipes", default=DEFAULT, help=f"comma-separated (fp32 is always added; default {DEFAULT})")
+    ap.add_argument("--recipes", default=DEFAULT, help=f"comma-separated (the base is always added; default {DEFAULT}"
+                    f"; the MoE rows: --recipes {MOE} --base moe-fp32)")
+    ap.add_argument("--base", default="fp32", help="the recipe every ratio is taken against (default fp32)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="steps per recipe per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    if "fp32" not in names:
-        names.insert(0, "fp32")
+    if args.base not in names:
+        names.insert(0, args.base)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     with training_threads():
         per_round = measure(names, args.rounds, args.steps, args.warmup, clock)
-    base = per_round["fp32"]
-    print(f"{'recipe':>12}  {'ms/step':>8}  {'x fp32':>6}  {'spread':>11}  target   ({args.rounds} rounds x "
+    base = per_round[args.base]
+    print(f"{'recipe':>15}  {'ms/step':>8}  {'x ' + args.base:>6}  {'spread':>11}  target   ({args.rounds} rounds x "
           f"{args.steps} steps, medians; 1 intra-op thread; "
           f"{args.clock} clock)")
     for n in names:
@@ -99,7 +104,7 @@ def main(argv=None) -> None:
         med = statistics.median(ratios)
         target = TARGETS.get(n)
         verdict = "" if target is None else f"<= {target:.1f} {'ok' if med <= target else 'MISSED'}"
-        print(f"{n:>12}  {statistics.median(per_round[n]) * 1e3:8.1f}  {med:6.2f}  "
+        print(f"{n:>15}  {statistics.median(per_round[n]) * 1e3:8.1f}  {med:6.2f}  "
               f"{min(ratios):5.2f}-{max(ratios):<5.2f}  {verdict}")
 
 

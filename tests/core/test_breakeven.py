@@ -117,3 +117,20 @@ def test_sweep_measures_a_small_shape(tmp_path):
     assert (r["M"], r["K"], r["N"]) == (16, 32, 48) and r["speedup"] > 0 and r["low_s"] > 0
     high, low, cast = mod.cpu_pair(16, 32, 48, torch.device("cpu"))
     assert [t.dtype for t in cast()] == [torch.bfloat16] * 3
+
+
+def test_flops_per_token_counts_a_mixture_of_experts_mlp_from_its_modules():
+    """A MoE block's MLP term equals the GEMM weights its modules hold per token: top_k experts' (w_in, w_out) rows,
+    the router's, a shared expert's; with 4C/k-wide experts the routed part equals the dense MLP's 8 C^2."""
+    from dataclasses import replace
+
+    from mpcourse.experiment.gpt.model import GPT, GPTConfig, mlp_weights_per_token
+    cfg = GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=64)
+    assert mlp_weights_per_token(cfg) == 8 * 64 * 64
+    for moe in ({"n_experts": 4, "top_k": 2}, {"n_experts": 3, "top_k": 1, "expert_hidden": 128, "shared_expert": True}):
+        mcfg = replace(cfg, **moe)
+        mlp = GPT(mcfg).blocks[0].mlp
+        per_expert = sum(p.numel() for n, p in mlp.named_parameters() if n.startswith("w_")) // mcfg.n_experts
+        router = sum(p.numel() for n, p in mlp.named_parameters() if "router" in n)
+        shared = sum(p.numel() for n, p in mlp.named_parameters() if n.startswith("shared") and p.dim() == 2)
+        assert mlp_weights_per_token(mcfg) == mcfg.top_k * per_expert + router + shared, moe

@@ -205,6 +205,16 @@ class GPT(nn.Module):
         return torch.stack([b.mlp.aux_loss for b in self.blocks]).mean()
 
 
+def mlp_weights_per_token(cfg: GPTConfig) -> int:
+    """The GEMM weights one token meets in a block's MLP: the dense MLP's 8 C^2 (C -> 4C -> C), or a mixture of
+    experts' top_k experts (2 C H each), its router (C E) and a shared expert (2 C H)."""
+    C = cfg.n_embd
+    if not cfg.n_experts:
+        return 8 * C * C
+    H = expert_hidden(C, cfg.top_k, cfg.expert_hidden)
+    return cfg.top_k * 2 * C * H + C * cfg.n_experts + (2 * C * H if cfg.shared_expert else 0)
+
+
 def to_moe(model: GPT, **moe) -> GPT:
     """The mixture-of-experts twin of a dense ``model``: ``GPTConfig`` with the ``moe`` fields (``n_experts``,
     ``top_k``, ``expert_hidden``, ``shared_expert``, ``aux_loss_coef``), every parameter the two share (embeddings,

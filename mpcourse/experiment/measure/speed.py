@@ -38,10 +38,14 @@ GPU_PEAKS = {"H100": (989e12, 1979e12), "H200": (989e12, 1979e12), "B200": (2250
              "A100": (312e12, None)}
 
 
-def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab_size: int, *, training: bool = True) -> float:
-    """Model FLOPs per token of the course's GPT (forward x3 when ``training``)."""
+def flops_per_token(n_layer: int, n_embd: int, block_size: int, vocab_size: int, *, training: bool = True,
+                    mlp: int | None = None) -> float:
+    """Model FLOPs per token of the course's GPT (forward x3 when ``training``). ``mlp``: the GEMM weights one
+    token meets in a block's MLP (default the dense MLP's 8 C^2; a mixture of experts passes its own,
+    ``gpt.model.mlp_weights_per_token``)."""
     C, T = n_embd, block_size
-    linear = n_layer * 12 * C * C + vocab_size * C                   # GEMM weights per token
+    mlp = 8 * C * C if mlp is None else mlp
+    linear = n_layer * (4 * C * C + mlp) + vocab_size * C            # GEMM weights per token: attention's 4 C^2
     fwd = 2 * linear + n_layer * 4 * T * C
     return 3 * fwd if training else fwd
 

@@ -36,7 +36,7 @@ from ..gpt.data import Corpus
 from mpcourse.core.emulation import emulated_calls, tensor_cores
 from mpcourse.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..measure.memory import STATE_KINDS, measure_step
-from ..gpt.model import GPT, GPTConfig
+from ..gpt.model import GPT, GPTConfig, mlp_weights_per_token
 from ..measure.speed import flops_per_token
 from ..recipes.step import training_step
 from ..recipes import OptimConfig, get_recipe
@@ -346,8 +346,15 @@ class Trainer:
             activation_bytes=self.step_memory.activations + self.step_memory.fp8_cache if self.step_memory else 0,
             memory=self.step_memory.to_dict() if self.step_memory else {},
             flops_per_token=flops_per_token(self.mcfg.n_layer, self.mcfg.n_embd, self.mcfg.block_size,
-                                            self.mcfg.vocab_size), steps_run=steps_run, diverged_at=self.diverged_at,
+                                            self.mcfg.vocab_size, mlp=mlp_weights_per_token(self.model_config())),
+            steps_run=steps_run, diverged_at=self.diverged_at,
             history=list(self.history))
+
+    def model_config(self) -> GPTConfig:
+        """The config of the model the recipe trains (a MoE recipe's twin has its own; a wrapper's module's), else
+        the run's."""
+        model = getattr(self.recipe.model, "module", self.recipe.model)
+        return getattr(model, "cfg", self.mcfg)
 
     def state_dict(self) -> dict:
         """A checkpoint: recipe state, RNG states, step, history, the corpus it trains on (``corpus_id``)."""
