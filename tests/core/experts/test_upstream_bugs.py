@@ -135,13 +135,17 @@ def shared_tile(x, w, g, fmt):
     return SharedTileMX.apply(x, w, g)
 
 
-class SharedTileMX(torch.autograd.Function):
+class FP32Forward(torch.autograd.Function):
+    """The upstream copies' forward: the FP32 grouped GEMM; each subclass's backward is the upstream behaviour."""
+
     @staticmethod
     def forward(ctx, x, w, g):
         ctx.save_for_backward(x, w)
         ctx.g = g
         return grouped_mm(x, w, g, "fp32")
 
+
+class SharedTileMX(FP32Forward):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
@@ -200,13 +204,7 @@ def unguarded_channel_scales(x, w, g, fmt):
     return UnguardedWgrad.apply(x, w, g)
 
 
-class UnguardedWgrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, g):
-        ctx.save_for_backward(x, w)
-        ctx.g = g
-        return grouped_mm(x, w, g, "fp32")
-
+class UnguardedWgrad(FP32Forward):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
