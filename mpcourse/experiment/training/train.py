@@ -219,13 +219,15 @@ class Trainer:
     def switching(self, rules) -> None:
         """After every step, switch each quantized layer whose own quantizer's statistics pass one of ``rules`` to
         high precision for the rest of the run (``mpcourse.core.autoswitch.Autoswitch``: a spec such as
-        "underflow=0.05" or "underflow=0.05,every=10", or ``SwitchRule`` objects; None: off). The step's events go into its history record
+        "underflow=0.05", "underflow=0.05,every=10" or "underflow=0.05,attention=tensor", or ``SwitchRule``
+        objects; None: off). The step's events go into its history record
         (``autoswitch``) and to the console."""
         self.autoswitch = None
         if rules:
             from mpcourse.core.autoswitch import Autoswitch, Spec, parse_spec
             spec = parse_spec(rules) if isinstance(rules, str) else Spec(tuple(rules))
-            self.autoswitch = Autoswitch(self.recipe.model, spec.rules, every=spec.every, echo=tqdm.write)
+            self.autoswitch = Autoswitch(self.recipe.model, spec.rules, every=spec.every, echo=tqdm.write,
+                                         attention=spec.attention)
 
     # -- what a data-parallel trainer (mpcourse.experiment.parallel.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model):
