@@ -442,12 +442,15 @@ def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int
     ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients),
     ``out/inspect-NAME-recipes.png`` (layer x recipe, per role: the underflow fraction under each recipe's
     quantizer, mean over the inspected steps) and ``out/inspect-NAME-hist.png`` (log2|x| of the last inspected
-    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked); with
-    ``autoswitch``, the JSON's ``autoswitch`` lists the layers switched and why. Used by ``mpcourse compare
+    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked); with FP8
+    attention, ``out/inspect-NAME-attention.png`` (each attention tensor x recipe, ``inspect_attention``) and
+    ``out/inspect-NAME-attention-hist.png``; with ``autoswitch``, the JSON's ``autoswitch`` lists the layers
+    switched and why. Used by ``mpcourse compare
     --inspect`` in this process and in the pool's workers."""
     from pathlib import Path
 
     from mpcourse.core.inspect import plot_binades, plot_heatmap, plot_recipe_heatmap
+    from mpcourse.core.inspect_attention import plot_attention_histogram, plot_attention_recipes
 
     out = Path(out)
     trainer = Trainer(name, corpus, cfg, inspect_every=every, autoswitch=autoswitch).run(progress=progress,
@@ -460,5 +463,7 @@ def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int
         plot_recipe_heatmap(records, out / f"inspect-{name}-recipes.png")
         last = [r for r in records if r["step"] == records[-1]["step"] and r["role"] == "output_grad"] or records
         plot_binades(max(last, key=lambda r: r["dynamic_range_binades"]), out / f"inspect-{name}-hist.png")
+        plot_attention_recipes(records, out / f"inspect-{name}-attention.png")        # FP8 attention, if any
+        plot_attention_histogram(records, out / f"inspect-{name}-attention-hist.png")
     trainer.inspector.remove()
     return trainer.result()
