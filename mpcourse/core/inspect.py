@@ -28,7 +28,8 @@ dynamic range, MSE and relative error (``inspect_quant.quantized_stats`` defines
 step, the stats of its input activation, weight, output gradient and weight gradient. Off unless built;
 ``remove()`` takes the hooks out. ``observe(layer, role, tensor, as_role=..., own=...)`` records any other tensor
 the same way: the extension point for tensors that are not a linear layer's (FP8 attention's Q, K, V, P, O, dO, dP:
-a module calls it with its own quantizer of each). ``to_json`` writes the log; ``plot_heatmap`` (layer x step, one fraction of
+a module calls it with its own quantizer of each; ``FP8DotProductAttention`` does, for every tensor it casts,
+``mpcourse.core.attention.inspected``). ``to_json`` writes the log; ``plot_heatmap`` (layer x step, one fraction of
 one role in one format or recipe), ``plot_recipe_heatmap`` (layer x recipe, per role) and ``plot_histogram`` /
 ``plot_binades`` (one tensor's log2|x| against a format's range) draw it.
 """
@@ -41,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .attention.inspected import ATTENTION_ROLES
+from .attention.layer import FP8DotProductAttention
 from .formats import FORMATS
 from .inspect_quant import QUANTIZER_ROLE, STATISTICS, WHAT_IFS, WhatIfQuantizers, run_quantizer
 
@@ -130,10 +133,14 @@ class Inspector:
     ``recipes`` alone, as ``mpcourse.core.autoswitch``, pays for nothing else). The output
     gradient is recorded before the layer's backward uses it (a backward pre-hook), so "run" reads the delayed
     scale that backward casts with. Recording draws no random number from the run's stream.
+
+    ``attention`` (default True): also every tensor each ``FP8DotProductAttention`` casts, recorded under the
+    attention module's name with the roles ``ATTENTION_ROLES`` (Q, K, V, P, O, dO, P_bwd, dP, dQ, dK, dV; the
+    table in ``mpcourse.core.attention.inspected``), "run" being the layer's own cast of each.
     """
 
     def __init__(self, model: nn.Module, every: int = 10, formats=INSPECT_FORMATS, loss_scale=1.0,
-                 what_ifs=ALL_WHAT_IFS, run: bool = True, roles=ROLES, summary: bool = True):
+                 what_ifs=ALL_WHAT_IFS, run: bool = True, roles=ROLES, summary: bool = True, attention: bool = True):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not set(roles) <= set(ROLES):
@@ -147,6 +154,11 @@ class Inspector:
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         for name, m in self.layers.items():
             self._hook(name, m)
+        self.attention = {name: m for name, m in model.named_modules()
+                          if attention and isinstance(m, FP8DotProductAttention)}
+        for name, m in self.attention.items():
+            m.observer = self._attn(name)
+            self._handles[name] = [_Unobserve(m)]
 
     def _hook(self, name: str, m: nn.Module) -> None:
         hs = []
@@ -209,6 +221,12 @@ class Inspector:
                 self.observe(name, "output_grad", grad_output[0], self._scale(), module=module)
         return hook
 
+    def _attn(self, name):
+        def observer(role, t, as_role, own):
+            if self.active:
+                self.observe(name, role, t, as_role=as_role, own=own if self.run else None)
+        return observer
+
     def _wgrad(self, name):
         def hook(param):
             if self.active and param.grad is not None:
@@ -227,14 +245,26 @@ class Inspector:
         self._handles = {}
 
     def log(self, **extra) -> dict:
-        """The JSON log: every, formats, roles, what_ifs (name: what it is), statistics, records, and ``extra``."""
+        """The JSON log: every, formats, roles, attention_roles (those of FP8 attention, where watched), what_ifs
+        (name: what it is), statistics, records, and ``extra``."""
         return {"every": self.every, "formats": list(self.formats), "roles": list(ROLES),
+                "attention_roles": list(ATTENTION_ROLES) if self.attention else [],
                 "what_ifs": {n: WHAT_IFS[n].description for n in self.quantizers.names},
                 "statistics": list(STATISTICS), "records": self.records, **extra}
 
     def to_json(self, path: str | Path, **extra) -> None:
         """Write ``log(**extra)`` (strict JSON: no NaN appears in records)."""
         Path(path).write_text(json.dumps(self.log(**extra), indent=0, allow_nan=False))
+
+
+class _Unobserve:
+    """The handle of an attention layer's observer: ``remove()`` takes it off."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.observer = None
 
 
 def _value(r: dict, fmt: str, kind: str) -> float:

@@ -6,4 +6,5 @@
 * ``scaling``: each role's scale and amax history under a recipe (``DelayedScaling``, ``CurrentScaling``), reusing
   ``mpcourse.core.quant``'s rules and region.
 * ``layer``: ``FP8DotProductAttention``, the module (its autograd function and its checkpointed state).
+* ``inspected``: what the numerics inspector sees of it (every tensor it casts, under TE's names).
 """

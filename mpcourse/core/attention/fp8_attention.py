@@ -67,7 +67,7 @@ reference; TE shares one QKV (and one dQKV) slot among them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
 import torch
@@ -85,11 +85,14 @@ Operand = Union[Float8Tensor, torch.Tensor]     # an FP8 tensor, or an FP32 tens
 @dataclass(frozen=True)
 class RoleCast:
     """How one role's tensor is cast: ``fmt`` ("e4m3" / "e5m2") and ``scale`` (a float32 () tensor; None: current
-    scaling from the tensor's own amax, with ``power_2_scale`` and ``amax_epsilon`` as in ``CurrentScaling``)."""
+    scaling from the tensor's own amax, with ``power_2_scale`` and ``amax_epsilon`` as in ``CurrentScaling``).
+    ``seen``: a list that ``cast`` appends each tensor it casts to, as it was before the cast (the numerics
+    inspector reads the tensors from it, ``attention.inspected``); None, the default, keeps nothing."""
     fmt: str
     scale: Optional[torch.Tensor] = None
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    seen: Optional[list] = field(default=None, compare=False, repr=False)
 
 
 Casts = Mapping[str, RoleCast]
@@ -101,6 +104,8 @@ def cast(x: torch.Tensor, how: Optional[RoleCast]) -> tuple[Operand, torch.Tenso
     amax = compute_amax(x)
     if how is None:
         return x.detach().float(), amax
+    if how.seen is not None:
+        how.seen.append(x.detach())
     if how.scale is None:
         return quantize_current(x.detach(), how.fmt, 0, how.power_2_scale, how.amax_epsilon), amax
     return to_float8(x.detach(), how.fmt, how.scale), amax

@@ -34,6 +34,7 @@ from ..quant.region import get_fp8_recipe, is_fp8_enabled
 from ..quant.rules.tensor import Float8Tensor
 from .fp8_attention import (BACKWARD_ROLES, FORWARD_ROLES, KV_BLOCK, ROLES, ForwardResult, attention_backward,
                             attention_forward)
+from .inspected import report, watched
 from .scaling import AttentionScaling
 from ..checkpoint import extra_state_missing
 
@@ -56,16 +57,22 @@ class _FP8AttentionFunction(torch.autograd.Function):
     """O = attention(Q, K, V) with the forward and backward of ``fp8_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scaling, options, record):
-        # options: (attn_scale, causal, kv_block, fp8_dpa_bwd); scaling: an AttentionScaling (no roles: FP32)
+    def forward(ctx, q, k, v, scaling, options, record, observer=None):
+        # options: (attn_scale, causal, kv_block, fp8_dpa_bwd); scaling: an AttentionScaling (no roles: FP32);
+        # observer: None, or where each cast tensor goes (``inspected.report``: the numerics inspector)
         attn_scale, causal, kv_block, fp8_dpa_bwd = options
         casts = scaling.casts(FORWARD_ROLES, q.device)
         if "s" in casts and casts["s"].scale is not None:       # the backward casts P with this step's scale
             casts["s"] = replace(casts["s"], scale=casts["s"].scale.detach().clone())
+        if observer is not None:
+            casts = watched(casts)
         fwd = attention_forward(q, k, v, casts, attn_scale=attn_scale, causal=causal, kv_block=kv_block)
+        if observer is not None:
+            report(observer, casts, backward=False)
+            casts = {r: replace(how, seen=None) for r, how in casts.items()}
         if record:
             scaling.record(fwd.amax, FORWARD_ROLES)
-        ctx.scaling, ctx.options, ctx.s_cast = scaling, options, casts.get("s")
+        ctx.scaling, ctx.options, ctx.s_cast, ctx.observer = scaling, options, casts.get("s"), observer
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         if fp8_dpa_bwd:
             ctx.save_for_backward(*_pack([fwd.q8, fwd.k8, fwd.v8, fwd.o8]), fwd.lse)
@@ -82,14 +89,18 @@ class _FP8AttentionFunction(torch.autograd.Function):
             casts = scaling.casts(BACKWARD_ROLES, grad.device)
             if ctx.s_cast is not None:
                 casts["s"] = ctx.s_cast
+            if ctx.observer is not None:
+                casts = watched(casts)
             dq, dk, dv, amax = attention_backward(grad, fwd, casts, attn_scale=attn_scale, causal=causal)
+            if ctx.observer is not None:
+                report(ctx.observer, casts, backward=True)
             scaling.record(amax, BACKWARD_ROLES)
         else:                                                     # FP32 attention's backward at the FP32 inputs
             q, k, v = ctx.saved_tensors
             fwd = attention_forward(q, k, v, {}, attn_scale=attn_scale, causal=causal, kv_block=kv_block)
             dq, dk, dv, _ = attention_backward(grad, fwd, {}, attn_scale=attn_scale, causal=causal)
         dq, dk, dv = (g.to(dt) for g, dt in zip((dq, dk, dv), ctx.dtypes))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 class FP8DotProductAttention(nn.Module):
@@ -99,7 +110,14 @@ class FP8DotProductAttention(nn.Module):
     ``fp8_dpa_bwd``, ``fixed_scales``; ``key`` names the layer in the amax all-reduce; ``device`` holds the state.
     ``forward(q, k, v, attn_scale=None, causal=True)``: q, k (..., T, d), v (..., T, d_v) -> (..., T, d_v);
     ``attn_scale`` None means 1 / sqrt(d). ``scaling_state``: {role: DelayedScalingState}.
+
+    Switches (``mpcourse.core.autoswitch``; not in the checkpoint, the switch's own state says them again):
+    ``high_precision = True`` computes FP32 attention, as outside an FP8 region; ``high_precision_roles``, a set of
+    roles, leaves those tensors uncast (their scales still follow their amaxes). ``observer``: None, or the callable
+    each cast tensor is reported to on a pass that records (``inspected.report``; the numerics inspector sets it).
     """
+
+    observer = None
 
     def __init__(self, recipe: Optional[Recipe] = None, *, roles=ROLES, kv_block: Optional[int] = KV_BLOCK,
                  fp8_dpa_bwd: bool = True, fixed_scales: Optional[Mapping[str, float]] = None, key: str = "",
@@ -110,10 +128,12 @@ class FP8DotProductAttention(nn.Module):
             raise ValueError(f"kv_block must be a positive int (keys per block) or None (whole rows), got {kv_block!r}")
         self.roles, self.kv_block, self.fp8_dpa_bwd = tuple(roles), kv_block, bool(fp8_dpa_bwd)
         self.fixed_scales, self.key = dict(fixed_scales or {}), key
+        self.high_precision, self.high_precision_roles = False, set()
         self._reset_scaling_state(device)
 
     def _reset_scaling_state(self, device=None) -> None:
-        self.scaling = AttentionScaling(self.recipe, self.roles, self.fixed_scales, device, self.key or "attention")
+        self.scaling = AttentionScaling(self.recipe, self.roles, self.fixed_scales, device, self.key or "attention",
+                                        high=self.high_precision_roles)
 
     @property
     def scaling_state(self) -> dict:
@@ -133,13 +153,14 @@ class FP8DotProductAttention(nn.Module):
         self._check(q, k, v)
         attn_scale = 1.0 / math.sqrt(q.shape[-1]) if attn_scale is None else float(attn_scale)
         options = (attn_scale, causal, self.kv_block, self.fp8_dpa_bwd)
-        if not is_fp8_enabled():                      # quant.autocast(enabled=False): FP32 attention
-            return _FP8AttentionFunction.apply(q, k, v, AttentionScaling(self.recipe, ()), options, False)
+        if not is_fp8_enabled() or self.high_precision:    # quant.autocast(enabled=False), or switched: FP32
+            return _FP8AttentionFunction.apply(q, k, v, AttentionScaling(self.recipe, ()), options, False, None)
         region_recipe = get_fp8_recipe()
         if region_recipe is not None and region_recipe != self.recipe:
             raise ValueError(f"the FP8 region's recipe {region_recipe} differs from this attention's {self.recipe}: "
                              "build the layer with the region's recipe (or fp8_recipe=None)")
-        return _FP8AttentionFunction.apply(q, k, v, self.scaling, options, torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        return _FP8AttentionFunction.apply(q, k, v, self.scaling, options, grad, self.observer if grad else None)
 
     # -- checkpointing --------------------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:

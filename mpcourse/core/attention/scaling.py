@@ -57,13 +57,15 @@ class AttentionScaling:
     """The scales of one attention layer's quantized ``roles`` (a subset of ``ROLES``) under ``recipe``.
 
     ``states``: {role: DelayedScalingState} of the roles that keep one; ``casts(roles)`` the ``RoleCast`` of each
-    quantized role among ``roles`` (its live scale tensor for delayed roles); ``record(amax, roles)`` records
+    quantized role among ``roles`` (its live scale tensor for delayed roles), none for the roles in ``high`` (a set,
+    shared with the layer: those switched to high precision, whose states still record); ``record(amax, roles)`` records
     each delayed role's amax and schedules its update. ``key`` names the layer in the amax all-reduce.
     """
 
     def __init__(self, recipe: Recipe, roles: Iterable[str] = ROLES, fixed_scales: Optional[Mapping] = None,
-                 device=None, key: str = ""):
+                 device=None, key: str = "", high: Optional[set] = None):
         self.recipe, self.roles, self.key = recipe, tuple(roles), key
+        self.high = set() if high is None else high       # roles switched to high precision: not cast
         self.fixed = {r: float(s) for r, s in (fixed_scales or {}).items()}
         for role in (*self.roles, *self.fixed):
             role_format(recipe, role)                         # checks the role name
@@ -81,7 +83,7 @@ class AttentionScaling:
         p2 = getattr(self.recipe, "use_power_2_scales", False)
         eps = getattr(self.recipe, "amax_epsilon", 0.0)
         for r in roles:
-            if r not in self.roles:
+            if r not in self.roles or r in self.high:
                 continue
             if r in self.fixed:
                 scale = torch.tensor(self.fixed[r], dtype=torch.float32, device=device)

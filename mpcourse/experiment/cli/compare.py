@@ -85,8 +85,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="move a quantized layer's GEMMs to high precision for the rest of the run once the inspector "
                         "sees one of its tensors pass the threshold, e.g. underflow=0.05 (TE's AutoswitchGemm; "
                         "statistics: underflow, saturation, rel_error, mse; several: comma-separated, any one "
-                        "switches; every=N checks every N steps instead of every step); the switches are printed "
-                        "and kept in results.json's history")
+                        "switches; every=N checks every N steps instead of every step; FP8 attention's tensors "
+                        "too: attention=layer (default) switches the whole attention, attention=tensor that tensor "
+                        "alone, attention=off leaves attention alone); the switches are printed and kept in "
+                        "results.json's history")
     c.add_argument("--out", type=_out_path, default=None,
                    help=f"output folder. Default: {DEFAULT_OUT}/ for the default run, {QUICK_OUT}/ for --quick alone, "
                         f"and {RUNS_OUT}/NAME/ for any other run, so that it never replaces their results: NAME is "

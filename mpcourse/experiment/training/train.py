@@ -219,13 +219,15 @@ class Trainer:
     def switching(self, rules) -> None:
         """After every step, switch each quantized layer whose own quantizer's statistics pass one of ``rules`` to
         high precision for the rest of the run (``mpcourse.core.autoswitch.Autoswitch``: a spec such as
-        "underflow=0.05" or "underflow=0.05,every=10", or ``SwitchRule`` objects; None: off). The step's events go into its history record
+        "underflow=0.05", "underflow=0.05,every=10" or "underflow=0.05,attention=tensor", or ``SwitchRule``
+        objects; None: off). The step's events go into its history record
         (``autoswitch``) and to the console."""
         self.autoswitch = None
         if rules:
             from mpcourse.core.autoswitch import Autoswitch, Spec, parse_spec
             spec = parse_spec(rules) if isinstance(rules, str) else Spec(tuple(rules))
-            self.autoswitch = Autoswitch(self.recipe.model, spec.rules, every=spec.every, echo=tqdm.write)
+            self.autoswitch = Autoswitch(self.recipe.model, spec.rules, every=spec.every, echo=tqdm.write,
+                                         attention=spec.attention)
 
     # -- what a data-parallel trainer (mpcourse.experiment.parallel.distributed) replaces --------------------
     def build_recipe(self, recipe_cls, model):
@@ -447,12 +449,15 @@ def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int
     ``out/inspect-NAME.png`` (layer x step: FP16-subnormal fraction of the output gradients),
     ``out/inspect-NAME-recipes.png`` (layer x recipe, per role: the underflow fraction under each recipe's
     quantizer, mean over the inspected steps) and ``out/inspect-NAME-hist.png`` (log2|x| of the last inspected
-    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked); with
-    ``autoswitch``, the JSON's ``autoswitch`` lists the layers switched and why. Used by ``mpcourse compare
+    step's output gradient with the widest dynamic range, each format's flush-to-zero edge marked); with FP8
+    attention, ``out/inspect-NAME-attention.png`` (each attention tensor x recipe, ``inspect_attention``) and
+    ``out/inspect-NAME-attention-hist.png``; with ``autoswitch``, the JSON's ``autoswitch`` lists the layers
+    switched and why. Used by ``mpcourse compare
     --inspect`` in this process and in the pool's workers."""
     from pathlib import Path
 
     from mpcourse.core.inspect import plot_binades, plot_heatmap, plot_recipe_heatmap
+    from mpcourse.core.inspect_attention import plot_attention_histogram, plot_attention_recipes
 
     out = Path(out)
     trainer = Trainer(name, corpus, cfg, inspect_every=every, autoswitch=autoswitch).run(progress=progress,
@@ -465,5 +470,7 @@ def train_inspected(name: str, corpus: Corpus, cfg: TrainConfig, out, every: int
         plot_recipe_heatmap(records, out / f"inspect-{name}-recipes.png")
         last = [r for r in records if r["step"] == records[-1]["step"] and r["role"] == "output_grad"] or records
         plot_binades(max(last, key=lambda r: r["dynamic_range_binades"]), out / f"inspect-{name}-hist.png")
+        plot_attention_recipes(records, out / f"inspect-{name}-attention.png")        # FP8 attention, if any
+        plot_attention_histogram(records, out / f"inspect-{name}-attention-hist.png")
     trainer.inspector.remove()
     return trainer.result()
