@@ -212,7 +212,7 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                # experts in low precision: token grouping and one expert's three GEMMs (the dense rule per group)
                "mpcourse.core.experts.grouping:token_groups", "mpcourse.core.experts.grouping:group_tokens",
                "mpcourse.core.experts.grouping:pad_groups", "mpcourse.core.experts.grouping:unpad_groups",
-               "mpcourse.core.experts.expert_gemms:quantize", "mpcourse.core.experts.expert_gemms:forward",
+               "mpcourse.core.experts.expert_gemms:quantizers_for", "mpcourse.core.experts.expert_gemms:forward",
                "mpcourse.core.experts.expert_gemms:dgrad", "mpcourse.core.experts.expert_gemms:wgrad",
                # FP8 attention (TE fp8_dpa; cuDNN's FP8 SDPA reference): the products, the online softmax, both passes
                "mpcourse.core.attention.fp8_attention:fp8_matmul",
