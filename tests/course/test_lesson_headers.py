@@ -39,8 +39,8 @@ def readme_rows() -> dict[str, tuple[str, str, str]]:
     return rows
 
 
-def test_the_course_has_lessons_00_to_12_in_order():
-    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(13)]
+def test_the_course_has_its_lessons_from_00_in_order():
+    assert len(LESSONS) >= 14 and [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(len(LESSONS))]
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)

@@ -25,11 +25,13 @@ layouts are those of ``torch.nn.functional.linear``'s forward and autograd backw
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..quant.block_recipes import Float8BlockScaling, MXFP8BlockScaling, block_for, token_multiple
 from ..quant.layers.block_gemm import scaled_gemm
-from ..quant.rules.blockwise import quantize_fp32_scaled
+from ..quant.rules.blockwise import encode_fp32_scaled, quantize_fp32_scaled
 from ..quant.rules.mx import quantize_mx
 from ..quant.rules.scaled import ScaledTensor
 from .formats import GroupedFormat
@@ -68,13 +70,18 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
-def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int
-          ) -> torch.Tensor:
-    """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0."""
+def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int,
+          scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0.
+    ``scales``: rowwise FP8's (1, N) and (1, K) column scales of this expert's dy and x (``group_scales``), which
+    are those ``quantize`` computes from the group itself."""
     if dy.shape[0] == 0:
         return torch.zeros(n, k, dtype=w_dtype, device=dy.device)
     if not fmt.quantized:
         return torch.mm(dy.to(fmt.dtype).t(), x.to(fmt.dtype)).to(w_dtype)
+    if scales is not None:                           # rowwise: one block of all M_e rows per column
+        qdy = encode_fp32_scaled(dy, (dy.shape[0], 1), "e4m3", scales[0])
+        return scaled_gemm(qdy.t(), encode_fp32_scaled(x, (x.shape[0], 1), "e4m3", scales[1]), w_dtype)
     m = token_multiple(fmt.recipe)                   # the block the tokens are scaled in (1: any count)
     dy, x = pad_rows(dy, m), pad_rows(x, m)          # (M_e', N), (M_e', K): zero rows add exact zeros
     return scaled_gemm(quantize(dy, fmt, "grad_output", 0).t(), quantize(x, fmt, "input", 0), w_dtype)
