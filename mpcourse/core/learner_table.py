@@ -123,6 +123,11 @@ EXERCISE_FUNCTIONS: dict[str, ExerciseFunction] = {f.name: f for f in (
     ExerciseFunction("bytes_per_parameter", "11",
                      "bytes_per_parameter(weights, grad_buffers, master, moments) -> dict"),
     ExerciseFunction("diagnose", "12", "diagnose(log: dict) -> str"),
+    ExerciseFunction("pad_token_groups", "13", f"pad_token_groups(x: {_T}, counts: {_T}, alignment: int) -> tuple",
+                     seams.returned_padded_groups),
+    ExerciseFunction("unpad_token_groups", "13", f"unpad_token_groups(y: {_T}, counts: {_T}, alignment: int) -> {_T}",
+                     seams.returned_unpadded_groups),
+    ExerciseFunction("group_scales", "13", f"group_scales(t: {_T}, offs: {_T}) -> {_T}", seams.returned_group_scales),
     ExerciseFunction("quantize_p_blocks", "14", f"quantize_p_blocks(s: {_T}, scale: {_T}, block: int) -> {_T}"),
     ExerciseFunction("switch_events", "14", "switch_events(records: list, rules: list, switched: set) -> list"),
 )}

@@ -5,7 +5,7 @@ lesson that builds it (``DynamicLossScaler(update_scale=...)``, ``BF16Optimizer(
 ``MasterWeights(round_to_model=..., make_master=...)``, ``MasterWeights.step_with(master_step)``, the loss
 scalers' ``unscale_grads_=`` and ``all_reduce_found_inf_``, ``fp16-static``'s ``choose_loss_scale``, a quantization
 recipe's ``functions={"compute_scale": ..., "quantize": ..., "update": ..., "block_quantize": ...,
-"mx_shared_exponent": ..., "nvfp4_scales": ...}``, the course autocast's ``cast_args`` / ``cached_cast``).
+"mx_shared_exponent": ..., "nvfp4_scales": ..., "pad_token_groups": ..., "group_scales": ...}``, the course autocast's ``cast_args`` / ``cached_cast``).
 The library calls the rule it is given and checks what comes back with one ``returned_*`` function here, so
 that a wrong return value stops with one line naming the function and the fix (``SeamError``) instead of
 spreading NaNs or shape errors through the training step. Without such a function the library runs its own
@@ -257,3 +257,27 @@ def returned_mask(name: str, w: torch.Tensor, out) -> torch.Tensor:
     if out.dtype != torch.bool:
         raise SeamError(f"{name} returned dtype {out.dtype}, expected torch.bool (a comparison, e.g. a == b)")
     return out
+
+
+def returned_padded_groups(name: str, x: torch.Tensor, padded_offs: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (from ``pad_token_groups(x, counts, alignment)``) as (padded (rows, K) in x's dtype, padded_offs (E,)
+    int32), its group ends those of the library's ``padded_offs`` (rows = their last, 0 for no expert)."""
+    padded, offs = _pair(name, out, "(padded, padded_offs)")
+    rows = int(padded_offs[-1]) if padded_offs.numel() else 0
+    padded = _tensor(name, padded, "the padded tokens", (rows, *x.shape[1:]), (x.dtype,))
+    offs = _tensor(name, offs, "the group ends", padded_offs.shape, (torch.int32, torch.int64))
+    if not torch.equal(offs.int(), padded_offs.int()):
+        raise SeamError(f"{name} returned group ends {offs.tolist()}, expected {padded_offs.tolist()}: each group "
+                        "is rounded up to a multiple of the alignment, then the ends are their running sum")
+    return padded, offs.int()
+
+
+def returned_unpadded_groups(name: str, y: torch.Tensor, num_tokens: int, out) -> torch.Tensor:
+    """``out`` (from ``unpad_token_groups(y, counts, alignment)``): (num_tokens, N) in y's dtype."""
+    return _tensor(name, out, "the real rows", (num_tokens, *y.shape[1:]), (y.dtype,))
+
+
+def returned_group_scales(name: str, t: torch.Tensor, offs: torch.Tensor, out) -> torch.Tensor:
+    """``out`` (from ``group_scales(t, offs)``) as float32 (E, C), every scale finite and > 0."""
+    like = torch.empty(offs.shape[0], t.shape[1], dtype=torch.float32)
+    return returned_scale(name, like, out, "a group scale")

@@ -9,6 +9,8 @@ environment, one ``RunResult`` per recipe with its per-step history), plus the c
 the thread count. NAME is one of ``RUNS``:
 
     bf16-recipes   lesson 06: fp32 and the five BF16 recipes, 120 steps of a 2-layer GPT at lr 3e-4
+    moe-router     lesson 13: the MoE GPT (4 experts, top-2) with its router in FP32 and in BF16, 60 steps of a
+                   2-layer, width-128 model (each step's tokens per expert; the BF16 router's flipped decisions)
 
 The lesson prints the command next to the numbers. ``tests/course/test_stored_runs.py`` re-runs the command on a
 short setting and checks its first steps against the stored ones (the warm-up's learning rate does not
@@ -57,6 +59,10 @@ RUNS = {
         lesson="06", recipes=("fp32", "bf16-autocast", "bf16-master", "bf16-pure", "bf16-pure-sr", "bf16-pure-kahan"),
         steps=120, batch_size=16, eval_interval=40, eval_batches=4, lr=3e-4,
         model=dict(n_layer=2, n_embd=64, block_size=32)),
+    "moe-router": StoredRun(
+        lesson="13", recipes=("moe-fp32", "moe-bf16-router"),
+        steps=60, batch_size=8, eval_interval=30, eval_batches=2, lr=3e-3,
+        model=dict(n_layer=2, n_embd=128, block_size=64)),
 }
 
 
@@ -83,11 +89,6 @@ def produce(name: str, steps: int | None = None, recipes: tuple[str, ...] | None
     threads = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     emulation.set_emulation(True)
-    try:
-        results = [train(r, corpus, cfg, progress=False) for r in recipes]
-    finally:
-        emulation.set_emulation(None)                     # back to auto (MPCOURSE_EMULATE, else the CPU's units)
-        torch.set_num_threads(threads)
     command = f"python -m mpcourse.course.stored_runs {name}"
     if steps:
         command += f" --steps {steps}"
@@ -95,7 +96,12 @@ def produce(name: str, steps: int | None = None, recipes: tuple[str, ...] | None
         command += f" --recipes {','.join(recipes)}"
     extra = {"stored_run": name, "lesson": spec.lesson, "command": command, "threads": spec.threads,
              "eval_interval": spec.eval_interval, "eval_batches": spec.eval_batches}
-    return results_payload(results, corpus, cfg, extra)
+    try:
+        results = [train(r, corpus, cfg, progress=False) for r in recipes]
+        return results_payload(results, corpus, cfg, extra)   # its environment says emulation was on: it was
+    finally:
+        emulation.set_emulation(None)                     # back to auto (MPCOURSE_EMULATE, else the CPU's units)
+        torch.set_num_threads(threads)
 
 
 def main(argv=None) -> int:

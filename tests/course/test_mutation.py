@@ -1,4 +1,4 @@
-"""The check cells of lessons 09-12 and 14 reject at least 98% of learner-plausible wrong versions of every
+"""The check cells of lessons 09-14 reject at least 98% of learner-plausible wrong versions of every
 exercise function (``tests/course/mutants/``; harness: ``tests/course/mutation.py``)."""
 import contextlib
 import importlib
@@ -12,6 +12,7 @@ LESSONS = {   # module in tests/course/mutants -> solution notebook
     "m10": "10_beyond_one_machine.ipynb",
     "m11": "11_memory_speed_ablations.ipynb",
     "m12": "12_capstone.ipynb",
+    "m13": "13_experts.ipynb",
     "m14": "14_fp8_attention.ipynb",
 }
 

@@ -164,6 +164,24 @@ def _nvfp4_tensor_scale_without_6(x):                    # 10: t = amax / 448, f
     return t, ((amax_b / 6.0) / t).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
 
 
+def _tokens_at_the_end_of_their_slot(x, counts, alignment):   # 13: padding rows before each group's tokens
+    sizes = (counts + alignment - 1) // alignment * alignment
+    ends = torch.cumsum(sizes, 0)
+    shift = ends - torch.cumsum(counts, 0)
+    rows = torch.arange(x.shape[0]) + torch.repeat_interleave(shift, counts)
+    return x.new_zeros(int(ends[-1]), *x.shape[1:]).index_copy(0, rows, x), ends.int()
+
+
+def _unpad_the_first_rows(y, counts, alignment):            # 13: the first sum(counts) rows, padding included
+    return y[:int(counts.sum())]
+
+
+def _group_scale_rounded_up(t, offs):                      # 13: ceil(log2) for floor(log2): one power too large
+    from mpcourse.core.experts import group_colwise_scales
+    s = group_colwise_scales(t, offs, power_2_scale=False)
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
 def _forgets_to_return(found_inf, group=None):             # 11: reduces in place but returns None
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -226,6 +244,11 @@ EXERCISES: dict[str, Yours] = {
         bugs={"block_quantize": _block_scale_not_power_of_2, "mx_shared_exponent": _mx_exponent_off_by_one,
               "nvfp4_scales": _nvfp4_tensor_scale_without_6}, cfg=YOURS_BLOCK_CONFIG),
     # --
+    "13_experts": Yours(
+        recipes=("moe-fp8-rowwise", "moe-fp8-block", "moe-mxfp8"),
+        functions=("pad_token_groups", "unpad_token_groups", "group_scales"),
+        bugs={"pad_token_groups": _tokens_at_the_end_of_their_slot, "unpad_token_groups": _unpad_the_first_rows,
+              "group_scales": _group_scale_rounded_up}, cfg=YOURS_BLOCK_CONFIG),
     "14_fp8_attention": Yours(
         functions=("quantize_p_blocks", "switch_events"),
         missing="the fp8-attention recipe takes no learner function (FP8DotProductAttention has no --with seam): "

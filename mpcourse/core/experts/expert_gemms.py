@@ -36,6 +36,7 @@ from ..quant.block_recipes import token_multiple
 from ..quant.engine import quantizers
 from ..quant.layers.block_gemm import scaled_gemm
 from ..quant.layers.block_linear import dgrad_operands, fprop_operands, wgrad_operands
+from ..quant.rules.blockwise import encode_fp32_scaled
 from .formats import GroupedFormat
 
 #: {role: quantizer} of the format's dense recipe (``engine.quantizers``), None in high precision
@@ -75,12 +76,17 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def wgrad(dy: torch.Tensor, x: torch.Tensor, fmt: GroupedFormat, w_dtype: torch.dtype, n: int, k: int,
-          q: Quantizers = None) -> torch.Tensor:
-    """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0."""
+          q: Quantizers = None, scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """dW = dy^T @ x for one expert: dy (M_e, N), x (M_e, K) -> (N, K) ``w_dtype``; exactly zero when M_e = 0.
+    ``scales``: rowwise FP8's (1, N) and (1, K) column scales of this expert's dy and x (``group_scales``), which
+    are those the rowwise quantizer computes from the group itself."""
     if dy.shape[0] == 0:
         return torch.zeros(n, k, dtype=w_dtype, device=dy.device)
     if not fmt.quantized:
         return torch.mm(dy.to(fmt.dtype).t(), x.to(fmt.dtype)).to(w_dtype)
+    if scales is not None:                           # rowwise: one block of all M_e rows per column
+        qdy = encode_fp32_scaled(dy, (dy.shape[0], 1), "e4m3", scales[0])
+        return scaled_gemm(qdy.t(), encode_fp32_scaled(x, (x.shape[0], 1), "e4m3", scales[1]), w_dtype)
     q = quantizers_for(fmt) if q is None else q
     m = token_multiple(fmt.recipe)                   # the block the tokens are scaled in (1: any count)
     dy, x = pad_rows(dy, m), pad_rows(x, m)          # (M_e', N), (M_e', K): zero rows add exact zeros

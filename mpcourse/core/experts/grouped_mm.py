@@ -21,6 +21,9 @@ upstream kernels got wrong, and this rule makes structural:
   flashinfer#3103);
 * any group size works: the weight gradient pads a group to its block along the tokens (TransformerEngine#2966).
 
+In rowwise FP8 the weight gradient's scales of dy and x are computed for all groups at once, per group and column
+(``group_scales``: lesson 13's rule, or the learner's ``group_scales`` where the format's recipe carries one).
+
 The GEMMs run with autocast off inside (``torch.autocast`` and the course's: the format, not an enclosing region,
 says their dtypes); their BF16/FP16 ``torch.mm`` is the tensor-core emulation inside ``emulation.tensor_cores()``.
 """
@@ -33,8 +36,11 @@ import contextlib
 import torch
 
 from ..autocast import any_autocast_enabled, no_autocast
+from ..learner_table import returned
+from ..quant.block_recipes import Float8RowwiseScaling
 from . import expert_gemms
 from .formats import GroupedFormat, grouped_format
+from .group_scales import group_colwise_scales
 from .grouping import TokenGroups
 
 
@@ -55,6 +61,27 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, groups: TokenGroups) -> Non
 def own_dtypes(device_type: str):
     """A region where no autocast (torch's or the course's) casts the GEMMs: the format says their dtypes."""
     return no_autocast(device_type) if any_autocast_enabled(device_type) else contextlib.nullcontext()
+
+
+def learner_function(fmt: GroupedFormat, name: str):
+    """The learner's lesson 13 function ``name`` the format's recipe carries (``recipe.functions``), or None."""
+    return fmt.recipe.functions.get(name) if fmt.quantized else None
+
+
+def wgrad_scales(dy: torch.Tensor, x: torch.Tensor, groups: TokenGroups, fmt: GroupedFormat):
+    """Rowwise FP8: the weight gradient's scales of dy (E, N) and x (E, K), one per expert group and column over the
+    group's real rows (``group_scales.group_colwise_scales``, or a learner's ``group_scales``); None otherwise."""
+    if not isinstance(fmt.recipe, Float8RowwiseScaling):
+        return None
+    fn = learner_function(fmt, "group_scales")
+    out = []
+    for t in (dy, x):
+        real = t.detach().index_select(0, groups.index)                  # (num_tokens, C): padding rows left out
+        if fn is None:
+            out.append(group_colwise_scales(real, groups.offs, fmt.recipe.round_scales_to_power_of_2))
+        else:
+            out.append(returned("group_scales", real, groups.offs, fn(real, groups.offs)))
+    return tuple(out)
 
 
 class GroupedMM(torch.autograd.Function):
@@ -83,11 +110,13 @@ class GroupedMM(torch.autograd.Function):
         dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None           # (rows, K): padding stays zero
         dws = []
         with own_dtypes(x.device.type):
+            scales = wgrad_scales(dy, x, groups, fmt) if ctx.needs_input_grad[1] else None   # (E, N), (E, K)
             for e, (s, n) in enumerate(groups.spans()):
                 if dx is not None and n:
                     dx[s:s + n] = expert_gemms.dgrad(dy[s:s + n], w[e], fmt, x.dtype, q)
                 if ctx.needs_input_grad[1]:
-                    dws.append(expert_gemms.wgrad(dy[s:s + n], x[s:s + n], fmt, w.dtype, N, K, q))
+                    own = None if scales is None else (scales[0][e:e + 1], scales[1][e:e + 1])   # (1, N), (1, K)
+                    dws.append(expert_gemms.wgrad(dy[s:s + n], x[s:s + n], fmt, w.dtype, N, K, q, own))
         dw = torch.stack(dws) if ctx.needs_input_grad[1] else None                 # (E, N, K)
         return dx, dw, None, None, None
 

@@ -135,3 +135,17 @@ def unpad_groups(y: torch.Tensor, groups: TokenGroups) -> torch.Tensor:
     if y.shape[0] != groups.rows:
         raise ValueError(f"y has {y.shape[0]} rows but the padded groups have {groups.rows}")
     return y.index_select(0, groups.index)
+
+
+def pad_token_groups(x: torch.Tensor, counts: torch.Tensor, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lesson 13's padding (torchao's ``pad_token_groups``): tokens x (num_tokens, K) grouped by expert, ``counts``
+    (E,) tokens per expert -> (padded (rows, K) in x's dtype, padded_offs (E,) int32), each group starting at its
+    padded start and every padding row exactly zero. ``pad_groups(x, token_groups(counts, alignment))``."""
+    groups = token_groups(counts, alignment)
+    return pad_groups(x, groups), groups.padded_offs
+
+
+def unpad_token_groups(y: torch.Tensor, counts: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Lesson 13's unpadding: y (rows, N), padded by ``pad_token_groups(., counts, alignment)`` -> (num_tokens, N),
+    the real rows in order, in y's dtype. ``unpad_groups(y, token_groups(counts, alignment))``."""
+    return unpad_groups(y, token_groups(counts, alignment))

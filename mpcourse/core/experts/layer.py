@@ -19,6 +19,8 @@ MLP of ``nn.Linear`` layers, which a recipe converts as it converts every other 
 
 Load balance: ``aux_loss`` = E * sum_e f_e * P_e (Switch Transformer eq. 4: f_e the fraction of assignments routed
 to e, P_e the mean router probability of e), 1 when balanced; the model adds ``coef * aux_loss`` to its loss.
+A learner's lesson 13 ``pad_token_groups`` / ``unpad_token_groups`` replace ``pad_groups`` / ``unpad_groups`` where
+the format's recipe carries them (``recipe.functions``: the FP8 region's recipe, ``mpcourse compare --with``).
 ``tokens_per_expert`` holds the last forward's counts, ``routed`` their sum over the training forwards, ``flipped``
 the fraction of the last forward's tokens a non-FP32 router sent elsewhere than the FP32 router would have.
 """
@@ -35,8 +37,9 @@ from ..autocast import autocast_dtype_in_effect
 from ..quant.block_recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from ..quant.region import get_fp8_recipe, in_fp8_region, is_fp8_enabled
 from .formats import GroupedFormat, grouped_format
-from .grouped_mm import grouped_mm, own_dtypes
-from .grouping import ALIGNMENT, group_tokens, pad_groups, token_groups, unpad_groups
+from ..learner_table import returned
+from .grouped_mm import grouped_mm, learner_function, own_dtypes
+from .grouping import ALIGNMENT, TokenGroups, group_tokens, pad_groups, token_groups, unpad_groups
 
 #: the grouped format each FP8 region's recipe class gives the experts (its own fields kept: e.g. MXFP8's floor rule)
 FORMAT_OF_RECIPE = {Float8RowwiseScaling: "fp8-rowwise", Float8BlockScaling: "fp8-block", MXFP8BlockScaling: "mxfp8"}
@@ -68,6 +71,23 @@ def route(tokens: torch.Tensor, router: torch.Tensor, top_k: int, dtype: torch.d
 def flipped(experts: torch.Tensor, reference: torch.Tensor) -> float:
     """Fraction of tokens whose set of k experts (S, k) differs from the ``reference`` decisions (S, k)."""
     return (experts.sort(-1).values != reference.sort(-1).values).any(-1).float().mean().item()
+
+
+def pad(x: torch.Tensor, groups: TokenGroups, fmt: GroupedFormat) -> torch.Tensor:
+    """x (S k, C) grouped by expert -> (rows, C) padded to the format's alignment: ``pad_groups``, or a learner's
+    lesson 13 ``pad_token_groups`` where the format's recipe carries one (its result checked)."""
+    fn = learner_function(fmt, "pad_token_groups")
+    if fn is None:
+        return pad_groups(x, groups)
+    return returned("pad_token_groups", x, groups.padded_offs, fn(x, groups.counts, groups.alignment))[0]
+
+
+def unpad(y: torch.Tensor, groups: TokenGroups, fmt: GroupedFormat) -> torch.Tensor:
+    """y (rows, C) padded -> (S k, C): ``unpad_groups``, or a learner's lesson 13 ``unpad_token_groups``."""
+    fn = learner_function(fmt, "unpad_token_groups")
+    if fn is None:
+        return unpad_groups(y, groups)
+    return returned("unpad_token_groups", y, groups.num_tokens, fn(y, groups.counts, groups.alignment))
 
 
 class MoEFeedForward(nn.Module):
@@ -119,8 +139,8 @@ class MoEFeedForward(nn.Module):
         order, counts = group_tokens(experts.flatten(), self.n_experts)                    # (S k,), (E,)
         groups = token_groups(counts, fmt.alignment)
         src = order // self.top_k                                                          # token of each row
-        h = F.gelu(grouped_mm(pad_groups(tokens[src], groups), self.w_in, groups, fmt))   # (rows, H)
-        y = unpad_groups(grouped_mm(h, self.w_out, groups, fmt), groups)                  # (S k, C)
+        h = F.gelu(grouped_mm(pad(tokens[src], groups, fmt), self.w_in, groups, fmt))     # (rows, H)
+        y = unpad(grouped_mm(h, self.w_out, groups, fmt), groups, fmt)                    # (S k, C)
         with own_dtypes(x.device.type):                                                    # the combine, in FP32
             g = weights.flatten()[order]                                                   # (S k,)
             out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)

@@ -53,6 +53,9 @@ class Float8RowwiseScaling(BlockRecipe):
     GEMM operand and per column of the right one (``Float8LinearConfig.from_recipe_name("rowwise")``:
     ``ScalingGranularity.AXISWISE``, ``round_scales_to_power_of_2=True``, E4M3 grads)."""
 
+    #: lesson 13's padding of the experts' token groups and their weight-gradient scales (the MoE layer reads them)
+    TAKES = exercise_names("pad_token_groups", "unpad_token_groups", "group_scales")
+
     fp8_format: Format = Format.E4M3
     round_scales_to_power_of_2: bool = True
 
@@ -60,6 +63,11 @@ class Float8RowwiseScaling(BlockRecipe):
         if self.fp8_format is not Format.E4M3:
             raise ValueError("torchao's rowwise recipe uses E4M3 for every tensor: fp8_format=Format.E4M3")
         super().__post_init__()
+
+    def refusal(self, name: str) -> Optional[str]:
+        if name == "group_scales" and not self.round_scales_to_power_of_2:
+            return "group_scales is lesson 13's power-of-two rule: keep round_scales_to_power_of_2=True"
+        return None
 
 def check_flags(recipe, names) -> None:
     """TypeError unless each field in ``names`` is a bool: a string "False" or a 0/1 would switch a technique on or
@@ -78,10 +86,11 @@ class Float8BlockScaling(BlockRecipe):
     grad_block_scaling_dim=1; power_2_scales=True (TE: unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
     amax_epsilon=0.0; fp8_dpa=False; fp8_mha=False. TE refuses a 2-D x 2-D GEMM (x and w both 2-D) and FP8
     attention; so does this class. Every dimension a block runs along must be a multiple of 128.
-    A learner's lesson 09 ``block_quantize`` rides in ``functions`` (only with power_2_scales=True, amax_epsilon=0.0).
+    A learner's lesson 09 ``block_quantize`` rides in ``functions`` (only with power_2_scales=True, amax_epsilon=0.0);
+    lesson 13's ``pad_token_groups`` and ``unpad_token_groups`` too (the MoE layer pads its experts' groups with them).
     """
 
-    TAKES = exercise_names("block_quantize")   # lesson 09
+    TAKES = exercise_names("block_quantize", "pad_token_groups", "unpad_token_groups")   # lessons 09 and 13
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
@@ -134,7 +143,7 @@ class MXFP8BlockScaling(BlockRecipe):
     A learner's lesson 09 ``mx_shared_exponent`` (the floor rule) rides in ``functions`` (only with scale_rule="floor").
     """
 
-    TAKES = exercise_names("mx_shared_exponent")   # lesson 09
+    TAKES = exercise_names("mx_shared_exponent", "pad_token_groups", "unpad_token_groups")   # lessons 09 and 13
 
     margin: int = 0
     fp8_format: Format = Format.E4M3

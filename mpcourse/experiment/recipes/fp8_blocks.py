@@ -25,6 +25,7 @@ draws from torch's global generator, which the trainer's checkpoint saves).
 from __future__ import annotations
 
 from mpcourse.core.quant import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from mpcourse.core.learner_table import exercise_names
 from .base import register
 from .fp8 import QuantizedRecipe
 
@@ -41,7 +42,7 @@ class FP8Block(QuantizedRecipe):
     name = "fp8-block"
     description = "FP8 linear layers, DeepSeek-V3 / TE Float8BlockScaling (E4M3, 1x128 tiles, 128x128 weights)"
     fp8_recipe = Float8BlockScaling()
-    OVERRIDABLE = fp8_recipe.TAKES   # lesson 09: block_quantize
+    OVERRIDABLE = exercise_names("block_quantize")   # lesson 09 (lesson 13's padding: the MoE rows only)
 
 
 @register
@@ -56,7 +57,7 @@ class MXFP8Floor(QuantizedRecipe):
     name = "mxfp8-floor"
     description = "MXFP8 linear layers with the OCP spec's floor E8M0 scale rule (block maxima may saturate)"
     fp8_recipe = MXFP8BlockScaling(scale_rule="floor")
-    OVERRIDABLE = fp8_recipe.TAKES   # lesson 09: mx_shared_exponent
+    OVERRIDABLE = exercise_names("mx_shared_exponent")   # lesson 09 (lesson 13's padding: the MoE rows only)
 
 
 @register

@@ -18,11 +18,17 @@ fraction of the step's tokens the BF16 router sent elsewhere than the FP32 route
 
 Token counts: every group is padded to its format's alignment (128 for fp8-block), so any routing trains; the
 default widths (C = 128, each expert 256 wide) are multiples of every block.
+
+A learner's lesson 13 functions (``--with``, ``train_yours``): the FP8 rows take ``pad_token_groups`` and
+``unpad_token_groups`` (the experts' groups padded with them), ``moe-fp8-rowwise`` also ``group_scales`` (the
+per-group scales of the experts' weight gradient); they ride in the row's quantization recipe.
 """
 from __future__ import annotations
 
 import torch
 
+from mpcourse.core import quant
+from mpcourse.core.learner_table import exercise_names
 from ..gpt.model import to_moe
 from .base import StepResult, TrainingRecipe, register
 from .bf16 import BF16Autocast
@@ -37,8 +43,9 @@ class MoERecipe:
 
     moe = MOE
     router_dtype = torch.float32
-    #: no learner's function: the experts' grouped GEMMs run the library's rules (and switch autocast off), so a
-    #: learner's quantizer or cast rule would reach only the attention's linears
+    #: no learner's function in the high-precision rows: the experts' grouped GEMMs run the library's rules (and
+    #: switch autocast off), so a learner's quantizer or cast rule would reach only the attention's linears; the FP8
+    #: rows take lesson 13's (``MoEQuantized``)
     OVERRIDABLE: tuple[str, ...] = ()
 
     def prepare_model(self, model):
@@ -68,20 +75,33 @@ class MoEBF16(MoERecipe, BF16Autocast):
     description = "MoE GPT under the course's BF16 autocast: experts' grouped GEMMs BF16, router FP32"
 
 
+class MoEQuantized(MoERecipe):
+    """Mixin of the FP8 MoE rows: lesson 13's functions ride in the quantization recipe, which the FP8 region holds
+    (``forward_context``), so the MoE layer finds them where it finds its format (``layer.format_in_effect``)."""
+
+    #: lesson 13: the padding of the experts' token groups (every FP8 format pads: 16, 128 or 32 rows)
+    OVERRIDABLE = exercise_names("pad_token_groups", "unpad_token_groups")
+
+    def forward_context(self):
+        return quant.autocast(enabled=True, recipe=self.quantization())   # fp8_recipe with the learner's functions
+
+
 @register
-class MoEFP8Rowwise(MoERecipe, FP8Rowwise):
+class MoEFP8Rowwise(MoEQuantized, FP8Rowwise):
     name = "moe-fp8-rowwise"
     description = "MoE GPT, linears and experts' grouped GEMMs in torchao rowwise FP8, router FP32"
+    #: lesson 13: the padding and the per-group weight-gradient scales (rowwise's own)
+    OVERRIDABLE = exercise_names("pad_token_groups", "unpad_token_groups", "group_scales")
 
 
 @register
-class MoEFP8Block(MoERecipe, FP8Block):
+class MoEFP8Block(MoEQuantized, FP8Block):
     name = "moe-fp8-block"
     description = "MoE GPT, linears and experts in DeepSeek-V3 FP8 blocks (1x128, 128x128), router FP32"
 
 
 @register
-class MoEMXFP8(MoERecipe, MXFP8):
+class MoEMXFP8(MoEQuantized, MXFP8):
     name = "moe-mxfp8"
     description = "MoE GPT, linears and experts' grouped GEMMs in MXFP8 (E8M0 per 32), router FP32"
 

@@ -164,7 +164,8 @@ def test_recipes_are_configuration(cls):
     assert methods <= {"refusal"}, f"{cls.__name__} has methods {methods}"
     assert [f.name for f in dataclasses.fields(cls) if f.kw_only] == ["functions"]   # the learner's, keyword only
     for name in cls.TAKES:   # the exercise's names
-        assert name in {"compute_scale", "quantize", "update", "block_quantize", "mx_shared_exponent", "nvfp4_scales"}
+        assert name in {"compute_scale", "quantize", "update", "block_quantize", "mx_shared_exponent", "nvfp4_scales",
+                        "pad_token_groups", "unpad_token_groups", "group_scales"}
 
 
 def test_a_non_recipe_is_refused_naming_every_recipe():
