@@ -21,6 +21,9 @@ Load balance: ``aux_loss`` = E * sum_e f_e * P_e (Switch Transformer eq. 4: f_e 
 to e, P_e the mean router probability of e), 1 when balanced; the model adds ``coef * aux_loss`` to its loss.
 ``tokens_per_expert`` holds the last forward's counts, ``routed`` their sum over the training forwards, ``flipped``
 the fraction of the last forward's tokens a non-FP32 router sent elsewhere than the FP32 router would have.
+
+Expert parallelism (``expert_parallel.ExpertParallelMoE``) replaces ``experts``: the rows travel to the ranks that
+hold their experts and back (``dispatch``); ``dispatch`` set on this layer applies the same trips in one process.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype_in_effect
 from ..quant.block_recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from ..quant.region import get_fp8_recipe, in_fp8_region, is_fp8_enabled
+from .dispatch import from_experts, to_experts
 from .formats import GroupedFormat, grouped_format
 from .grouped_mm import grouped_mm, own_dtypes
 from .grouping import ALIGNMENT, group_tokens, pad_groups, token_groups, unpad_groups
@@ -94,6 +98,7 @@ class MoEFeedForward(nn.Module):
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.routed = torch.zeros(n_experts, dtype=torch.long)
         self.flipped = 0.0             # fraction of tokens routed elsewhere than the FP32 router would (last forward)
+        self.dispatch: Optional[str] = None   # a dispatch mode applied as one process's rule (None: no trip)
 
     @property
     def n_experts(self) -> int:
@@ -117,10 +122,8 @@ class MoEFeedForward(nn.Module):
         fmt = self.format_in_effect(x)
         weights, experts, probs = self.route(tokens)
         order, counts = group_tokens(experts.flatten(), self.n_experts)                    # (S k,), (E,)
-        groups = token_groups(counts, fmt.alignment)
         src = order // self.top_k                                                          # token of each row
-        h = F.gelu(grouped_mm(pad_groups(tokens[src], groups), self.w_in, groups, fmt))   # (rows, H)
-        y = unpad_groups(grouped_mm(h, self.w_out, groups, fmt), groups)                  # (S k, C)
+        y, counts = self.experts(tokens[src], counts, fmt)                                # (S k, C), (E,)
         with own_dtypes(x.device.type):                                                    # the combine, in FP32
             g = weights.flatten()[order]                                                   # (S k,)
             out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
@@ -131,6 +134,23 @@ class MoEFeedForward(nn.Module):
         if self.shared_fc is not None:
             out = out + self.shared_proj(F.gelu(self.shared_fc(tokens)))
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
+
+    def experts(self, rows: torch.Tensor, counts: torch.Tensor, fmt: GroupedFormat
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's expert output: rows (A, C) grouped by expert, ``counts`` (E,) -> ((A, C), the counts the
+        balance loss takes). With ``dispatch`` set the rows take that mode's trips to and from the experts as one
+        process's rule (``dispatch.to_experts`` / ``from_experts``); ``ExpertParallelMoE`` sends them to other ranks."""
+        if self.dispatch is not None:
+            rows = to_experts(rows, self.dispatch)
+        y = self.run_experts(rows, counts, fmt)
+        return (y if self.dispatch is None else from_experts(y, self.dispatch)), counts
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, fmt: GroupedFormat) -> torch.Tensor:
+        """This module's experts on their rows: (A, C) grouped by expert (``counts``: one per expert of ``w_in``),
+        each group padded to the format's alignment, two grouped GEMMs with a GELU between -> (A, C)."""
+        groups = token_groups(counts, fmt.alignment)
+        h = F.gelu(grouped_mm(pad_groups(rows, groups), self.w_in, groups, fmt))          # (rows, H)
+        return unpad_groups(grouped_mm(h, self.w_out, groups, fmt), groups)               # (A, C)
 
     def record(self, counts: torch.Tensor, probs: torch.Tensor) -> None:
         """Keep the counts and the load-balancing loss of this forward (in FP32; Switch Transformer eq. 4)."""
