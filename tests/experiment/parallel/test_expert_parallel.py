@@ -143,3 +143,45 @@ def test_bytes_per_rank_fp8_against_bf16():
 def test_a_non_moe_recipe_is_refused():
     job = Job(recipes=["fp32"], corpus=load_corpus(None), cfg=CFG, out=None, parallel="ep", quiet=True)
     assert run_distributed_compare(job, 2) in ([], None)           # not run: nothing trained, said in not_run
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--recipes", "moe-fp32,fp32"], "--parallel ep splits the experts of the moe-* recipes over the ranks; fp32 has "
+                                     "none: name only moe-* recipes with --recipes, or use --parallel ddp or fsdp"),
+    (["--recipes", "moe-fp32", "--nproc", "3", "--batch-size", "6"],
+     "--parallel ep needs the experts to split evenly, but 4 experts per block do not divide over --nproc 3: use a "
+     "number of processes that divides 4"),
+])
+def test_the_cli_refuses_what_ep_cannot_split(flags, said, capsys, tmp_path):
+    from mpcourse.cli import main
+
+    args = ["compare", "--parallel", "ep", "--nproc", "2", "--out", str(tmp_path / "o"), *flags]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"mpcourse compare: error: {said}"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_cli_refuses_dispatch_without_ep(capsys):
+    from mpcourse.cli import main
+
+    assert main(["compare", "--parallel", "ddp", "--nproc", "2", "--dispatch", "fp8", "--recipes", "moe-fp32"]) == 2
+    assert capsys.readouterr().err.strip() == ("mpcourse compare: error: --dispatch needs --parallel ep (it says how "
+                                               "the experts' rows travel between the ranks)")
+
+
+def test_the_cli_trains_ep_with_the_fp8_dispatch_and_reports_bytes_per_rank(capfd, tmp_path):
+    """``mpcourse compare --parallel ep --nproc 2 --recipes moe-fp8-rowwise`` (2 steps; rank 0 prints: capfd)."""
+    import json
+    from mpcourse.cli import main
+
+    out = tmp_path / "ep"
+    assert main(["compare", "--parallel", "ep", "--nproc", "2", "--recipes", "moe-fp8-rowwise", "--steps", "2",
+                 "--batch-size", "2", "--out", str(out), "--no-progress"]) == 0
+    printed = capfd.readouterr().out
+    line = next(ln for ln in printed.splitlines() if ln.startswith("moe-fp8-rowwise: expert-parallel all-to-all"))
+    assert "(fp8 to the experts, bf16 back; payload + scales + counts): rank 0 " in line and ", rank 1 " in line
+    saved = json.loads((out / "results.json").read_text())["parallel"]
+    assert (saved["mode"], saved["nproc"], saved["dispatch"]) == ("ep", 2, "fp8")
+    per_rank = saved["dispatch_bytes_per_rank_per_step"]["moe-fp8-rowwise"]
+    assert len(per_rank) == 2 and all(0 < b["sent"] < b["bf16"] for b in per_rank)
+    assert f"rank 0 {per_rank[0]['sent']:,.0f} B, rank 1 {per_rank[1]['sent']:,.0f} B" in line
