@@ -52,6 +52,9 @@ reduce-scatters its gradients. Per recipe:
   tensor, using the slice of its own rows; so (CPU generator) an element gets the random bits it gets in one process, whatever
   the number of ranks, and the generators stay identical on every rank (``mpcourse.core.bf16``).
 
+``ep`` (the moe-* recipes only): DDP as above for everything but the experts, which are split over the ranks and
+reached by all-to-all (``mpcourse.experiment.parallel.expert_parallel``).
+
 Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
 ``sharded_grad_scaler.py``; DDP communication hooks (``torch/distributed/algorithms/ddp_comm_hooks``);
 Rajbhandari et al. 2020, "ZeRO" (bytes per parameter by stage).

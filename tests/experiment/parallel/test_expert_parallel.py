@@ -69,6 +69,10 @@ def _worker(rank, world, init_method, out_dir):
                                      "counts": [h["tokens_per_expert"] for h in t.history],
                                      "experts": t.recipe.model.blocks[0].mlp.w_in.shape[0],
                                      "final": t.result().final_val_loss}
+        try:                                          # refused on every rank before any collective
+            t.save(os.path.join(out_dir, "checkpoint"))
+        except ValueError as e:
+            res["save"] = str(e)
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
@@ -185,3 +189,7 @@ def test_the_cli_trains_ep_with_the_fp8_dispatch_and_reports_bytes_per_rank(capf
     per_rank = saved["dispatch_bytes_per_rank_per_step"]["moe-fp8-rowwise"]
     assert len(per_rank) == 2 and all(0 < b["sent"] < b["bf16"] for b in per_rank)
     assert f"rank 0 {per_rank[0]['sent']:,.0f} B, rank 1 {per_rank[1]['sent']:,.0f} B" in line
+
+
+def test_a_checkpoint_of_an_ep_run_is_refused():
+    assert all(r["save"].startswith("checkpoints of a --parallel ep run are not supported") for r in _job(2))
