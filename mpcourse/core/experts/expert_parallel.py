@@ -83,7 +83,7 @@ def exchange_counts(counts: torch.Tensor, group=None, log: Optional[DispatchLog]
     """counts (E,) int64 of this rank -> (W, E): row r is rank r's counts (one all_gather, entered by every rank)."""
     world = dist.get_world_size(group)
     table = counts.new_empty(world * counts.numel())
-    dist.all_gather_into_tensor(table, counts.contiguous(), group=group)
+    dist.all_gather_single(table, counts.contiguous(), group=group)
     if log is not None:
         log.add("counts", "forward", "int64", 0, counts.numel() * counts.element_size() * (world - 1), 0)
     return table.view(world, -1)
