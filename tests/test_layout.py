@@ -214,6 +214,9 @@ PLAIN_RULES = ["mpcourse.core.scaling:update_scale", "mpcourse.core.scaling:unsc
                "mpcourse.core.experts.grouping:pad_groups", "mpcourse.core.experts.grouping:unpad_groups",
                "mpcourse.core.experts.expert_gemms:quantizers_for", "mpcourse.core.experts.expert_gemms:forward",
                "mpcourse.core.experts.expert_gemms:dgrad", "mpcourse.core.experts.expert_gemms:wgrad",
+               # expert parallelism: what a row becomes on the wire (DeepSeek-V3's FP8 dispatch)
+               "mpcourse.core.experts.dispatch:encode", "mpcourse.core.experts.dispatch:decode",
+               "mpcourse.core.experts.dispatch:round_trip", "mpcourse.core.experts.dispatch:bytes_per_row",
                # FP8 attention (TE fp8_dpa; cuDNN's FP8 SDPA reference): the products, the online softmax, both passes
                "mpcourse.core.attention.fp8_attention:fp8_matmul",
                "mpcourse.core.attention.fp8_attention:softmax_pv_blocks",

@@ -23,6 +23,9 @@ A learner's lesson 13 ``pad_token_groups`` / ``unpad_token_groups`` replace ``pa
 the format's recipe carries them (``recipe.functions``: the FP8 region's recipe, ``mpcourse compare --with``).
 ``tokens_per_expert`` holds the last forward's counts, ``routed`` their sum over the training forwards, ``flipped``
 the fraction of the last forward's tokens a non-FP32 router sent elsewhere than the FP32 router would have.
+
+Expert parallelism (``expert_parallel.ExpertParallelMoE``) replaces ``experts``: the rows travel to the ranks that
+hold their experts and back (``dispatch``); ``dispatch`` set on this layer applies the same trips in one process.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype_in_effect
 from ..quant.block_recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from ..quant.region import get_fp8_recipe, in_fp8_region, is_fp8_enabled
+from .dispatch import from_experts, to_experts
 from .formats import GroupedFormat, grouped_format
 from ..learner_table import returned
 from .grouped_mm import grouped_mm, learner_function, own_dtypes
@@ -114,6 +118,7 @@ class MoEFeedForward(nn.Module):
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.routed = torch.zeros(n_experts, dtype=torch.long)
         self.flipped = 0.0             # fraction of tokens routed elsewhere than the FP32 router would (last forward)
+        self.dispatch: Optional[str] = None   # a dispatch mode applied as one process's rule (None: no trip)
 
     @property
     def n_experts(self) -> int:
@@ -137,10 +142,8 @@ class MoEFeedForward(nn.Module):
         fmt = self.format_in_effect(x)
         weights, experts, probs = self.route(tokens)
         order, counts = group_tokens(experts.flatten(), self.n_experts)                    # (S k,), (E,)
-        groups = token_groups(counts, fmt.alignment)
         src = order // self.top_k                                                          # token of each row
-        h = F.gelu(grouped_mm(pad(tokens[src], groups, fmt), self.w_in, groups, fmt))     # (rows, H)
-        y = unpad(grouped_mm(h, self.w_out, groups, fmt), groups, fmt)                    # (S k, C)
+        y, counts = self.experts(tokens[src], counts, fmt)                                # (S k, C), (E,)
         with own_dtypes(x.device.type):                                                    # the combine, in FP32
             g = weights.flatten()[order]                                                   # (S k,)
             out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
@@ -151,6 +154,23 @@ class MoEFeedForward(nn.Module):
         if self.shared_fc is not None:
             out = out + self.shared_proj(F.gelu(self.shared_fc(tokens)))
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
+
+    def experts(self, rows: torch.Tensor, counts: torch.Tensor, fmt: GroupedFormat
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's expert output: rows (A, C) grouped by expert, ``counts`` (E,) -> ((A, C), the counts the
+        balance loss takes). With ``dispatch`` set the rows take that mode's trips to and from the experts as one
+        process's rule (``dispatch.to_experts`` / ``from_experts``); ``ExpertParallelMoE`` sends them to other ranks."""
+        if self.dispatch is not None:
+            rows = to_experts(rows, self.dispatch)
+        y = self.run_experts(rows, counts, fmt)
+        return (y if self.dispatch is None else from_experts(y, self.dispatch)), counts
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, fmt: GroupedFormat) -> torch.Tensor:
+        """This module's experts on their rows: (A, C) grouped by expert (``counts``: one per expert of ``w_in``),
+        each group padded to the format's alignment, two grouped GEMMs with a GELU between -> (A, C)."""
+        groups = token_groups(counts, fmt.alignment)
+        h = F.gelu(grouped_mm(pad(rows, groups, fmt), self.w_in, groups, fmt))            # (rows, H)
+        return unpad(grouped_mm(h, self.w_out, groups, fmt), groups, fmt)                 # (A, C)
 
     def record(self, counts: torch.Tensor, probs: torch.Tensor) -> None:
         """Keep the counts and the load-balancing loss of this forward (in FP32; Switch Transformer eq. 4)."""

@@ -116,12 +116,18 @@ def _add_parallel_flags(c: argparse.ArgumentParser) -> None:
     d.add_argument("--nproc", type=positive_int, default=1,
                    help="train each recipe over this many processes on this machine (default 1: no torch.distributed; "
                         "under torchrun the processes torchrun started)")
-    d.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
+    d.add_argument("--parallel", choices=("ddp", "fsdp", "ep"), default=None,
                    help="ddp: replicate (DistributedDataParallel); fsdp: shard parameters, gradients and optimizer "
-                        "state (FSDP2 fully_shard per block). Required with --nproc > 1 or torchrun")
+                        "state (FSDP2 fully_shard per block); ep: the moe-* recipes with their experts split over the "
+                        "processes (expert parallelism; the rest replicated as under ddp). Required with --nproc > 1 "
+                        "or torchrun")
     d.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="dtype gradients are reduced in across ranks (default: DDP the gradients' dtype; FSDP2 fp32 "
                         "for the master-weights recipes, the parameters' dtype otherwise)")
+    d.add_argument("--dispatch", choices=("fp8", "bf16", "fp32"), default=None,
+                   help="with --parallel ep: how the rows travel to the experts' ranks and back (default fp8: "
+                        "DeepSeek-V3's FP8 dispatch, E4M3 with a power-of-two scale per 1x128 tile, and a BF16 "
+                        "combine; bf16 both ways; fp32 exact); prints the bytes per rank per step")
     d.add_argument("--fp8-all-gather", action="store_true",
                    help="with --parallel fsdp: the FP8 layers all-gather their weights in FP8 (each rank casts its "
                         "shard with the whole weight's scale; fp8-current only); prints the bytes per rank per step")
@@ -177,6 +183,8 @@ def _compare(args: argparse.Namespace) -> int:
         bad = [why for why in map(fp8_all_gather_error, recipes) if why]
         if bad:
             return refuse(bad[0])
+    if getattr(args, "dispatch", None) and args.parallel != "ep":
+        return refuse("--dispatch needs --parallel ep (it says how the experts' rows travel between the ranks)")
     if args.autoswitch and args.with_notebooks:
         return refuse("--autoswitch with --with: your rows would train without the switch and their verdicts "
                       "compare other runs; drop one of them")

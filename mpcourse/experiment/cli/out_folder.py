@@ -64,8 +64,8 @@ def run_changes(args: argparse.Namespace) -> list[str]:
         rest.append("with=" + ",".join(Path(nb).stem for nb in args.with_notebooks))
     if args.nproc != 1:
         rest.append(f"nproc={args.nproc}")
-    for flag in ("parallel", "reduce_dtype"):
-        if getattr(args, flag):
+    for flag in ("parallel", "reduce_dtype", "dispatch"):
+        if getattr(args, flag, None):
             rest.append(f"{flag.replace('_', '-')}={getattr(args, flag)}")
     if args.fp8_all_gather:
         rest.append("fp8-all-gather")

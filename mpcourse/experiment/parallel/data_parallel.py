@@ -52,6 +52,9 @@ reduce-scatters its gradients. Per recipe:
   tensor, using the slice of its own rows; so (CPU generator) an element gets the random bits it gets in one process, whatever
   the number of ranks, and the generators stay identical on every rank (``mpcourse.core.bf16``).
 
+``ep`` (the moe-* recipes only): DDP as above for everything but the experts, which are split over the ranks and
+reached by all-to-all (``mpcourse.experiment.parallel.expert_parallel``).
+
 Sources: torch.distributed.fsdp docs (``fully_shard``, ``MixedPrecisionPolicy``); FSDP
 ``sharded_grad_scaler.py``; DDP communication hooks (``torch/distributed/algorithms/ddp_comm_hooks``);
 Rajbhandari et al. 2020, "ZeRO" (bytes per parameter by stage).
@@ -67,7 +70,7 @@ import torch.nn as nn
 from mpcourse.core.learner_table import exercise_names
 from ..recipes import RECIPES, MasterWeightsRecipe, TrainingRecipe, StepResult
 
-PARALLEL_MODES = ("ddp", "fsdp")
+PARALLEL_MODES = ("ddp", "fsdp", "ep")      # ep: expert parallelism, ``parallel.expert_parallel``
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: recipe name -> why it cannot run under that mode (the message the driver prints instead of a row); a new
@@ -83,10 +86,22 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 
 def unsupported(recipe_name: str, parallel: str) -> str | None:
-    """Why ``recipe_name`` cannot run under ``parallel``, or None if it can."""
+    """Why ``recipe_name`` cannot run under ``parallel``, or None if it can (``ep``: the MoE recipes only)."""
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+    if parallel == "ep":
+        return None if moe_experts(recipe_name) else (
+            "not a mixture-of-experts recipe: --parallel ep splits the experts of the moe-* recipes over the ranks; "
+            "run it under --parallel ddp or fsdp")
     return UNSUPPORTED[parallel].get(recipe_name)
+
+
+def moe_experts(recipe_name: str) -> int:
+    """The number of experts per block of a MoE recipe (``recipes.moe.MoERecipe``); 0 for any other recipe."""
+    from ..recipes.moe import MoERecipe
+
+    cls = RECIPES.get(recipe_name)
+    return cls.moe["n_experts"] if cls is not None and issubclass(cls, MoERecipe) else 0
 
 
 def is_dtensor(t) -> bool:

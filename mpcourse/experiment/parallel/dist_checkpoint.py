@@ -142,9 +142,18 @@ def _meta(trainer) -> dict:
             "corpus": corpus_id(trainer.corpus)}
 
 
+def _refuse_expert_parallel(trainer) -> None:
+    """ValueError for a ``--parallel ep`` run: each rank holds other experts under the same names, which a DCP
+    checkpoint of a DDP module would store once (rank 0's)."""
+    if trainer.parallel == "ep":
+        raise ValueError("checkpoints of a --parallel ep run are not supported (each rank holds its own experts "
+                         "under the same parameter names): train it without checkpoints, or under --parallel ddp")
+
+
 def save(trainer, path) -> Path:
     """Write ``trainer``'s state (a ``DataParallelTrainer``) to the directory ``path`` with DCP; collective (every
-    rank calls it at the same step). Take it between steps. Returns the path."""
+    rank calls it at the same step). Take it between steps. Returns the path. ValueError under ``--parallel ep``."""
+    _refuse_expert_parallel(trainer)
     path = Path(path)
     state, *_ = _state(trainer)
     dcp.save(state, checkpoint_id=path)                      # every rank its shards; ends in a barrier
@@ -207,6 +216,7 @@ def check_storage(opt, path) -> None:
 def load(trainer, path):
     """Resume ``trainer`` (freshly built, the same recipe, mode and number of ranks) from ``save``'s directory;
     collective. Raises CheckpointError before anything is read if the checkpoint does not match this job."""
+    _refuse_expert_parallel(trainer)
     check_compatible(read_meta(path), trainer)
     check_storage(_stepped(trainer.recipe)[1], path)
     state, module, opt, is_view = _state(trainer)            # the template, tensors allocated

@@ -1,4 +1,5 @@
-"""``mpcourse compare --nproc N --parallel ddp|fsdp``: every recipe trained data-parallel over N processes.
+"""``mpcourse compare --nproc N --parallel ddp|fsdp|ep``: every recipe trained data-parallel over N processes (ep:
+the MoE recipes with their experts split over the processes, ``expert_parallel``).
 
 The global batch equals the single-process one: every rank draws the same batch of ``batch_size`` sequences
 (the same seeded generator as ``Trainer``) and trains on its slice of ``batch_size / N`` rows, so the
@@ -58,15 +59,19 @@ class DataParallelTrainer(Trainer):
     """``Trainer`` for one rank of a data-parallel job (torch.distributed must be initialized).
 
     Args (beyond ``Trainer``'s):
-        parallel: "ddp" or "fsdp" (``mpcourse.experiment.parallel.data_parallel``).
+        parallel: "ddp", "fsdp" (``mpcourse.experiment.parallel.data_parallel``) or "ep" (the MoE recipes' experts
+            split over the ranks, ``mpcourse.experiment.parallel.expert_parallel``).
         reduce_dtype: dtype gradients are reduced in (None: DDP reduces in the gradients' dtype; FSDP2 in FP32
             for the master-weights recipes, in the parameters' dtype otherwise).
+        dispatch, timeout_s: under "ep", the dispatch mode (``core.experts.dispatch``) and the experts' process
+            group's timeout.
     Raises ValueError if ``cfg.batch_size`` is not a multiple of the world size, or the recipe cannot run
     under ``parallel``.
     """
 
     def __init__(self, recipe, corpus, cfg: TrainConfig, parallel: str = "ddp",
-                 reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False):
+                 reduce_dtype: torch.dtype | None = None, fp8_all_gather: bool = False, dispatch: str = "fp8",
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         if not dist.is_initialized():
             raise RuntimeError("DataParallelTrainer needs torch.distributed initialized (run it through "
                                "mpcourse compare --nproc N or torchrun)")
@@ -77,6 +82,7 @@ class DataParallelTrainer(Trainer):
         if fp8_all_gather and parallel != "fsdp":
             raise ValueError("--fp8-all-gather needs --parallel fsdp (DDP gathers no parameters)")
         self.parallel, self.reduce_dtype, self.fp8_all_gather = parallel, reduce_dtype, fp8_all_gather
+        self.dispatch, self.timeout_s = dispatch, timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {self.world} ranks: each rank "
@@ -84,7 +90,10 @@ class DataParallelTrainer(Trainer):
         super().__init__(recipe, corpus, cfg)
 
     def build_recipe(self, recipe_cls, model):
-        if self.parallel == "ddp":
+        if self.parallel == "ep":
+            from .expert_parallel import expert_parallel_recipe
+            recipe, self.wrapped = expert_parallel_recipe(self, recipe_cls, model)
+        elif self.parallel == "ddp":
             recipe = recipe_cls(model, self.cfg.optim)
             self.wrapped = wrap_ddp(recipe.model, self.reduce_dtype)    # grads all-reduced in backward
             master = getattr(recipe, "master", None)
@@ -109,6 +118,13 @@ class DataParallelTrainer(Trainer):
         """FSDP2: bytes this rank sent into all-gathers per training step (``parallel.AllGatherLog.per_step``)."""
         log = getattr(self.recipe, "all_gather_log", None)
         return None if log is None else log.per_step(len(self.history))
+
+    def dispatch_bytes(self) -> list | None:
+        """``--parallel ep``: every rank's all-to-all bytes per training step (a collective); None otherwise."""
+        if self.parallel != "ep":
+            return None
+        from .expert_parallel import gather_dispatch_bytes
+        return gather_dispatch_bytes(self.dispatch_log, len(self.history), self.group)
 
     def save(self, path) -> Path:
         """Write a ``torch.distributed.checkpoint`` directory at ``path`` (every rank, between steps): sharded
@@ -148,6 +164,8 @@ class Job:
     quiet: bool = False                # rank 0 neither prints nor writes (train_yours reads the results)
     messages: list = field(default_factory=list)          # filled by run_rank: one line per failed [yours] row
     all_gather_bytes: dict = field(default_factory=dict)  # filled by run_rank: row -> AllGatherLog.per_step (fsdp)
+    dispatch: str = "fp8"              # --dispatch: the experts' all-to-all wires under --parallel ep
+    dispatch_bytes: dict = field(default_factory=dict)    # filled by run_rank: row -> each rank's bytes (ep)
 
 
 def all_gather_lines(gathered: dict) -> list[str]:
@@ -213,12 +231,15 @@ def run_rank(job: Job) -> list | None:
         if rank == 0:
             _keep_rows(job, results, not_run, name)
         trainer = DataParallelTrainer(name, job.corpus, job.cfg, job.parallel, reduce_dtype,
-                                      fp8_all_gather=job.fp8_all_gather)
+                                      fp8_all_gather=job.fp8_all_gather, dispatch=job.dispatch,
+                                      timeout_s=job.timeout_s)
         if job.fail_rank == rank and job.fail_recipe in (None, name):
             raise RuntimeError(f"planted failure on rank {rank} (fail_rank={rank}) at time {time.time():.3f}")
         trainer.run(progress=job.progress and rank == 0)
         results.append(trainer.result())
         job.all_gather_bytes[name] = trainer.all_gather_bytes()
+        if job.parallel == "ep":
+            job.dispatch_bytes[name] = trainer.dispatch_bytes()
         mine = _run_yours(job, name, functions, reduce_dtype, rank) if functions else None
         if mine is not None:
             results.append(mine)
@@ -243,6 +264,9 @@ def report_rows(job: Job, results: list, not_run: dict, world: int, failed: list
     gathered = {n: b for n, b in job.all_gather_bytes.items() if b is not None}
     for line in all_gather_lines(gathered):
         print(line)
+    if job.parallel == "ep":
+        from .expert_parallel import dispatch_lines
+        print("\n".join(dispatch_lines(job.dispatch, job.dispatch_bytes)))
     for line in job.messages:
         print(line)
     for f in failed or []:
@@ -253,6 +277,8 @@ def report_rows(job: Job, results: list, not_run: dict, world: int, failed: list
                           "bytes_per_param": "per rank", "not_run": not_run, "fp8_all_gather": job.fp8_all_gather,
                           "all_gather_bytes_per_rank_per_step": gathered},
              "failed": list(failed or [])}
+    if job.parallel == "ep":
+        extra["parallel"].update(dispatch=job.dispatch, dispatch_bytes_per_rank_per_step=job.dispatch_bytes)
     write_outputs(results, job.corpus, job.cfg, job.out, extra=extra)
 
 
@@ -262,7 +288,8 @@ def _keep_rows(job: Job, results: list, not_run: dict, current: str | None) -> N
     if not job.rows_file:
         return
     kept = {"results": [r.to_dict() for r in results], "not_run": dict(not_run), "current": current,
-            "messages": list(job.messages), "all_gather_bytes": dict(job.all_gather_bytes)}
+            "messages": list(job.messages), "all_gather_bytes": dict(job.all_gather_bytes),
+            "dispatch_bytes": dict(job.dispatch_bytes)}
     torch.save(kept, job.rows_file + ".tmp")
     os.replace(job.rows_file + ".tmp", job.rows_file)          # whole or not at all, if the rank is killed
 
@@ -436,6 +463,7 @@ def _write_what_finished(job: Job, e: RankFailed, nproc: int) -> None:
         return
     job.messages[:] = kept["messages"]
     job.all_gather_bytes.update(kept["all_gather_bytes"])
+    job.dispatch_bytes.update(kept["dispatch_bytes"])
     e.results = kept["results"]
     done = {r.recipe for r in e.results} | set(kept["not_run"])
     left = [n for n in job.recipes if n not in done]
