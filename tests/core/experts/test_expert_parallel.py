@@ -200,7 +200,7 @@ def test_bytes_per_rank_are_the_formula_fp8_about_half_of_bf16(job):
 def test_what_the_fp8_experts_see_is_the_dispatch_fp8():
     """The receiving FP8-rowwise expert re-quantizes the dispatched rows to the same E4M3 values (power-of-two
     scales on both sides): quantizing again changes nothing."""
-    from mpcourse.core.experts.expert_gemms import quantize
+    from rule_quantize import quantize
     from mpcourse.core.experts.formats import grouped_format
 
     x = torch.randn(256, C) * torch.logspace(-3, 3, 256)[:, None]
