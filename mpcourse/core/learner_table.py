@@ -129,7 +129,7 @@ EXERCISE_FUNCTIONS: dict[str, ExerciseFunction] = {f.name: f for f in (
                      seams.returned_unpadded_groups),
     ExerciseFunction("group_scales", "13", f"group_scales(t: {_T}, offs: {_T}) -> {_T}", seams.returned_group_scales),
     ExerciseFunction("quantize_p_blocks", "14", f"quantize_p_blocks(s: {_T}, scale: {_T}, block: int) -> {_T}"),
-    ExerciseFunction("switch_events", "14", "switch_events(records: list, rules: list, switched: set) -> list"),
+    ExerciseFunction("switch_events", "14", "switch_events(records: list, rules: list, switched: set = frozenset()) -> list"),
 )}
 
 
