@@ -85,6 +85,30 @@ def test_table_and_gap(corpus):
     assert "fp32" in text.splitlines()[2] and "nan@" in text.splitlines()[3]
 
 
+def test_a_moe_rows_gap_is_against_moe_fp32_and_a_dense_rows_against_fp32():
+    """The gap column, the seed table and results.json's seed summary take a moe- row's gap against moe-fp32 (the
+    same model), a dense row's against fp32, per seed; a row whose reference did not run has none."""
+    import dataclasses
+
+    from mpcourse.experiment.compare.report import format_seed_table, seed_summary
+    from mpcourse.experiment.training.train import RunResult
+    base = RunResult(recipe="fp32", description="", final_train_loss=2.0, final_val_loss=2.0, skipped_steps=0,
+                     final_loss_scale=None, tokens_per_s=1.0, bytes_per_param={}, activation_bytes=0, memory={},
+                     flops_per_token=1.0, steps_run=1, diverged_at=None)
+    row = lambda name, val: dataclasses.replace(base, recipe=name, final_val_loss=val)   # noqa: E731
+    runs = {0: [row("fp32", 2.0), row("fp8-current", 2.2), row("moe-fp32", 4.0), row("moe-fp8-block", 4.2)],
+            1: [row("fp32", 2.5), row("fp8-current", 2.5), row("moe-fp32", 5.0), row("moe-fp8-block", 5.0)]}
+    summary = seed_summary(runs)
+    assert summary["fp8-current"]["gap_percent"]["mean"] == pytest.approx(5.0)      # (10% + 0%) / 2
+    assert summary["moe-fp8-block"]["gap_percent"]["mean"] == pytest.approx(2.5)    # (5% + 0%) / 2
+    assert summary["moe-fp32"]["gap_percent"]["mean"] == 0.0
+    lines = {ln.split()[0]: ln for ln in format_table(runs[0]).splitlines()[2:6]}
+    assert "+10.0" in lines["fp8-current"] and "+5.0" in lines["moe-fp8-block"]
+    assert "+2.5+-3.5" in format_seed_table(runs)
+    alone = format_table([row("moe-fp8-block", 4.2), row("fp32", 2.0)]).splitlines()[2]
+    assert alone.split()[3] == "-"                                                   # no moe-fp32: no gap
+
+
 @pytest.mark.slow
 def test_cli_compare_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"

@@ -22,6 +22,17 @@ def gap_percent(result: RunResult, reference: RunResult | None) -> float | None:
     return 100.0 * (result.final_val_loss - reference.final_val_loss) / reference.final_val_loss
 
 
+def reference_of(recipe: str) -> str:
+    """The row a row's gap% is taken against: a mixture-of-experts row's ``moe-fp32`` (the same MoE model in FP32),
+    every other row's ``fp32``."""
+    return "moe-fp32" if recipe.startswith("moe-") else "fp32"
+
+
+def gap_to_reference(result: RunResult, rows: Mapping[str, RunResult]) -> float | None:
+    """``gap_percent`` of ``result`` against its reference row among ``rows`` (name -> result; None if absent)."""
+    return gap_percent(result, rows.get(reference_of(result.recipe)))
+
+
 def _fmt(x, spec):
     if x is None:
         return "-"
@@ -68,7 +79,7 @@ def _clamp_note(clamped: list[str]) -> str:
 
 
 LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; gap%: val loss vs fp32 "
-          "(negative = lower); nan@N: diverged at step N;\nspike: the largest loss spike, xSIZE@STEP (a training "
+          "(a moe- row: vs moe-fp32; negative = lower); nan@N: diverged at step N;\nspike: the largest loss spike, xSIZE@STEP (a training "
           f"loss over {1 + SPIKE_MIN_JUMP:g}x the expected one: the median of the runs on that batch, times the run's "
           "recent ratio to it; -: none); scale: final loss scale; B/param: bytes per "
           "parameter of weights+grads+master copy+optimizer state(+extra state); act MB: tensors saved for "
@@ -87,7 +98,7 @@ def format_table(results: list[RunResult], *, peak_flops: float | Mapping[str, f
     """The comparison table as monospaced text (one row per recipe; the runs of one seed). ``peak_flops``: the
     peak for %peak, one number for every row or a mapping row name -> FLOP/s (``speed.row_peaks``); a row above
     its peak prints ``100.0*`` and a note names it."""
-    ref = next((r for r in results if r.recipe == "fp32"), None)
+    by_name = {r.recipe: r for r in results}
     head = ["recipe", "train", "val", "gap%", "spike", "skipped", "scale", "tok/s", "%peak",
             "B/param w+g+m+o=total", "act MB", "peak MB"]
     rows, clamped = [], []
@@ -95,7 +106,7 @@ def format_table(results: list[RunResult], *, peak_flops: float | Mapping[str, f
         val = _fmt(r.final_val_loss, ".3f")
         if r.diverged_at is not None:
             val = f"nan@{r.diverged_at}"
-        rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_percent(r, ref), "+.1f"),
+        rows.append([r.recipe, _fmt(r.final_train_loss, ".3f"), val, _fmt(gap_to_reference(r, by_name), "+.1f"),
                      _spike_cell(spikes), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
                      _peak_pct(r, peak_flops, clamped), _bytes_cell(r.bytes_per_param),
                      _fmt(r.activation_bytes / 2**20, ".2f"), _mb(r, "peak")])
@@ -126,7 +137,7 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | Mapp
     for n in names:
         have = [s for s in seeds if n in by[s]]
         rs = [by[s][n] for s in have]
-        gaps = [gap_percent(by[s][n], by[s].get("fp32")) for s in have]
+        gaps = [gap_to_reference(by[s][n], by[s]) for s in have]
         diverged = [r.diverged_at for r in rs if r.diverged_at is not None]
         val = _mean_std([r.final_val_loss for r in rs], ".3f")
         if diverged:
@@ -137,7 +148,7 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | Mapp
                      _peak_pct(dataclasses.replace(first, tokens_per_s=statistics.mean(r.tokens_per_s for r in rs)),
                                peak_flops, clamped),
                      _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
-    legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run); "
+    legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run, moe-fp32 for a moe- row); "
               "spikes, skipped: per seed\n" + LEGEND + _clamp_note(clamped))
     return _layout(head, rows, legend)
 
@@ -165,7 +176,7 @@ def seed_summary(runs: dict[int, list[RunResult]]) -> dict[str, dict]:
         rs = [by[s][n] for s in have]
         out[n] = {"seeds": have,
                   "train": _stat([r.final_train_loss for r in rs]), "val": _stat([r.final_val_loss for r in rs]),
-                  "gap_percent": _stat([gap_percent(by[s][n], by[s].get("fp32")) for s in have]),
+                  "gap_percent": _stat([gap_to_reference(by[s][n], by[s]) for s in have]),
                   "tokens_per_s": statistics.mean(r.tokens_per_s for r in rs),
                   "diverged_at": [r.diverged_at for r in rs]}
     return out
