@@ -257,3 +257,23 @@ def test_one_training_step_the_memory_measurement_wraps_it(corpus, monkeypatch):
     trainer = Trainer("fp16-dynamic", corpus, small(steps=3)).run()
     assert calls == [("memory", True), ("train", False), ("train", False)]
     assert trainer.step_memory.activations > 0 and trainer.timed_steps == 2
+
+
+def test_the_expert_load_note_reads_tokens_per_expert_from_the_history():
+    """Per MoE row: the mean tokens per expert, the busiest expert of a block on average, the share of block-steps
+    with an empty expert, computed here by hand from a planted history; a dense row adds no line."""
+    import dataclasses
+
+    from mpcourse.experiment.compare.report import expert_load_note
+    from mpcourse.experiment.training.train import RunResult
+    dense = RunResult(recipe="fp32", description="", final_train_loss=2.0, final_val_loss=2.0, skipped_steps=0,
+                      final_loss_scale=None, tokens_per_s=1.0, bytes_per_param={}, activation_bytes=0, memory={},
+                      flops_per_token=1.0, steps_run=2, diverged_at=None, history=[{"step": 0}, {"step": 1}])
+    moe = dataclasses.replace(dense, recipe="moe-fp32", history=[
+        {"step": 0, "tokens_per_expert": [[4, 0, 2, 2], [2, 2, 2, 2]]},
+        {"step": 1, "tokens_per_expert": [[1, 3, 3, 1], [8, 0, 0, 0]]}])
+    assert expert_load_note([dense]) == ""
+    note = expert_load_note([dense, moe])
+    # mean (8 * 4 / 16) = 2; busiest (4 + 2 + 3 + 8) / 4 = 4.25 -> "4"; empty 2 of 4 block-steps
+    assert note == ("moe-fp32: tokens per expert per step 2 on average, the busiest expert of a block 4; a block "
+                    "left an expert without a token in 50% of steps")

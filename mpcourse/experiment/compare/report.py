@@ -87,6 +87,22 @@ LEGEND = ("train/val: final loss in nats/char on fixed batches of each split; ga
           "included; %peak: model FLOP/s over the machine's peak FLOP/s for the dtype the row's GEMMs run in")
 
 
+def expert_load_note(results: list[RunResult]) -> str:
+    """One line per MoE row, from the ``tokens_per_expert`` of its history (per step, per block, per expert): the
+    tokens an expert receives per step on average (balanced: every expert that), the busiest expert of a block on
+    average over the blocks and steps, and how often a block left an expert without a token ("" if no MoE row)."""
+    lines = []
+    for r in results:
+        blocks = [block for h in r.history for block in h.get("tokens_per_expert", [])]
+        if blocks:
+            mean = sum(map(sum, blocks)) / sum(map(len, blocks))
+            busiest = sum(map(max, blocks)) / len(blocks)
+            empty = sum(min(b) == 0 for b in blocks) / len(blocks)
+            lines.append(f"{r.recipe}: tokens per expert per step {mean:,.0f} on average, the busiest expert of a "
+                         f"block {busiest:,.0f}; a block left an expert without a token in {empty:.0%} of steps")
+    return "\n".join(lines)
+
+
 def _layout(head, rows, legend):
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
@@ -110,7 +126,8 @@ def format_table(results: list[RunResult], *, peak_flops: float | Mapping[str, f
                      _spike_cell(spikes), str(r.skipped_steps), _fmt(r.final_loss_scale, "g"), _fmt(r.tokens_per_s, ",.0f"),
                      _peak_pct(r, peak_flops, clamped), _bytes_cell(r.bytes_per_param),
                      _fmt(r.activation_bytes / 2**20, ".2f"), _mb(r, "peak")])
-    return _layout(head, rows, LEGEND + _clamp_note(clamped))
+    load = expert_load_note(results)
+    return _layout(head, rows, LEGEND + _clamp_note(clamped) + (f"\n{load}" if load else ""))
 
 
 def _mean_std(xs: list[float], spec: str) -> str:
@@ -150,7 +167,8 @@ def format_seed_table(runs: dict[int, list[RunResult]], peak_flops: float | Mapp
                      _bytes_cell(first.bytes_per_param), _fmt(first.activation_bytes / 2**20, ".2f"), _mb(first, "peak")])
     legend = (f"mean+-std over seeds {','.join(map(str, seeds))} (gap%: per seed against that seed's fp32 run, moe-fp32 for a moe- row); "
               "spikes, skipped: per seed\n" + LEGEND + _clamp_note(clamped))
-    return _layout(head, rows, legend)
+    load = expert_load_note(runs[seeds[0]])
+    return _layout(head, rows, legend + (f"\n{load} (seed {seeds[0]})" if load else ""))
 
 
 def _stat(xs: list[float | None]) -> dict:
