@@ -36,6 +36,8 @@ linears whose inputs clip (``attn.proj``, ``mlp.proj``): six events on steps 1 a
 blocks.0.attn.core_attention -> high precision (V saturation 0.0356 > 0.01)" (seed 0); final train / validation
 loss 3.52 / 3.91, 3.48 / 3.31, 3.63 / 3.60 (seeds 0, 1, 2) against FP32's 3.39 / 3.55, 3.26 / 3.30, 3.71 / 3.64
 and fp8-attention's 6.84 / 8.21, 5.82 / 5.69, 6.60 / 6.04 (``notebooks/data/14/autoswitch-divergence.json``).
+Switching the linears alone does not rescue it (``saturation=0.01,attention=off``, seeds 0, 1: peaks 16.6 and 11.4
+in the second half, final 5.0 and 6.7): the attention's switch does.
 
     python -m mpcourse.experiment.ablations.autoswitch [--steps 80] [--seeds 0] [--out notebooks/data/14]
     python -m mpcourse.experiment.ablations.autoswitch --setting diverge --steps 40 --seeds 0,1,2
