@@ -41,12 +41,14 @@ Re-measured on the merged tree (the kernels behind the engine's one kernel table
 about 5, ``--rounds 8``: fp32 108.7 ms; fp8-current 1.34 (1.32-1.47), fp8-delayed 1.33 (1.22-1.49), nvfp4 1.63
 (1.55-1.88), mxfp8 1.37 (1.30-1.50). No GPU was measured.
 
-The MoE rows (``--recipes moe-fp32,moe-bf16,moe-fp8-rowwise,moe-fp8-block,moe-mxfp8 --base moe-fp32 --rounds 6``),
-measured 2026-12-07 on the same kind of machine under a load average of 7-8 from other jobs, after the experts'
-GEMMs took the dense layers' quantizers (the kernels where bound): moe-fp32 141.6 ms; moe-bf16 1.80 (1.60-1.96),
-moe-fp8-rowwise 1.67 (1.31-1.70), moe-fp8-block 1.67 (1.40-2.20), moe-mxfp8 1.70 (1.40-2.39): each emulated FP8 /
-MXFP8 MoE step within 2x of moe-fp32 (median). Before, with the experts quantizing through the rules, a
-``mpcourse compare --jobs 1 --steps 6`` run of the same rows gave 2.4-2.7x moe-fp32's time per token.
+The MoE rows (``--recipes moe-fp32,moe-bf16,moe-fp8-rowwise,moe-fp8-block,moe-mxfp8 --base moe-fp32 --rounds 5``),
+measured 2026-12-07 on the same kind of machine, load average about 1, on the tree where the experts' GEMMs take
+the dense layers' quantizers (the kernels where bound) and the rowwise weight gradient its per-group scales:
+moe-fp32 117.3 ms; moe-bf16 1.81 (1.52-1.93), moe-fp8-rowwise 1.79 (1.71-1.89), moe-fp8-block 1.64 (1.61-1.68),
+moe-mxfp8 1.68 (1.60-2.20): each emulated FP8 / MXFP8 MoE step within 2x of moe-fp32 (median). (Earlier the same
+day, under a load average of 7-8, before the per-group scales: 1.67, 1.67, 1.70.) Before, with the experts
+quantizing through the rules, a ``mpcourse compare --jobs 1 --steps 6`` run of the same rows gave 2.4-2.7x
+moe-fp32's time per token.
 """
 from __future__ import annotations
 
