@@ -84,3 +84,12 @@ def pytest_collection_modifyitems(config, items):
                 return i
         return len(COSTLY)
     items.sort(key=rank)                                  # stable: each file keeps its own order
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Under ``-m "not long"`` (the README's test command), say what was left out and how to run it (xdist's summary
+    line does not count deselected tests)."""
+    if "not long" in (config.option.markexpr or ""):
+        terminalreporter.write_line("the long lane (conftest.LONG: spawned gloo ranks, whole CLI processes, stored runs, "
+                                    "mutation proofs, the website in a browser) was left out: pytest -n auto -m long "
+                                    "runs it")
