@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple, Optional
 import torch.nn as nn
 
 from .attention.inspected import ROLE_NAME, RULE_ROLE
-from .attention.layer import FP8DotProductAttention
+from .attention.layer import attention_layers
 from .inspect import Inspector
 
 SWITCH_STATISTICS = ("underflow", "saturation", "rel_error", "mse")
@@ -148,11 +148,6 @@ def switch_events(records: list[dict], rules, switched=(), target: Optional[Call
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a switch applies to: those with quantizers of their own (``Float8Linear`` and its subclasses)."""
     return {name: m for name, m in model.named_modules() if isinstance(getattr(m, "quantizers", None), dict)}
-
-
-def attention_layers(model: nn.Module) -> dict[str, FP8DotProductAttention]:
-    """The FP8 attention modules of ``model`` by name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, FP8DotProductAttention)}
 
 
 def tensor_target(layer: str, name: str) -> str:

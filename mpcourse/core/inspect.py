@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from .attention.inspected import ATTENTION_ROLES
-from .attention.layer import FP8DotProductAttention
+from .attention.layer import attention_layers
 from .formats import FORMATS
 from .inspect_quant import QUANTIZER_ROLE, STATISTICS, WHAT_IFS, WhatIfQuantizers, run_quantizer
 
@@ -154,8 +154,7 @@ class Inspector:
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         for name, m in self.layers.items():
             self._hook(name, m)
-        self.attention = {name: m for name, m in model.named_modules()
-                          if attention and isinstance(m, FP8DotProductAttention)}
+        self.attention = attention_layers(model) if attention else {}
         for name, m in self.attention.items():
             m.observer = self._attn(name)
             self._handles[name] = [_Unobserve(m)]

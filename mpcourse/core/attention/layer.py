@@ -192,3 +192,8 @@ class FP8DotProductAttention(nn.Module):
     def extra_repr(self) -> str:
         roles = "all" if self.roles == ROLES else ",".join(self.roles) or "none"
         return f"recipe={self.recipe}, roles={roles}, kv_block={self.kv_block}, fp8_dpa_bwd={self.fp8_dpa_bwd}"
+
+
+def attention_layers(model: nn.Module) -> dict[str, FP8DotProductAttention]:
+    """The FP8 attention modules of ``model`` by fully qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8DotProductAttention)}

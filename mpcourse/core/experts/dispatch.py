@@ -85,7 +85,7 @@ def bytes_per_row(dim: int, wire: str) -> int:
     """Bytes one row of ``dim`` values takes on ``wire`` (codes and scales; the module docstring's table)."""
     if wire == "fp8":
         return dim + 4 * (dim // tile_width(dim))
-    return dim * {"bf16": 2, "fp32": 4}[wire]
+    return dim * WIRE_DTYPES[wire].itemsize
 
 
 def encode(rows: torch.Tensor, wire: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .dispatch import DispatchMode, decode, dispatch_mode, encode
+from .dispatch import DispatchMode, bytes_per_row, decode, dispatch_mode, encode
 from .formats import GroupedFormat
 from .grouping import group_tokens
 from .layer import MoEFeedForward
@@ -74,8 +74,9 @@ class DispatchLog:
         for c in self.calls:
             key = f"{c['what']} {c['pass']}"
             by[key] = by.get(key, 0) + c["bytes"] / steps
-        return {"sent": sum(c["bytes"] for c in self.calls) / steps, "bf16": (counts + 2 * values) / steps,
-                "fp32": (counts + 4 * values) / steps, "by": by,
+        return {"sent": sum(c["bytes"] for c in self.calls) / steps,
+                "bf16": (counts + bytes_per_row(values, "bf16")) / steps,
+                "fp32": (counts + bytes_per_row(values, "fp32")) / steps, "by": by,
                 "wires": sorted({c["wire"] for c in self.calls if c["what"] != "counts"})}
 
 

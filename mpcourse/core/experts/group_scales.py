@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import FORMATS
 from ..quant.rules.tensor import compute_scale
+
+E4M3_MAX = FORMATS["e4m3"].max   # 448
 
 
 def group_colwise_scales(t: torch.Tensor, offs: torch.Tensor, power_2_scale: bool = True) -> torch.Tensor:
@@ -37,4 +40,4 @@ def group_colwise_scales(t: torch.Tensor, offs: torch.Tensor, power_2_scale: boo
     for e, (start, end) in enumerate(zip([0] + ends, ends)):                               # a loop over experts
         if end > start:
             amax[e] = t[start:end].detach().float().abs().amax(0)
-    return compute_scale(amax, 448.0, 0, None, power_2_scale)
+    return compute_scale(amax, E4M3_MAX, 0, None, power_2_scale)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from mpcourse.core.attention.layer import FP8DotProductAttention
+from mpcourse.core.attention.layer import FP8DotProductAttention, attention_layers
 from mpcourse.experiment.gpt.model import CausalSelfAttention
 from .base import register
 from .fp8 import FP8Current, FP8Delayed
@@ -55,7 +55,7 @@ class WithFP8Attention:
 
     def attention_layers(self) -> dict[str, FP8DotProductAttention]:
         """The model's FP8 attention modules by fully qualified name."""
-        return {n: m for n, m in self.model.named_modules() if isinstance(m, FP8DotProductAttention)}
+        return attention_layers(self.model)
 
     def memory_tensors(self):
         """The linears' FP8 state plus every attention scale and amax history (FP32)."""
